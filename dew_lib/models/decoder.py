@@ -1,0 +1,251 @@
+"""The causal decoder: Llama/Qwen2/Qwen3 math in Flax linen.
+
+RMSNorm before attention and MLP, rotary positions, a SiLU-gated MLP, optional grouped-query
+attention, qk-norm (Qwen3), attention biases (Qwen2) and tied embeddings. Parameter names follow
+the Hugging Face module names so checkpoint import is a rename and a transpose.
+
+Inputs may be packed: `segment_ids` keep attention inside each document (0 marks padding) and
+`positions` restart the rotary clock per document. Generation uses an explicit `KVCache` pytree
+rather than a mutable Flax collection, so the decode loop can donate and carry it.
+
+Not here: sliding-window attention, mixture-of-experts layers, dropout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dew_lib.models import rotary
+
+_INIT = nn.initializers.normal(stddev=0.02)
+_NEG = -1e30  # finite, so a row with nothing to attend to gives no NaN
+
+
+class KVCache(NamedTuple):
+    """Per-layer keys and values `[B, T, KV, D]` and how many slots of each row are filled `[B]`."""
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    lengths: jax.Array
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 as the reference implementations do."""
+
+    eps: float = 1e-6
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * weight.astype(jnp.float32)).astype(self.dtype)
+
+
+def _dense(features, name, dtype, param_dtype, bias=False):
+    return nn.Dense(
+        features, use_bias=bias, kernel_init=_INIT, dtype=dtype, param_dtype=param_dtype, name=name
+    )
+
+
+def attend(q, k, v, mask):
+    """Grouped-query attention: q `[B, Q, H, D]`, k/v `[B, T, KV, D]`, mask `[B, Q, T]`."""
+    b, sq, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, sq, kv, h // kv, d)
+    scores = jnp.einsum("bqkgd,btkd->bkgqt", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores * (d**-0.5), _NEG)  # [B, KV, G, Q, T]
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqt,btkd->bqkgd", weights, v)
+    return out.reshape(b, sq, h * d)
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer."""
+
+    features: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_features: int
+    inv_freq: Any
+    qk_norm: bool
+    attention_bias: bool
+    norm_eps: float
+    dtype: Any
+    param_dtype: Any
+
+    def setup(self):
+        h, kv, d, dt, pt = self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.param_dtype
+        self.input_layernorm = RMSNorm(self.norm_eps, dt, pt)
+        self.post_attention_layernorm = RMSNorm(self.norm_eps, dt, pt)
+        self.q_proj = _dense(h * d, "q_proj", dt, pt, self.attention_bias)
+        self.k_proj = _dense(kv * d, "k_proj", dt, pt, self.attention_bias)
+        self.v_proj = _dense(kv * d, "v_proj", dt, pt, self.attention_bias)
+        self.o_proj = _dense(self.features, "o_proj", dt, pt)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.norm_eps, dt, pt)
+            self.k_norm = RMSNorm(self.norm_eps, dt, pt)
+        self.gate_proj = _dense(self.mlp_features, "gate_proj", dt, pt)
+        self.up_proj = _dense(self.mlp_features, "up_proj", dt, pt)
+        self.down_proj = _dense(self.features, "down_proj", dt, pt)
+
+    def qkv(self, x, positions):
+        """Rotated queries and keys and plain values for `x` `[B, S, E]`."""
+        b, s, _ = x.shape
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).reshape(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(h).reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(h).reshape(b, s, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotary.rotate(q, positions, self.inv_freq)
+        k = rotary.rotate(k, positions, self.inv_freq)
+        return q, k, v
+
+    def finish(self, x, attended):
+        """Output projection, residual, then the gated MLP with its residual."""
+        x = x + self.o_proj(attended)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(nn.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    def __call__(self, x, positions, mask):
+        q, k, v = self.qkv(x, positions)
+        return self.finish(x, attend(q, k, v, mask)), (k, v)
+
+
+class CausalTransformer(nn.Module):
+    """Decoder-only transformer over token ids; returns float32 logits `[B, S, V]`."""
+
+    vocab_size: int
+    emb_features: int
+    num_layers: int
+    num_heads: int
+    mlp_features: int
+    max_seq_len: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    attention_bias: bool = False
+    rope_theta: float = 10_000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    norm_eps: float = 1e-6
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_features(self) -> int:
+        return self.head_dim or self.emb_features // self.num_heads
+
+    def setup(self):
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.kv_heads}"
+            )
+        if self.head_dim is None and self.emb_features % self.num_heads:
+            raise ValueError(
+                f"emb_features={self.emb_features} does not divide into num_heads={self.num_heads};"
+                " set head_dim explicitly"
+            )
+        inv_freq = rotary.inverse_frequencies(
+            self.head_features, self.rope_theta, dict(self.rope_scaling or ())
+        )
+        self.embed_tokens = nn.Embed(
+            self.vocab_size, self.emb_features, embedding_init=_INIT,
+            dtype=self.dtype, param_dtype=self.param_dtype,
+        )
+        self.layers = [
+            Block(
+                self.emb_features, self.num_heads, self.kv_heads, self.head_features,
+                self.mlp_features, tuple(inv_freq.tolist()), self.qk_norm, self.attention_bias,
+                self.norm_eps, self.dtype, self.param_dtype, name=f"layers_{i}",
+            )
+            for i in range(self.num_layers)
+        ]
+        self.norm = RMSNorm(self.norm_eps, self.dtype, self.param_dtype)
+        if not self.tie_embeddings:
+            self.lm_head = _dense(self.vocab_size, "lm_head", self.dtype, self.param_dtype)
+
+    def logits(self, hidden):
+        """Project final hidden states to float32 vocabulary logits."""
+        if self.tie_embeddings:
+            out = self.embed_tokens.attend(hidden)
+        else:
+            out = self.lm_head(hidden)
+        return out.astype(jnp.float32)
+
+    def hidden(self, tokens, segment_ids=None, positions=None, *, return_kv=False):
+        """Final normed hidden states `[B, S, E]` (and each layer's keys and values if asked)."""
+        b, s = tokens.shape
+        if s > self.max_seq_len:
+            raise ValueError(
+                f"input of length {s} exceeds the model's max_seq_len={self.max_seq_len}; "
+                "shorten the batch or build the model with a larger max_seq_len"
+            )
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, s), jnp.int32)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        causal = jnp.tril(jnp.ones((s, s), bool))
+        # Padding (segment 0) attends to padding: never read, but keeps every row finite.
+        mask = causal[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        x = self.embed_tokens(tokens)
+        kvs = []
+        for layer in self.layers:
+            x, kv = layer(x, positions, mask)
+            kvs.append(kv)
+        x = self.norm(x)
+        return (x, kvs) if return_kv else x
+
+    def __call__(self, tokens, segment_ids=None, positions=None):
+        return self.logits(self.hidden(tokens, segment_ids, positions))
+
+    def prefill(self, tokens, segment_ids, positions):
+        """Logits and per-layer keys/values of a whole prompt batch, for filling a cache."""
+        hidden, kvs = self.hidden(tokens, segment_ids, positions, return_kv=True)
+        return self.logits(hidden), kvs
+
+    def decode(self, tokens, cache: KVCache, active):
+        """One step for every row: `tokens` `[B]` at position `cache.lengths`.
+
+        Rows where `active` is false leave their cache untouched.
+        Returns logits `[B, V]` and the updated cache.
+        """
+        b = tokens.shape[0]
+        slots = cache.keys[0].shape[1]
+        positions = cache.lengths[:, None]  # [B, 1]
+        write_at = jnp.where(active, cache.lengths, slots)  # out of range: dropped
+        rows = jnp.arange(b)
+        visible = jnp.arange(slots)[None, :] <= cache.lengths[:, None]  # [B, T]
+        x = self.embed_tokens(tokens[:, None])
+        keys, values = [], []
+        for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values, strict=True):
+            q, k, v = layer.qkv(x, positions)
+            k_cache = k_cache.at[rows, write_at].set(k[:, 0].astype(k_cache.dtype), mode="drop")
+            v_cache = v_cache.at[rows, write_at].set(v[:, 0].astype(v_cache.dtype), mode="drop")
+            x = layer.finish(x, attend(q, k_cache, v_cache, visible[:, None, :]))
+            keys.append(k_cache)
+            values.append(v_cache)
+        logits = self.logits(self.norm(x))[:, 0]
+        lengths = cache.lengths + active.astype(cache.lengths.dtype)
+        return logits, KVCache(tuple(keys), tuple(values), lengths)
+
+    def empty_cache(self, batch: int, slots: int) -> KVCache:
+        """A zeroed cache with room for `slots` tokens per row."""
+        shape = (batch, slots, self.kv_heads, self.head_features)
+
+        def layers():
+            return tuple(jnp.zeros(shape, self.dtype) for _ in range(self.num_layers))
+
+        return KVCache(layers(), layers(), jnp.zeros((batch,), jnp.int32))

@@ -1,0 +1,131 @@
+"""LMObjective: next-token prediction, optionally restricted to one chat role (SFT).
+
+Batch layout (`L` = seq_len): `text` `[B, L + 1]` token ids, and optionally `text_roles`,
+`text_segment_ids` and `text_positions` of the same shape. Input position i predicts token i + 1;
+the target's role decides whether the prediction counts, and a target that starts a new packed
+document or is padding (segment 0) never counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew_lib.data.chat import Role
+from dew_lib.data.dataset import describe
+from dew_lib.objectives.base import LossTerms, Metrics
+
+OPTIONAL_FIELDS = ("text_roles", "text_segment_ids", "text_positions")
+
+
+def token_log_probs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """log p(target) per position, `[B, S]`, without materializing a full log-softmax copy."""
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+class LMObjective:
+    """Language-model loss over `text`, counting only `loss_role` targets when it is set."""
+
+    def __init__(self, model, seq_len: int, *, pretrained: Any = None,
+                 loss_role: Role | int | None = None, ema_decay: float | None = 0.999):
+        if seq_len <= 0:
+            raise ValueError(f"LMObjective.seq_len must be positive, got {seq_len}")
+        max_len = getattr(model, "max_seq_len", None)
+        if max_len is not None and seq_len > max_len:
+            raise ValueError(
+                f"LMObjective.seq_len={seq_len} exceeds the model's max_seq_len={max_len}; "
+                f"build the model with max_seq_len >= {seq_len} or shorten seq_len"
+            )
+        if ema_decay is not None and not 0.0 <= ema_decay <= 1.0:
+            raise ValueError(f"LMObjective.ema_decay must be in [0, 1] or None, got {ema_decay}")
+        if pretrained is not None and "params" not in pretrained:
+            raise ValueError(
+                "LMObjective.pretrained must be a full Flax variables mapping with its outer "
+                "'params' collection, such as a TrainState's .params"
+            )
+        self.model = model
+        self.seq_len = seq_len
+        self.pretrained = pretrained
+        self.loss_role = None if loss_role is None else Role(int(loss_role))
+        self.ema_decay = ema_decay
+
+    def init(self, key, variables=None):
+        if variables is not None:
+            return variables
+        if self.pretrained is not None:
+            return jax.tree.map(jnp.asarray, self.pretrained)
+        return self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
+
+    def check_batch(self, batch: Mapping[str, Any]) -> None:
+        """Refuse a batch whose fields or shapes this objective cannot read, on the host."""
+        if "text" not in batch:
+            raise KeyError(
+                f"LMObjective needs a 'text' field [B, {self.seq_len + 1}]; the batch has "
+                f"{describe(batch)}"
+            )
+        shape = np.shape(batch["text"])
+        if len(shape) != 2 or shape[1] != self.seq_len + 1:
+            raise ValueError(
+                f"batch field 'text' has shape {shape}, expected [B, seq_len + 1] = "
+                f"[B, {self.seq_len + 1}]; set LMObjective(seq_len=...) to the row width minus one"
+            )
+        if self.loss_role is not None and "text_roles" not in batch:
+            raise KeyError(
+                f"LMObjective(loss_role={self.loss_role.name}) needs 'text_roles' in every batch "
+                "to know which targets count; add roles or construct it with loss_role=None"
+            )
+        for name in OPTIONAL_FIELDS:
+            if name in batch and np.shape(batch[name]) != shape:
+                raise ValueError(
+                    f"batch field {name!r} has shape {np.shape(batch[name])}, but 'text' has "
+                    f"{shape}; every text field must share one shape"
+                )
+
+    def _targets(self, params, batch):
+        """Per-target log-probs, weights and the number of correct argmax predictions."""
+        text = batch["text"]
+        inputs, targets = text[:, :-1], text[:, 1:]
+        segments = batch.get("text_segment_ids")
+        positions = batch.get("text_positions")
+        logits = self.model.apply(
+            params, inputs,
+            None if segments is None else segments[:, :-1],
+            None if positions is None else positions[:, :-1],
+        )  # [B, L, V]
+        log_probs = token_log_probs(logits, targets)  # [B, L]
+        weights = jnp.ones(targets.shape, jnp.float32)
+        if segments is not None:
+            same_document = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
+            weights = weights * same_document
+        if self.loss_role is not None:
+            weights = weights * (batch["text_roles"][:, 1:] == int(self.loss_role))
+        correct = (jnp.argmax(logits, axis=-1) == targets) * weights
+        return log_probs, weights, correct
+
+    def terms(self, params, batch, *, step, reference, key) -> LossTerms:
+        del step, reference, key
+        log_probs, weights, correct = self._targets(params, batch)
+        count = weights.sum()
+        total = -(log_probs * weights).sum()
+        metrics: Metrics = {
+            "loss": (total, count),
+            "accuracy": (correct.sum(), count),
+            "tokens": (count, jnp.ones(())),
+        }
+        return LossTerms(total, count, metrics)
+
+    def evaluate(self, params, batch) -> Metrics:
+        log_probs, weights, correct = self._targets(params, batch)
+        count = weights.sum()
+        return {"loss": (-(log_probs * weights).sum(), count), "accuracy": (correct.sum(), count)}
+
+    def derive(self, means: dict[str, float]) -> dict[str, float]:
+        """Add perplexity to averaged evaluation metrics."""
+        if "loss" in means:
+            means = {**means, "perplexity": float(np.exp(min(means["loss"], 80.0)))}
+        return means

@@ -1,0 +1,219 @@
+"""Sampling settings and batched KV-cache generation that stays on the device.
+
+`generate` prefills a left-padded prompt batch once, moves each row's real tokens to the front
+of its cache (so every prompt length shares one compiled shape), then decodes inside a single
+`lax.while_loop` that ends when every row has hit EOS or the budget. A row that stopped keeps
+its cache untouched. It returns the sampled ids with two log-probabilities per id: the raw
+policy's (`log_probs`, what a full forward pass would score) and the behavior policy's after
+temperature and filters (`behavior_log_probs`; 0 for greedy).
+
+Not here: beam search, repetition penalties, speculative decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew_lib.models.decoder import KVCache
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How the next token is drawn. Filters apply in this order: temperature, top_k, top_p, min_p.
+
+    temperature: 0 means greedy. top_k: keep the k most likely (None: all). top_p: keep the
+    smallest set whose mass reaches p (1.0: all). min_p: drop tokens below min_p times the
+    top probability (0: none). eos_id: one id or a tuple of ids that end a row.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    eos_id: int | tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"Sampling.temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"Sampling.top_k must be None or >= 1, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"Sampling.top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"Sampling.min_p must be in [0, 1), got {self.min_p}")
+        eos = self.eos_id
+        if eos is not None:
+            ids = (eos,) if isinstance(eos, (int, np.integer)) else tuple(eos)
+            if not ids or any(isinstance(i, bool) or int(i) < 0 for i in ids):
+                raise ValueError(f"Sampling.eos_id must be a nonnegative id or a tuple of them, got {eos!r}")
+            object.__setattr__(self, "eos_id", tuple(int(i) for i in ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.eos_id or ()
+
+
+class Generation(NamedTuple):
+    """What `generate` returns; every array is `[B, R]` except `lengths` and `stopped` `[B]`.
+
+    tokens: sampled ids, `pad_id` after a row stopped. log_probs: raw policy log-probs.
+    behavior_log_probs: log-probs under temperature and filters. lengths: ids sampled per row,
+    EOS included. stopped: whether the row ended on EOS (else it used the whole budget).
+    """
+
+    tokens: jax.Array
+    log_probs: jax.Array
+    behavior_log_probs: jax.Array
+    lengths: jax.Array
+    stopped: jax.Array
+
+
+def filter_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """Temperature-scaled logits with filtered tokens at -inf; float32 `[B, V]`."""
+    logits = logits.astype(jnp.float32)
+    if sampling.greedy:
+        return logits
+    x = logits / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < x.shape[-1]:
+        kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    if sampling.top_p < 1.0:
+        ordered = jnp.sort(x, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        kept = mass_before < sampling.top_p  # the first token is always kept
+        smallest = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where(x < smallest, -jnp.inf, x)
+    if sampling.min_p > 0.0:
+        probs = jax.nn.softmax(x, axis=-1)
+        floor = sampling.min_p * jnp.max(probs, axis=-1, keepdims=True)
+        x = jnp.where(probs < floor, -jnp.inf, x)
+    return x
+
+
+def sample(logits: jax.Array, key: jax.Array, sampling: Sampling):
+    """Draw one id per row. Returns `(ids, raw log-probs, behavior log-probs)`, each `[B]`."""
+    logits = logits.astype(jnp.float32)
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    if sampling.greedy:
+        ids = jnp.argmax(logits, axis=-1)
+        behavior = jnp.zeros(ids.shape, jnp.float32)
+    else:
+        filtered = filter_logits(logits, sampling)
+        ids = jax.random.categorical(key, filtered, axis=-1)
+        behavior = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), ids[:, None], -1)[:, 0]
+    picked = jnp.take_along_axis(raw, ids[:, None], axis=-1)[:, 0]
+    return ids.astype(jnp.int32), picked, behavior
+
+
+def _is_eos(ids, sampling: Sampling):
+    stop = jnp.zeros(ids.shape, bool)
+    for eos in sampling.eos_ids:
+        stop = stop | (ids == eos)
+    return stop
+
+
+def prompt_layout(prompt_length: jax.Array, width: int):
+    """Segment ids (0 on left padding) and positions (0 at each row's first real token)."""
+    pad = width - prompt_length[:, None]
+    columns = jnp.arange(width)[None, :]
+    segments = (columns >= pad).astype(jnp.int32)
+    positions = jnp.maximum(columns - pad, 0).astype(jnp.int32)
+    return segments, positions
+
+
+def _pack_cache(kvs, prompt_length, width, slots, dtype) -> KVCache:
+    """Move each row's real keys/values to the front of a `slots`-long cache."""
+    pad = width - prompt_length  # [B]
+    source = jnp.clip(jnp.arange(width)[None, :] + pad[:, None], 0, width - 1)  # [B, P]
+    valid = (jnp.arange(width)[None, :] < prompt_length[:, None])[:, :, None, None]
+
+    def pack(x):
+        moved = jnp.take_along_axis(x, source[:, :, None, None], axis=1)
+        moved = jnp.where(valid, moved, 0).astype(dtype)
+        return jnp.pad(moved, ((0, 0), (0, slots - width), (0, 0), (0, 0)))
+
+    keys = tuple(pack(k) for k, _ in kvs)
+    values = tuple(pack(v) for _, v in kvs)
+    return KVCache(keys, values, prompt_length.astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "pad_id"))
+def _generate(model, variables, prompt, prompt_length, key, *, max_new_tokens, sampling, pad_id):
+    batch, width = prompt.shape
+    segments, positions = prompt_layout(prompt_length, width)
+    logits, kvs = model.apply(variables, prompt, segments, positions, method=model.prefill)
+    cache = _pack_cache(kvs, prompt_length, width, width + max_new_tokens, model.dtype)
+
+    def record(carry, logits, i):
+        tokens, raw, behavior, done, lengths = carry
+        ids, lp, blp = sample(logits, jax.random.fold_in(key, i), sampling)
+        live = ~done
+        tokens = tokens.at[:, i].set(jnp.where(live, ids, pad_id))
+        raw = raw.at[:, i].set(jnp.where(live, lp, 0.0))
+        behavior = behavior.at[:, i].set(jnp.where(live, blp, 0.0))
+        lengths = lengths + live
+        done = done | (live & _is_eos(ids, sampling))
+        return (tokens, raw, behavior, done, lengths)
+
+    zeros = jnp.zeros((batch, max_new_tokens), jnp.float32)
+    out = record(
+        (jnp.full((batch, max_new_tokens), pad_id, jnp.int32), zeros, zeros,
+         jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32)),
+        logits[:, -1], 0,
+    )
+
+    def keep_going(state):
+        i, _, out = state
+        return (i < max_new_tokens) & ~jnp.all(out[3])
+
+    def step(state):
+        i, cache, out = state
+        tokens, done = out[0], out[3]
+        logits, cache = model.apply(variables, tokens[:, i - 1], cache, ~done, method=model.decode)
+        return i + 1, cache, record(out, logits, i)
+
+    _, _, (tokens, raw, behavior, done, lengths) = jax.lax.while_loop(
+        keep_going, step, (jnp.int32(1), cache, out)
+    )
+    return Generation(tokens, raw, behavior, lengths, done)
+
+
+def generate(model, variables: Any, prompt, prompt_length, *, key: jax.Array, max_new_tokens: int,
+             sampling: Sampling = Sampling(), pad_id: int = 0) -> Generation:
+    """Sample up to `max_new_tokens` ids after each left-padded prompt row.
+
+    prompt: `[B, P]` ids, real tokens at the right end. prompt_length: `[B]` real tokens per row
+    (at least 1). Compiles once per (model, B, P, max_new_tokens, sampling).
+    """
+    if isinstance(prompt_length, np.ndarray | list | tuple):  # host values: check without a sync
+        lengths = np.asarray(prompt_length)
+        if lengths.min(initial=1) < 1 or lengths.max(initial=0) > prompt.shape[1]:
+            raise ValueError(f"prompt_length must be in [1, {prompt.shape[1]}], got {lengths.tolist()}")
+    prompt = jnp.asarray(prompt, jnp.int32)
+    prompt_length = jnp.asarray(prompt_length, jnp.int32)
+    if prompt.ndim != 2 or prompt_length.shape != prompt.shape[:1]:
+        raise ValueError(
+            f"generate needs prompt [B, P] and prompt_length [B]; got {prompt.shape} and "
+            f"{prompt_length.shape}"
+        )
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    limit = getattr(model, "max_seq_len", None)
+    if limit is not None and prompt.shape[1] + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt width {prompt.shape[1]} + max_new_tokens {max_new_tokens} exceeds the model's "
+            f"max_seq_len={limit}; shorten the prompt or the budget"
+        )
+    return _generate(model, variables, prompt, prompt_length, key,
+                     max_new_tokens=max_new_tokens, sampling=sampling, pad_id=pad_id)

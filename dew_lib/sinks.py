@@ -1,0 +1,117 @@
+"""Where training metrics go once the Trainer reads them back from the device.
+
+A sink is any object with `write(step, metrics)` and `close()`. Metrics arrive late, a window at
+a time, so writing never stalls the device. `ProgressBar` redraws one terminal line;
+`LineLog` prints one line per window (for logs and CI); `MemorySink` keeps everything (tests,
+notebooks); `JsonlSink` appends to a file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+from typing import Protocol, TextIO
+
+
+class Sink(Protocol):
+    def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _format(metrics: Mapping[str, float], keys=None) -> str:
+    items = [(k, metrics[k]) for k in (keys or metrics) if k in metrics]
+    return " ".join(f"{k}={v:.4g}" for k, v in items)
+
+
+_HEADLINE = ("loss", "val/loss", "accuracy", "tokens_per_second")
+
+
+class ProgressBar:
+    """One redrawn line: a bar, step/total, rate and the headline metrics."""
+
+    def __init__(self, stream: TextIO | None = None, width: int = 24):
+        self.stream = stream or sys.stderr
+        self.width = width
+        self.total: int | None = None
+        self.start = time.perf_counter()
+        self.latest: dict[str, float] = {}
+
+    def begin(self, first: int, total: int) -> None:
+        self.total, self.first, self.start = total, first, time.perf_counter()
+
+    def write(self, step, metrics):
+        self.latest.update(metrics)
+        total = self.total or step
+        done = min(1.0, step / max(total, 1))
+        bar = "#" * int(done * self.width)
+        elapsed = time.perf_counter() - self.start
+        rate = (step - getattr(self, "first", 0)) / elapsed if elapsed > 0 else 0.0
+        line = f"\r[{bar:<{self.width}}] {step}/{total} {rate:.2f} step/s {_format(self.latest, _HEADLINE)}"
+        self.stream.write(line[: max(40, os.get_terminal_size(2).columns - 1)] if self.stream.isatty() else line)
+        self.stream.flush()
+
+    def close(self):
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+class LineLog:
+    """One plain line per delivered window."""
+
+    def __init__(self, stream: TextIO | None = None, prefix: str = ""):
+        self.stream = stream or sys.stderr
+        self.prefix = prefix
+        self.total: int | None = None
+
+    def begin(self, first: int, total: int) -> None:
+        self.total = total
+
+    def write(self, step, metrics):
+        self.stream.write(f"{self.prefix}step {step}/{self.total or '?'} {_format(metrics)}\n")
+        self.stream.flush()
+
+    def close(self):
+        pass
+
+
+class MemorySink:
+    """Keeps `(step, metrics)` pairs in `.history`."""
+
+    def __init__(self):
+        self.history: list[tuple[int, dict[str, float]]] = []
+
+    def write(self, step, metrics):
+        self.history.append((step, dict(metrics)))
+
+    def series(self, name: str) -> list[tuple[int, float]]:
+        return [(s, m[name]) for s, m in self.history if name in m]
+
+    def close(self):
+        pass
+
+
+class JsonlSink:
+    """Appends `{"step": ..., **metrics}` lines to a file; non-finite values become null."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        self.file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, step, metrics):
+        clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
+        self.file.write(json.dumps({"step": step, **clean}) + "\n")
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+
+
+def default_sinks() -> list[Sink]:
+    """A progress bar on a terminal, plain lines otherwise."""
+    return [ProgressBar() if sys.stderr.isatty() else LineLog()]

@@ -1,0 +1,375 @@
+"""Trainer: one compiled update per batch shape, data parallel, with exact resume.
+
+The fit loop reads a batch on the host, lets the optional rollout turn it into the batch to
+train on, shards it across local devices and dispatches the compiled step. Metrics stay on the
+device and are read a window later, so the host never waits for the step it just launched.
+
+`step` counts batches consumed and `updates` optimizer updates; with `accumulate=k` an update
+happens every k steps and the gradient sum in between lives in the state, so a checkpoint taken
+inside an accumulation window resumes bit for bit.
+
+Not here: pipeline or tensor parallelism (parameters are replicated), learning-rate schedules
+(use optax's), multi-host data loading (each process reads its own partition).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dew_lib.checkpoint import Checkpoints, CheckpointMismatch
+from dew_lib.data.dataset import Batch, Dataset, Partition
+from dew_lib.objectives.base import Metrics, Objective
+from dew_lib.sinks import Sink, default_sinks
+
+Rollout = Callable[["TrainState", Batch, jax.Array], Batch]
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything that changes during training; a pytree.
+
+    params: the full Flax variables mapping being optimized.
+    ema: the moving average of params (a frozen reference when the decay is 1), or None.
+    step: batches consumed. updates: optimizer updates applied.
+    grads, grad_weight: the gradient sum and loss weight of an open accumulation window
+    (None when accumulate == 1).
+    """
+
+    params: Any
+    opt_state: Any
+    ema: Any
+    step: jax.Array
+    updates: jax.Array
+    grads: Any = None
+    grad_weight: Any = None
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss became NaN or infinite; carries the step and the last finite metrics."""
+
+    def __init__(self, step: int, last_metrics: Mapping[str, float], checkpoint: str | None):
+        self.step, self.last_metrics, self.checkpoint = step, dict(last_metrics), checkpoint
+        kept = f"the last good checkpoint is kept at {checkpoint}" if checkpoint else "no checkpoint was written"
+        super().__init__(
+            f"the loss became non-finite at step {step}; last finite metrics: "
+            f"{ {k: round(v, 6) for k, v in self.last_metrics.items()} }; {kept}. Lower the "
+            "learning rate, clip gradients (optax.clip_by_global_norm) or inspect that batch"
+        )
+
+
+def _replicated(mesh):
+    return NamedSharding(mesh, PartitionSpec())
+
+
+class Trainer:
+    """Optimizes `objective` with an optax `optimizer`.
+
+    key: seeds initialization, per-step randomness (folded with the step) and rollouts.
+    rollout: `(state, batch, key) -> batch`, called on the host before each compiled update.
+    accumulate: batches per optimizer update.
+    devices: devices for data parallelism; defaults to every local device.
+    """
+
+    def __init__(self, objective: Objective, optimizer: optax.GradientTransformation, *,
+                 key: jax.Array, rollout: Rollout | None = None, accumulate: int = 1,
+                 devices: Sequence[jax.Device] | None = None):
+        if accumulate < 1:
+            raise ValueError(f"Trainer.accumulate must be >= 1, got {accumulate}")
+        if jax.process_count() > 1 and devices is not None:
+            raise ValueError("Trainer(devices=...) is for single-process runs; multi-process "
+                             "training uses every device of every process")
+        self.objective = objective
+        self.optimizer = optimizer
+        self.rollout = rollout
+        self.accumulate = accumulate
+        if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.wrap_key_data(key) if key.shape == (2,) else key
+        self.init_key, self.step_key, self.rollout_key = jax.random.split(key, 3)
+        devices = list(devices) if devices is not None else jax.devices()
+        self.mesh = Mesh(np.array(devices), ("data",))
+        self.compilations: dict[str, int] = {"init": 0, "train_step": 0, "eval_step": 0}
+        self._init = jax.jit(self._build_state, out_shardings=_replicated(self.mesh))
+        self._steps = {
+            apply: jax.jit(self._make_step(apply), donate_argnums=0,
+                           out_shardings=(_replicated(self.mesh), _replicated(self.mesh)))
+            for apply in (True, False)
+        }
+        self._eval = jax.jit(self._eval_step, out_shardings=_replicated(self.mesh))
+
+    # ----- state -------------------------------------------------------------------------------
+    def _build_state(self, key) -> TrainState:
+        self.compilations["init"] += 1
+        params = self.objective.init(key)
+        decay = getattr(self.objective, "ema_decay", None)
+        accumulating = self.accumulate > 1
+        zeros = jax.tree.map(jnp.zeros_like, params) if accumulating else None
+        return TrainState(
+            params=params,
+            opt_state=self.optimizer.init(params),
+            ema=None if decay is None else jax.tree.map(jnp.copy, params),
+            step=jnp.zeros((), jnp.int32),
+            updates=jnp.zeros((), jnp.int32),
+            grads=zeros,
+            grad_weight=jnp.zeros((), jnp.float32) if accumulating else None,
+        )
+
+    def initial_state(self) -> TrainState:
+        """The starting state, computed eagerly (fit builds the same state compiled)."""
+        return self._build_state(self.init_key)
+
+    def _abstract_state(self):
+        return jax.eval_shape(self._build_state, self.init_key)
+
+    # ----- compiled update ---------------------------------------------------------------------
+    def _make_step(self, apply: bool):
+        objective, optimizer, accumulate = self.objective, self.optimizer, self.accumulate
+        decay = getattr(objective, "ema_decay", None)
+
+        def total_and_aux(params, batch, step, reference, key):
+            terms = objective.terms(params, batch, step=step, reference=reference, key=key)
+            return terms.total, (terms.weight, terms.metrics)
+
+        grad_fn = jax.value_and_grad(total_and_aux, has_aux=True)
+
+        def step_fn(state: TrainState, batch):
+            self.compilations["train_step"] += 1
+            key = jax.random.fold_in(self.step_key, state.step)
+            (total, (weight, metrics)), grads = grad_fn(
+                state.params, batch, state.updates, state.ema, key
+            )
+            metrics = dict(metrics)
+            metrics["finite"] = (jnp.isfinite(total).astype(jnp.float32), jnp.ones(()))
+            if accumulate > 1:
+                grads = jax.tree.map(jnp.add, state.grads, grads)
+                weight = state.grad_weight + weight
+            if not apply:
+                return state.replace(step=state.step + 1, grads=grads, grad_weight=weight), metrics
+            scale = 1.0 / jnp.maximum(weight, 1e-12)
+            grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+            metrics["grad_norm"] = (optax.global_norm(grads), jnp.ones(()))
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            ema = state.ema
+            if decay is not None and decay != 1.0:
+                ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema, params)
+            new = state.replace(
+                params=params, opt_state=opt_state, ema=ema,
+                step=state.step + 1, updates=state.updates + 1,
+            )
+            if accumulate > 1:
+                new = new.replace(
+                    grads=jax.tree.map(jnp.zeros_like, grads), grad_weight=jnp.zeros_like(weight)
+                )
+            return new, metrics
+
+        return step_fn
+
+    def _eval_step(self, params, batch) -> Metrics:
+        self.compilations["eval_step"] += 1
+        return self.objective.evaluate(params, batch)
+
+    # ----- data placement ----------------------------------------------------------------------
+    def _shard(self, batch: Batch) -> dict[str, jax.Array]:
+        """Split every field's leading axis across the mesh; refuse what does not divide."""
+        devices = self.mesh.devices.size
+        local = devices // jax.process_count()
+        out = {}
+        for name, value in batch.items():
+            value = np.asarray(value)
+            if value.ndim == 0:
+                out[name] = jax.device_put(value, _replicated(self.mesh))
+                continue
+            if value.shape[0] % local:
+                raise ValueError(
+                    f"batch field {name!r} has {value.shape[0]} rows, which do not divide across "
+                    f"{local} local devices; make the batch size a multiple of {local} "
+                    "(or pass Trainer(devices=...) to use fewer devices)"
+                )
+            sharding = NamedSharding(self.mesh, PartitionSpec("data"))
+            if jax.process_count() == 1:
+                out[name] = jax.device_put(value, sharding)
+            else:
+                out[name] = jax.make_array_from_process_local_data(sharding, value)
+        return out
+
+    # ----- the loop ----------------------------------------------------------------------------
+    def fit(self, data: Dataset, *, steps: int, log_every: int = 100, eval_every: int | None = None,
+            directory: str | None = None, checkpoint_every: int | None = None, keep: int = 2,
+            sinks: Sequence[Sink] | None = None, state: TrainState | None = None) -> TrainState:
+        """Train until `steps` batches have been consumed and return the final state.
+
+        directory: where checkpoints live; if it already holds one, training continues from it.
+        checkpoint_every: save every this many steps (and always at the end) when a directory
+        is given. sinks: metric consumers (default: a progress bar on a terminal).
+        state: start from this state instead of a fresh one (ignored when resuming).
+        """
+        if steps < 0:
+            raise ValueError(f"fit(steps=...) must be >= 0, got {steps}")
+        if log_every < 1:
+            raise ValueError(f"fit(log_every=...) must be >= 1, got {log_every}")
+        if eval_every is not None and (eval_every < 1 or data.val is None):
+            raise ValueError("fit(eval_every=...) needs a positive interval and a Dataset with val")
+        sinks = list(default_sinks() if sinks is None else sinks)
+        store = Checkpoints(directory, keep=keep) if directory is not None else None
+        run = _Run(self, data, steps, log_every, eval_every, store, checkpoint_every, sinks)
+        try:
+            return run.execute(state)
+        finally:
+            for sink in sinks:
+                sink.close()
+            if store is not None:
+                store.close()
+
+
+@dataclasses.dataclass
+class _Window:
+    """Device-side metrics of consecutive steps, read back together."""
+
+    steps: list[int] = dataclasses.field(default_factory=list)
+    metrics: list[Metrics] = dataclasses.field(default_factory=list)
+
+
+class _Run:
+    """The state of one `fit` call: stream, pending metric windows, checkpoints."""
+
+    def __init__(self, trainer, data, steps, log_every, eval_every, store, checkpoint_every, sinks):
+        self.trainer, self.data, self.steps = trainer, data, steps
+        self.log_every, self.eval_every = log_every, eval_every
+        self.store, self.checkpoint_every, self.sinks = store, checkpoint_every, sinks
+        self.partition = Partition.current()
+        self.open = _Window()
+        self.closed: list[_Window] = []
+        self.last_metrics: dict[str, float] = {}
+        self.last_checkpoint: str | None = None
+        self.checked_shapes: set = set()
+        self.clock = time.perf_counter()  # when the previous window was known to be finished
+
+    def _start_state(self, state):
+        trainer = self.trainer
+        if self.store is not None and (latest := self.store.latest()) is not None:
+            abstract = jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=_replicated(trainer.mesh)),
+                trainer._abstract_state(),
+            )
+            restored, info = self.store.restore(latest, abstract)
+            if info.get("accumulate", 1) != trainer.accumulate:
+                raise CheckpointMismatch(
+                    f"the checkpoint at step {latest} was written with accumulate="
+                    f"{info.get('accumulate')} but this Trainer has accumulate={trainer.accumulate}"
+                )
+            self.last_checkpoint = f"{self.store.directory}/{latest}"
+            return restored, int(info["position"])
+        if state is None:
+            return trainer._init(trainer.init_key), 0
+        return state, int(state.step)
+
+    def execute(self, state):
+        trainer = self.trainer
+        state, position = self._start_state(state)
+        for sink in self.sinks:
+            if hasattr(sink, "begin"):
+                sink.begin(position, self.steps)
+        if position >= self.steps:
+            return state
+        stream = self.data.stream(self.partition, position)
+        for step in range(position, self.steps):
+            batch = self._next(stream, step)
+            if trainer.rollout is not None:
+                batch = trainer.rollout(state, batch, jax.random.fold_in(trainer.rollout_key, step))
+            self._check(batch)
+            apply = (step + 1) % trainer.accumulate == 0
+            state, metrics = trainer._steps[apply](state, trainer._shard(batch))
+            done = step + 1
+            self._deliver()  # windows closed before this step: read while it runs
+            self.open.steps.append(done)
+            self.open.metrics.append(metrics)
+            if done % self.log_every == 0 or done == self.steps:
+                self.closed.append(self.open)
+                self.open = _Window()
+            if self.eval_every and done % self.eval_every == 0:
+                self._evaluate(state, done)
+            if self.store is not None and (
+                done == self.steps or (self.checkpoint_every and done % self.checkpoint_every == 0)
+            ):
+                self._deliver(include_open=True)
+                self.store.save(done, state, {"position": done, "accumulate": trainer.accumulate})
+                self.last_checkpoint = f"{self.store.directory}/{done}"
+        self._deliver(include_open=True)
+        return state
+
+    def _next(self, stream: Iterator[Batch], step: int) -> Batch:
+        try:
+            return next(stream)
+        except StopIteration:
+            raise ValueError(
+                f"the training stream ended after {step} batches, before steps={self.steps}; "
+                "make Dataset.train repeat (e.g. itertools.cycle) or lower steps"
+            ) from None
+
+    def _check(self, batch: Batch) -> None:
+        signature = tuple((k, np.shape(v), str(getattr(v, "dtype", ""))) for k, v in batch.items())
+        if signature not in self.checked_shapes:
+            self.trainer.objective.check_batch(batch)
+            self.checked_shapes.add(signature)
+
+    def _deliver(self, include_open: bool = False) -> None:
+        """Read back closed windows (and the open one when asked) and write them to the sinks."""
+        ready, self.closed = self.closed, []
+        if include_open and self.open.steps:
+            ready.append(self.open)
+            self.open = _Window()
+        for window in ready:
+            values = jax.device_get(window.metrics)  # waits for the window's last step
+            now = time.perf_counter()
+            seconds, self.clock = now - self.clock, now
+            for step, metrics in zip(window.steps, values, strict=True):
+                if metrics["finite"][0] < 1:
+                    raise TrainingDiverged(step, self.last_metrics, self.last_checkpoint)
+            means = _window_means(values)
+            means.pop("finite", None)
+            means["steps_per_second"] = len(window.steps) / max(seconds, 1e-9)
+            if "tokens" in means:
+                means["tokens_per_second"] = means["tokens"] * means["steps_per_second"]
+            means["compilations"] = float(self.trainer.compilations["train_step"])
+            self.last_metrics = means
+            for sink in self.sinks:
+                sink.write(window.steps[-1], means)
+
+    def _evaluate(self, state, step: int) -> None:
+        trainer = self.trainer
+        sums: dict[str, list[float]] = {}
+        for batch in self.data.val(self.partition):
+            self._check(batch)
+            metrics = jax.device_get(trainer._eval(state.params, trainer._shard(batch)))
+            for name, (total, count) in metrics.items():
+                acc = sums.setdefault(name, [0.0, 0.0])
+                acc[0] += float(total)
+                acc[1] += float(count)
+        means = {name: total / count if count else math.nan for name, (total, count) in sums.items()}
+        derive = getattr(trainer.objective, "derive", None)
+        if derive is not None:
+            means = derive(means)
+        for sink in self.sinks:
+            sink.write(step, {f"val/{k}": v for k, v in means.items()})
+
+
+def _window_means(values: list[Metrics]) -> dict[str, float]:
+    """Average `(sum, count)` metrics over a window of steps."""
+    sums: dict[str, list[float]] = {}
+    for metrics in values:
+        for name, (total, count) in metrics.items():
+            acc = sums.setdefault(name, [0.0, 0.0])
+            acc[0] += float(total)
+            acc[1] += float(count)
+    return {name: (total / count if count else 0.0) for name, (total, count) in sums.items()}
