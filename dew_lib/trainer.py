@@ -157,7 +157,7 @@ class Trainer:
                 return state.replace(step=state.step + 1, grads=grads, grad_weight=weight), metrics
             scale = 1.0 / jnp.maximum(weight, 1e-12)
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-            metrics["grad_norm"] = (optax.global_norm(grads), jnp.ones(()))
+            metrics["grad_norm"] = (optax.tree.norm(grads), jnp.ones(()))
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             ema = state.ema

@@ -19,15 +19,24 @@ SUPPORTED_SCALING = ("default", "linear", "llama3")
 def inverse_frequencies(
     head_dim: int, theta: float, scaling: Mapping[str, float | str] | None = None
 ) -> np.ndarray:
-    """The rotation frequency of each pair of head channels, `[head_dim // 2]`, float32."""
+    """The rotation frequency of each pair of head channels, `[head_dim // 2]`, float32.
+
+    Follows transformers' float32 `inv_freq` computation step by step, so imported checkpoints
+    rotate by the same angles as the reference (equal bits on the checked configs, else within
+    an ulp of the float32 power).
+    """
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for rotary positions, got {head_dim}")
-    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    f32 = np.float32
+    exponents = np.arange(0, head_dim, 2, dtype=f32) / f32(head_dim)
+    # The power is rounded once from float64: torch's float32 pow is within an ulp of that and
+    # equal to it on the usual head sizes and thetas, where numpy's float32 pow often is not.
+    inv = f32(1.0) / (np.float64(theta) ** exponents.astype(np.float64)).astype(f32)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         pass
     elif kind == "linear":
-        inv = inv / float(scaling["factor"])
+        inv = inv / f32(scaling["factor"])
     elif kind == "llama3":
         inv = _llama3(inv, scaling)
     else:
@@ -38,19 +47,23 @@ def inverse_frequencies(
 
 
 def _llama3(inv: np.ndarray, scaling: Mapping) -> np.ndarray:
-    """Llama 3.1 frequency scaling: slow long wavelengths, keep short ones, blend between."""
-    factor = float(scaling["factor"])
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
-    original = float(scaling["original_max_position_embeddings"])
-    wavelength = 2 * math.pi / inv
-    low_wavelength = original / low
-    high_wavelength = original / high
+    """Llama 3.1 frequency scaling: slow long wavelengths, keep short ones, blend between.
+
+    Every step stays in float32 (the thresholds too), matching the reference's tensor math.
+    """
+    f32 = np.float32
+    factor = f32(scaling["factor"])
+    low = f32(scaling.get("low_freq_factor", 1.0))
+    high = f32(scaling.get("high_freq_factor", 4.0))
+    original = f32(scaling["original_max_position_embeddings"])
+    wavelength = f32(2 * math.pi) / inv
+    low_wavelength = f32(float(original) / float(low))
+    high_wavelength = f32(float(original) / float(high))
+    scaled = np.where(wavelength > low_wavelength, inv / factor, inv)
     smooth = (original / wavelength - low) / (high - low)
-    blended = (1 - smooth) * inv / factor + smooth * inv
-    out = np.where(wavelength > low_wavelength, inv / factor, inv)
-    middle = (wavelength <= low_wavelength) & (wavelength >= high_wavelength)
-    return np.where(middle, blended, out)
+    blended = (f32(1) - smooth) * scaled / factor + smooth * scaled
+    middle = ~(wavelength < high_wavelength) & ~(wavelength > low_wavelength)
+    return np.where(middle, blended, scaled).astype(f32)
 
 
 def rotate(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray) -> jnp.ndarray:

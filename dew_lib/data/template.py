@@ -1,0 +1,179 @@
+"""Roles per token from a chat template, by rendering a conversation one prefix at a time.
+
+A template only says how a whole conversation looks, so the role of each token is found by
+rendering growing prefixes: the tokens that message k adds to the render of messages[:k] are
+message k's. For an assistant turn the render of messages[:k] with the generation prompt gives
+the header the model is prompted with at inference (e.g. `<|im_start|>assistant\\n`); the tokens
+it shares with the turn's render are labelled Role.NONE, and everything the turn adds after them,
+its end-of-turn token and trailing newline included, is Role.ASSISTANT. That is exactly what the
+model has to produce once prompted, and matches TRL's `{% generation %}` masks on the templates
+TRL ships for training.
+
+Every shorter render must tokenize to a prefix of the longer one. A template that rewrites
+history (Qwen3's drops earlier reasoning and empty think blocks) fails this check, and the
+conversation is refused with its index and the first differing token rather than trained with
+wrong masks. Passing the check does not prove the masks right for every template: look at the
+tokens and roles of a few conversations before a long run.
+
+Consecutive messages of one non-assistant role (several tool responses in a row) are rendered as
+one block; a template may merge them. A boundary between two prompt roles that the template
+cannot render on its own (some refuse a conversation without a user message) is skipped, and
+the messages before the next boundary share the later message's role.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from dew_lib.data.chat import Role
+from dew_lib.data.readers import DataError
+from dew_lib.data.tokenizer import Renderer
+
+ROLES = {"system": Role.SYSTEM, "user": Role.USER, "assistant": Role.ASSISTANT, "tool": Role.TOOL}
+
+
+class TemplateRewrite(DataError):
+    """A chat template changed tokens of an earlier render, so prefixes cannot assign roles."""
+
+
+def check_messages(messages: Any, where: str) -> None:
+    """Refuse what is not a conversation: a non-empty list of {role, ...} mappings that starts
+    with a system or user message and uses only the roles system, user, assistant and tool."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise DataError(f"{where}: expected a non-empty list of messages, got {_brief(messages)}")
+    for k, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise DataError(f"{where}: message {k} is {_brief(message)}, not a mapping with a 'role'")
+        role = message.get("role")
+        if role not in ROLES:
+            raise DataError(
+                f"{where}: message {k} has unknown role {role!r}; use one of {sorted(ROLES)}"
+            )
+    first = messages[0]["role"]
+    if first not in ("system", "user"):
+        raise DataError(
+            f"{where}: the conversation starts with a {first} message; it must start with a system "
+            "or user message (an assistant turn needs a prompt to answer)"
+        )
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def check_boundaries(renderer: Renderer) -> None:
+    """Refuse a template that renders an assistant message exactly like a user message."""
+    def render(second_role):
+        return renderer.render([{"role": "user", "content": "Hello"},
+                                {"role": second_role, "content": "Hi there"}])
+
+    answer = render("assistant")
+    try:
+        same = answer == render("user")
+    except Exception:  # the template refuses two user turns in a row: it tells roles apart
+        same = False
+    if same or "Hi there" not in answer:
+        name = getattr(renderer.tokenizer, "name_or_path", "the tokenizer")
+        raise DataError(
+            f"the chat template of {name} has no assistant boundaries: it renders an assistant "
+            "message like a user message (or not at all), so assistant tokens cannot be told "
+            "apart; pass chat_template= with a template that marks assistant turns"
+        )
+
+
+def _blocks(messages: Sequence[Mapping]) -> list[tuple[int, int, str]]:
+    """(start, end, role) runs: each assistant message alone, other roles grouped while equal."""
+    blocks, i = [], 0
+    while i < len(messages):
+        role, j = messages[i]["role"], i + 1
+        if role != "assistant":
+            while j < len(messages) and messages[j]["role"] == role:
+                j += 1
+        blocks.append((i, j, role))
+        i = j
+    return blocks
+
+
+def _first_difference(short: Sequence[int], long: Sequence[int]) -> int:
+    for j, (a, b) in enumerate(zip(short, long)):
+        if a != b:
+            return j
+    return min(len(short), len(long))
+
+
+def _rewrite(renderer: Renderer, where: str, what: str, short: list[int], long: list[int]) -> TemplateRewrite:
+    j = _first_difference(short, long)
+    piece = renderer.tokenizer.convert_ids_to_tokens
+
+    def show(ids):
+        return f"{ids[j]} ({piece(ids[j])!r})" if j < len(ids) else "the end of the render"
+
+    return TemplateRewrite(
+        f"{where}: the chat template rewrites earlier tokens {what}: token {j} is {show(short)} in "
+        f"the shorter render but {show(long)} in the longer one, so roles cannot come from "
+        "prefixes. Run `python tools/audit_template.py template --tokenizer ...` to see which "
+        "turns this template keeps append-only; use a training template that keeps history "
+        "(for Qwen3, one that always writes the think block) or split the conversation there"
+    )
+
+
+def label(renderer: Renderer, messages: Sequence[Mapping], tools: Sequence | None,
+          where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (int32) and roles (int8) of one conversation; see the module docstring."""
+    blocks = _blocks(messages)
+    texts: list[str] = []
+    plan: list[tuple[int, int, str, int | None, int]] = []  # (start, end, role, header, full)
+
+    def render(count, generation=False, soft=False):
+        try:
+            texts.append(renderer.render(messages[:count], tools, generation))
+            return len(texts) - 1
+        except Exception as error:
+            if soft:
+                return None
+            raise DataError(
+                f"{where}: the chat template failed on messages[:{count}]"
+                f"{' with the generation prompt' if generation else ''}: {type(error).__name__}: {error}"
+            ) from None
+
+    for b, (start, end, role) in enumerate(blocks):
+        header = render(start, generation=True) if role == "assistant" else None
+        following = blocks[b + 1][2] if b + 1 < len(blocks) else "assistant"
+        soft = role != "assistant" and following != "assistant"
+        full = render(end, soft=soft)
+        plan.append((start, end, role, header, full))
+    ids = renderer.encode(texts)
+
+    roles: list[int] = []
+    previous: list[int] = []
+    for start, end, role, header, full in plan:
+        if full is None:  # a skipped boundary: this block's tokens go to the next block's role
+            continue
+        tokens = ids[full]
+        if tokens[:len(previous)] != previous:
+            raise _rewrite(renderer, where, f"when messages {start}..{end - 1} ({role}) are added",
+                           previous, tokens)
+        if role == "assistant":
+            prompt = ids[header]
+            if prompt[:len(previous)] != previous:
+                raise _rewrite(renderer, where, f"when the generation prompt follows message {start - 1}",
+                               previous, prompt)
+            shared = len(previous) + _first_difference(prompt[len(previous):], tokens[len(previous):])
+            if shared == len(tokens):
+                raise DataError(
+                    f"{where}: message {start} (assistant) adds no tokens after the generation "
+                    "prompt; the template drops assistant turns, so there is nothing to learn from"
+                )
+            roles.extend([Role.NONE] * (shared - len(previous)))
+            roles.extend([Role.ASSISTANT] * (len(tokens) - shared))
+        else:
+            roles.extend([ROLES[role]] * (len(tokens) - len(previous)))
+        previous = tokens
+    return np.asarray(previous, np.int32), np.asarray(roles, np.int8)
+
+
+__all__ = ["ROLES", "TemplateRewrite", "check_boundaries", "check_messages", "label"]

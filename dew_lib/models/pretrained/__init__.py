@@ -1,0 +1,21 @@
+"""Hugging Face checkpoints in and out of Dew's decoder (Qwen3, Qwen2, Llama; safetensors).
+
+`load_pretrained(directory)` gives the model, its variables and its tokenizer;
+`Pretrained.save(variables, directory)` writes a directory transformers, vLLM and SGLang load;
+`Pretrained.export(variables)` yields the same tensors by name. See docs/hf_checkpoints.md.
+"""
+
+from dew_lib.models.pretrained.families import FAMILIES, SUPPORTED, Family, UnsupportedCheckpoint
+from dew_lib.models.pretrained.files import CheckpointError
+from dew_lib.models.pretrained.pretrained import Loaded, Pretrained, load_pretrained
+
+__all__ = [
+    "FAMILIES",
+    "SUPPORTED",
+    "CheckpointError",
+    "Family",
+    "Loaded",
+    "Pretrained",
+    "UnsupportedCheckpoint",
+    "load_pretrained",
+]

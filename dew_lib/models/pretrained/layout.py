@@ -1,0 +1,77 @@
+"""Which Hugging Face tensor is which decoder parameter, and how their layouts differ.
+
+The decoder's parameter names mirror the Hugging Face module names, so the map is a rename plus a
+transpose for every linear layer: PyTorch's `nn.Linear.weight` is `[out, in]`, Flax's
+`Dense.kernel` is `[in, out]`. Biases, norm weights and the embedding table keep their layout.
+The list is in the order transformers writes its state dict, which is also the order Dew saves in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+# Tensors some checkpoints carry that no model reads (old Llama conversions stored the rotary
+# frequency buffer); loading skips them instead of calling them unexpected.
+IGNORED = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One checkpoint tensor: its Hugging Face name and shape, and where it lives in `params`."""
+
+    name: str
+    path: tuple[str, ...]  # keys under the variables' "params" collection
+    shape: tuple[int, ...]  # the Hugging Face shape
+    transpose: bool  # a linear weight: the Flax kernel is the transpose
+
+    @property
+    def flax_shape(self) -> tuple[int, ...]:
+        return self.shape[::-1] if self.transpose else self.shape
+
+
+def tensors(model: Any) -> list[Tensor]:
+    """Every tensor a Hugging Face checkpoint of `model` holds, in transformers' order."""
+    e, h, kv, d = model.emb_features, model.num_heads, model.kv_heads, model.head_features
+    out = [Tensor("model.embed_tokens.weight", ("embed_tokens", "embedding"),
+                  (model.vocab_size, e), False)]
+    for i in range(model.num_layers):
+        hf, fl = f"model.layers.{i}", f"layers_{i}"
+
+        def linear(module, flax_name, rows, cols, bias=False):
+            weight = Tensor(f"{hf}.{module}.weight", (fl, flax_name, "kernel"), (rows, cols), True)
+            if not bias:
+                return [weight]
+            return [weight, Tensor(f"{hf}.{module}.bias", (fl, flax_name, "bias"), (rows,), False)]
+
+        def norm(module, flax_name, size):
+            return Tensor(f"{hf}.{module}.weight", (fl, flax_name, "weight"), (size,), False)
+
+        bias = model.attention_bias
+        out += linear("self_attn.q_proj", "q_proj", h * d, e, bias)
+        out += linear("self_attn.k_proj", "k_proj", kv * d, e, bias)
+        out += linear("self_attn.v_proj", "v_proj", kv * d, e, bias)
+        out += linear("self_attn.o_proj", "o_proj", e, h * d)
+        if model.qk_norm:
+            out += [norm("self_attn.q_norm", "q_norm", d), norm("self_attn.k_norm", "k_norm", d)]
+        out += linear("mlp.gate_proj", "gate_proj", model.mlp_features, e)
+        out += linear("mlp.up_proj", "up_proj", model.mlp_features, e)
+        out += linear("mlp.down_proj", "down_proj", e, model.mlp_features)
+        out += [norm("input_layernorm", "input_layernorm", e),
+                norm("post_attention_layernorm", "post_attention_layernorm", e)]
+    out.append(Tensor("model.norm.weight", ("norm", "weight"), (e,), False))
+    if not model.tie_embeddings:
+        out.append(Tensor("lm_head.weight", ("lm_head", "kernel"), (model.vocab_size, e), True))
+    return out
+
+
+def ignorable(name: str, model: Any) -> bool:
+    """A tensor present in a checkpoint that loading may skip without changing the model.
+
+    A tied model reads its output projection from the embedding, as transformers does, so a
+    stored `lm_head.weight` copy is skipped too.
+    """
+    if model.tie_embeddings and name == "lm_head.weight":
+        return True
+    return any(pattern.fullmatch(name) for pattern in IGNORED)

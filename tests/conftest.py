@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny float32 models and deterministic batches."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(__file__))
+
+# Many tests build the same tiny programs; a persistent cache compiles each once per session.
+import jax  # noqa: E402
+
+CACHE = os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "jax")
+jax.config.update("jax_compilation_cache_dir", os.path.abspath(CACHE))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+SHARED_DATA = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
+
+
+def tiny_model(**overrides):
+    from dew_lib import models
+
+    options = dict(vocab_size=32, emb_features=16, num_layers=2, num_heads=4, num_kv_heads=2,
+                   mlp_features=32, max_seq_len=32, qk_norm=True)
+    options.update(overrides)
+    return models.build("causal_transformer", **options)
+
+
+def lm_batches(seed: int, batch: int, width: int, vocab: int = 32, count: int | None = None):
+    """A deterministic stream of random `text` batches."""
+    rng = np.random.default_rng(seed)
+    rows = [rng.integers(1, vocab, size=(batch, width)).astype(np.int32) for _ in range(count or 64)]
+    stream = itertools.cycle(rows) if count is None else iter(rows)
+    return ({"text": r} for r in stream)
+
+
+@pytest.fixture
+def shared_data():
+    if not os.path.isdir(SHARED_DATA):
+        pytest.skip(f"shared data not found at {SHARED_DATA}")
+    return SHARED_DATA

@@ -1,0 +1,100 @@
+"""The decoder: packed documents behave like separate ones, padding is inert, options hold."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_model
+
+
+def init(model, width=8):
+    return model.init(jax.random.key(0), jnp.zeros((1, width), jnp.int32))
+
+
+def test_parameter_names_follow_hugging_face_modules():
+    model = tiny_model()
+    names = set(init(model)["params"]["layers_0"])
+    assert names == {"input_layernorm", "post_attention_layernorm", "q_proj", "k_proj", "v_proj",
+                     "o_proj", "q_norm", "k_norm", "gate_proj", "up_proj", "down_proj"}
+    assert init(model)["params"]["layers_0"]["k_proj"]["kernel"].shape == (16, 2 * 4)
+
+
+def test_packed_documents_equal_separate_forward_passes():
+    model = tiny_model()
+    variables = init(model)
+    first = np.array([5, 6, 7, 8, 9], np.int32)
+    second = np.array([10, 11, 12], np.int32)
+    packed = np.concatenate([first, second, [0, 0]])[None]
+    segments = np.array([[1] * 5 + [2] * 3 + [0, 0]])
+    positions = np.array([[0, 1, 2, 3, 4, 0, 1, 2, 0, 0]])
+    logits = model.apply(variables, packed, segments, positions)
+    alone_first = model.apply(variables, first[None])
+    alone_second = model.apply(variables, second[None])
+    np.testing.assert_allclose(logits[0, :5], alone_first[0], atol=1e-5)
+    np.testing.assert_allclose(logits[0, 5:8], alone_second[0], atol=1e-5)
+
+
+def test_left_padding_does_not_change_real_tokens():
+    model = tiny_model()
+    variables = init(model)
+    tokens = np.array([[3, 4, 5, 6]], np.int32)
+    padded = np.array([[0, 0, 3, 4, 5, 6]], np.int32)
+    logits = model.apply(variables, padded, np.array([[0, 0, 1, 1, 1, 1]]),
+                         np.array([[0, 0, 0, 1, 2, 3]]))
+    np.testing.assert_allclose(logits[0, 2:], model.apply(variables, tokens)[0], atol=1e-5)
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_tied_embeddings_share_the_input_table():
+    model = tiny_model(tie_embeddings=True)
+    variables = init(model)
+    assert "lm_head" not in variables["params"]
+    hidden = model.apply(variables, np.array([[1, 2, 3]]), method=model.hidden)
+    table = variables["params"]["embed_tokens"]["embedding"]
+    np.testing.assert_allclose(model.apply(variables, np.array([[1, 2, 3]])), hidden @ table.T,
+                               atol=1e-5)
+
+
+def test_grouped_query_attention_equals_repeated_key_value_heads():
+    """GQA with 2 kv heads equals full attention whose kv heads are those 2 repeated."""
+    gqa = tiny_model(num_kv_heads=2, qk_norm=False)
+    full = tiny_model(num_kv_heads=4, qk_norm=False)
+    variables = init(gqa)
+    expanded = jax.tree.map(lambda x: x, variables)
+    layers = expanded["params"]
+    for name in [k for k in layers if k.startswith("layers_")]:
+        for proj in ("k_proj", "v_proj"):
+            kernel = layers[name][proj]["kernel"].reshape(16, 2, 4)  # [E, KV, D]
+            layers[name][proj] = {"kernel": jnp.repeat(kernel, 2, axis=1).reshape(16, 16)}
+    tokens = np.array([[1, 2, 3, 4, 5]])
+    np.testing.assert_allclose(gqa.apply(variables, tokens), full.apply(expanded, tokens), atol=1e-5)
+
+
+def test_bfloat16_compute_tracks_float32():
+    tokens = np.array([[1, 2, 3, 4, 5, 6]])
+    variables = init(tiny_model())
+    exact = tiny_model().apply(variables, tokens)
+    low = tiny_model(dtype=jnp.bfloat16).apply(variables, tokens)
+    assert low.dtype == jnp.float32  # logits always come back in float32
+    np.testing.assert_allclose(low, exact, atol=0.05)
+
+
+def test_input_longer_than_max_seq_len_is_refused():
+    model = tiny_model(max_seq_len=4)
+    with pytest.raises(ValueError, match="max_seq_len=4"):
+        init(model, width=5)
+
+
+def test_heads_must_group_evenly():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        init(tiny_model(num_heads=4, num_kv_heads=3))
+
+
+def test_unknown_model_and_option_are_named():
+    from dew_lib import models
+
+    with pytest.raises(ValueError, match="causal_transformer"):
+        models.build("transformer")
+    with pytest.raises(TypeError, match="layers"):
+        models.build("causal_transformer", vocab_size=8, emb_features=8, layers=1)

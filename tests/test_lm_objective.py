@@ -1,0 +1,94 @@
+"""LMObjective: which targets count, and the errors a wrong batch gets."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from conftest import tiny_model
+from dew_lib import Dataset, LMObjective, Trainer
+from dew_lib.data.chat import Role
+from dew_lib.objectives import loss
+from dew_lib.objectives.lm import token_log_probs
+from dew_lib.sinks import MemorySink
+
+MODEL = tiny_model()
+VARIABLES = MODEL.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
+def nll(ids):
+    """Per-target negative log-likelihood of one unpacked sequence."""
+    ids = np.asarray(ids)[None]
+    return -np.asarray(token_log_probs(MODEL.apply(VARIABLES, ids[:, :-1]), ids[:, 1:]))[0]
+
+
+def test_role_mask_equals_the_loss_on_the_sliced_assistant_targets():
+    text = np.array([[4, 5, 6, 7, 8, 9, 10, 11]], np.int32)
+    roles = np.array([[2, 2, 2, 3, 3, 3, 2, 3]], np.int8)
+    objective = LMObjective(MODEL, seq_len=7, loss_role=Role.ASSISTANT)
+    value, metrics = loss(objective, VARIABLES, {"text": text, "text_roles": roles})
+    per_target = nll(text[0])
+    # targets are ids 1..7; their roles are roles[1:]; assistant targets: 8, 9, 10 and 11
+    expected = per_target[[2, 3, 4, 6]].mean()
+    np.testing.assert_allclose(value, expected, rtol=1e-6)
+    assert metrics["tokens"] == 4
+
+
+def test_document_transitions_and_padding_never_count():
+    first, second = [4, 5, 6, 7], [8, 9, 10]
+    text = np.array([first + second + [0]], np.int32)
+    segments = np.array([[1, 1, 1, 1, 2, 2, 2, 0]])
+    positions = np.array([[0, 1, 2, 3, 0, 1, 2, 0]])
+    objective = LMObjective(MODEL, seq_len=7, ema_decay=None)
+    value, metrics = loss(objective, VARIABLES, {
+        "text": text, "text_segment_ids": segments, "text_positions": positions})
+    expected = np.concatenate([nll(first), nll(second)]).mean()
+    np.testing.assert_allclose(value, expected, rtol=1e-5)
+    assert metrics["tokens"] == 5
+
+
+def test_without_loss_role_every_target_counts():
+    text = np.array([[4, 5, 6, 7, 8]], np.int32)
+    value, _ = loss(LMObjective(MODEL, seq_len=4), VARIABLES, {"text": text})
+    np.testing.assert_allclose(value, nll(text[0]).mean(), rtol=1e-6)
+
+
+def test_batches_this_objective_cannot_read_are_refused_with_the_fix():
+    objective = LMObjective(MODEL, seq_len=7, loss_role=Role.ASSISTANT)
+    with pytest.raises(KeyError, match="text_roles"):
+        objective.check_batch({"text": np.zeros((2, 8), np.int32)})
+    with pytest.raises(KeyError, match="'text'"):
+        objective.check_batch({"tokens": np.zeros((2, 8), np.int32)})
+    with pytest.raises(ValueError, match=r"\[B, 8\]"):
+        objective.check_batch({"text": np.zeros((2, 9), np.int32),
+                               "text_roles": np.zeros((2, 9), np.int8)})
+    with pytest.raises(ValueError, match="text_segment_ids"):
+        LMObjective(MODEL, seq_len=7).check_batch(
+            {"text": np.zeros((2, 8), np.int32), "text_segment_ids": np.zeros((2, 7), np.int32)})
+    with pytest.raises(ValueError, match="max_seq_len=32"):
+        LMObjective(MODEL, seq_len=33)
+    with pytest.raises(ValueError, match="'params'"):
+        LMObjective(MODEL, seq_len=7, pretrained=VARIABLES["params"])
+
+
+def test_the_specs_sft_example_trains_only_on_the_response():
+    """The spec's SFT example, after the dew -> dew_lib rename, on a small made-up vocabulary."""
+    prompt, response = [5, 6, 7, 8, 9], [10, 11, 12, 13]
+    row = np.array(prompt + response, dtype=np.int32)
+    roles = np.array([Role.USER] * len(prompt) + [Role.ASSISTANT] * len(response), dtype=np.int8)
+    sft_batch = {"text": np.tile(row, (8, 1)), "text_roles": np.tile(roles, (8, 1))}
+    sft_data = Dataset(train=lambda partition: itertools.repeat(sft_batch), val=None, records=8,
+                       batch=8)
+    sft_objective = LMObjective(MODEL, seq_len=len(row) - 1, pretrained=VARIABLES,
+                                loss_role=Role.ASSISTANT, ema_decay=None)
+    sink = MemorySink()
+    sft_state = Trainer(sft_objective, optax.adamw(1e-2), key=jax.random.key(2)).fit(
+        sft_data, steps=20, log_every=10, sinks=[sink])
+    assert int(sft_state.step) == 20 and int(sft_state.updates) == 20
+    assert sft_state.ema is None
+    losses = [value for _, value in sink.series("loss")]
+    assert losses[-1] < 0.5 * losses[0]
+    assert sink.series("tokens")[0][1] == 4 * 8  # 4 assistant targets per row

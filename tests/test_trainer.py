@@ -1,0 +1,179 @@
+"""Trainer invariants on tiny float32 models: accumulation, EMA, resume, compilation, errors."""
+
+import io
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from conftest import tiny_model
+from dew_lib import Dataset, LMObjective, Trainer, TrainingDiverged
+from dew_lib.checkpoint import CheckpointMismatch
+from dew_lib.objectives import LossTerms
+from dew_lib.sinks import LineLog, MemorySink, ProgressBar
+
+MODEL = tiny_model()
+
+
+def padded_batches(seed, rows, width=9, count=12):
+    """Batches whose rows carry different amounts of padding, so normalizers differ."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        text = rng.integers(1, 32, size=(rows, width)).astype(np.int32)
+        real = rng.integers(2, width + 1, size=rows)
+        segments = (np.arange(width)[None] < real[:, None]).astype(np.int32)
+        out.append({"text": text * segments, "text_segment_ids": segments})
+    return out
+
+
+def dataset(batches, batch_size):
+    return Dataset(train=lambda partition: iter(batches), batch=batch_size)
+
+
+def leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def fit(batches, batch_size, steps, optimizer=None, accumulate=1, ema_decay=None, **kwargs):
+    trainer = Trainer(LMObjective(MODEL, seq_len=8, ema_decay=ema_decay),
+                      optimizer or optax.sgd(0.5), key=jax.random.key(0), accumulate=accumulate)
+    kwargs.setdefault("sinks", [])
+    return trainer, trainer.fit(dataset(batches, batch_size), steps=steps, log_every=2, **kwargs)
+
+
+@pytest.mark.parametrize("optimizer", [optax.sgd(0.5), optax.adam(1e-2)], ids=["sgd", "adam"])
+def test_accumulating_microbatches_equals_one_large_batch(optimizer):
+    micro = padded_batches(0, rows=4, count=6)
+    joined = [{k: np.concatenate([a[k], b[k]]) for k in a} for a, b in zip(micro[::2], micro[1::2])]
+    _, accumulated = fit(micro, 4, steps=6, optimizer=optimizer, accumulate=2)
+    _, whole = fit(joined, 8, steps=3, optimizer=optimizer)
+    assert int(accumulated.step) == 6 and int(accumulated.updates) == 3
+    assert int(whole.step) == 3 and int(whole.updates) == 3
+    for a, b in zip(leaves(accumulated.params), leaves(whole.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_one_compilation_per_batch_shape():
+    trainer, _ = fit(padded_batches(0, rows=4), 4, steps=10)
+    assert trainer.compilations["train_step"] == 1
+    trainer, _ = fit(padded_batches(0, rows=4), 4, steps=10, accumulate=2)
+    assert trainer.compilations["train_step"] == 2  # accumulate-only and update steps
+
+
+def test_ema_follows_its_decay_and_none_turns_it_off():
+    batches = padded_batches(1, rows=4)
+    trainer, state = fit(batches, 4, steps=1, ema_decay=0.9)
+    start = trainer.initial_state().params
+    expected = jax.tree.map(lambda p0, p1: 0.9 * p0 + 0.1 * p1, start, state.params)
+    for a, b in zip(leaves(state.ema), leaves(expected)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    _, state = fit(batches, 4, steps=1, ema_decay=None)
+    assert state.ema is None
+    trainer, state = fit(batches, 4, steps=3, ema_decay=1.0)  # a frozen reference
+    for a, b in zip(leaves(state.ema), leaves(trainer.initial_state().params)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_validation_runs_every_eval_every_steps():
+    batches = padded_batches(2, rows=4)
+    data = Dataset(train=lambda p: itertools.cycle(batches), val=lambda p: batches[:2], batch=4)
+    sink = MemorySink()
+    Trainer(LMObjective(MODEL, seq_len=8), optax.adam(1e-2), key=jax.random.key(0)).fit(
+        data, steps=6, log_every=3, eval_every=3, sinks=[sink])
+    evaluated = sink.series("val/perplexity")
+    assert [step for step, _ in evaluated] == [3, 6]
+    loss = dict(sink.series("val/loss"))[3]
+    np.testing.assert_allclose(np.exp(loss), dict(evaluated)[3], rtol=1e-6)
+
+
+@pytest.mark.parametrize("accumulate, stop", [(1, 3), (2, 3), (2, 4)])
+def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path, accumulate, stop):
+    batches = padded_batches(3, rows=4)
+    _, whole = fit(batches, 4, steps=6, optimizer=optax.adam(1e-2), accumulate=accumulate,
+                   ema_decay=0.99)
+    _, first = fit(batches, 4, steps=stop, optimizer=optax.adam(1e-2), accumulate=accumulate,
+                   ema_decay=0.99, directory=str(tmp_path))
+    assert int(first.step) == stop
+    _, resumed = fit(batches, 4, steps=6, optimizer=optax.adam(1e-2), accumulate=accumulate,
+                     ema_decay=0.99, directory=str(tmp_path))
+    assert int(resumed.step) == 6 and int(resumed.updates) == 6 // accumulate
+    for a, b in zip(leaves(resumed), leaves(whole), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_checkpoint_from_another_optimizer_is_refused(tmp_path):
+    batches = padded_batches(4, rows=4)
+    fit(batches, 4, steps=2, optimizer=optax.sgd(0.1), directory=str(tmp_path))
+    with pytest.raises(CheckpointMismatch, match="optimizer"):
+        fit(batches, 4, steps=4, optimizer=optax.adam(1e-3), directory=str(tmp_path))
+    with pytest.raises(CheckpointMismatch, match="accumulate"):
+        fit(batches, 4, steps=4, optimizer=optax.sgd(0.1), accumulate=2, directory=str(tmp_path))
+
+
+class Poisoned:
+    """A quadratic objective whose loss turns NaN on batches that carry `poison`."""
+
+    ema_decay = None
+
+    def init(self, key, variables=None):
+        return {"params": {"w": jnp.ones((3,))}}
+
+    def check_batch(self, batch):
+        pass
+
+    def terms(self, params, batch, *, step, reference, key):
+        total = jnp.sum((params["params"]["w"] - batch["x"]) ** 2) / batch["poison"][0]
+        return LossTerms(total, jnp.ones(()), {"loss": (total, jnp.ones(()))})
+
+    def evaluate(self, params, batch):
+        return {}
+
+
+def test_a_nan_loss_stops_with_its_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    def batches(partition):
+        for step in itertools.count(1):
+            yield {"x": np.full((2, 3), 2.0, np.float32),
+                   "poison": np.full((2,), 0.0 if step == 5 else 1.0, np.float32)}
+
+    trainer = Trainer(Poisoned(), optax.sgd(0.1), key=jax.random.key(0))
+    with pytest.raises(TrainingDiverged, match="step 5") as caught:
+        trainer.fit(Dataset(train=batches, batch=2), steps=10, log_every=1, checkpoint_every=2,
+                    directory=str(tmp_path), sinks=[])
+    assert caught.value.step == 5
+    assert "loss" in caught.value.last_metrics
+    assert caught.value.checkpoint.endswith("/4")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["2", "4"]
+
+
+def test_the_rollout_output_is_what_the_update_trains_on():
+    real = padded_batches(5, rows=4)
+    calls = []
+
+    def rollout(state, batch, key):
+        calls.append((int(state.step), batch["index"]))
+        return real[batch["index"]]
+
+    raw = Dataset(train=lambda p: ({"index": i} for i in itertools.count()), batch=4)
+    trainer = Trainer(LMObjective(MODEL, seq_len=8), optax.sgd(0.5), key=jax.random.key(0),
+                      rollout=rollout)
+    state = trainer.fit(raw, steps=4, log_every=2, sinks=[])
+    assert calls == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    _, plain = fit(real, 4, steps=4)
+    for a, b in zip(leaves(state.params), leaves(plain.params)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_stream_that_ends_early_says_so():
+    with pytest.raises(ValueError, match="ended after 3 batches, before steps=5"):
+        fit(padded_batches(0, rows=4, count=3), 4, steps=5)
+
+
+def test_progress_bar_and_line_log_show_progress():
+    stream = io.StringIO()
+    fit(padded_batches(0, rows=4), 4, steps=4, sinks=[ProgressBar(stream), LineLog(stream)])
+    text = stream.getvalue()
+    assert "4/4" in text and "loss=" in text and "step/s" in text
