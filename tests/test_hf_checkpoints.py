@@ -364,6 +364,18 @@ def test_skippable_tensors_are_skipped(tmp_path):
     assert "lm_head" not in variables["params"]
 
 
+def test_tied_checkpoint_with_a_different_head_is_refused(tmp_path):
+    """transformers unties a stored lm_head.weight that differs from the embedding."""
+    directory = copy_fixture("qwen3", tmp_path)
+
+    def add(tensors):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] * 2
+
+    rewrite_tensors(directory, add)
+    with pytest.raises(CheckpointError, match="lm_head.weight differs"):
+        load_pretrained(directory, tokenizer=False)
+
+
 # -- refusals -----------------------------------------------------------------------------------
 
 
@@ -394,8 +406,8 @@ def test_unsupported_configs_are_refused(tmp_path, changes, message):
 
 def test_sliding_window_that_covers_no_layer_is_accepted(tmp_path):
     directory = copy_fixture("qwen2", tmp_path)
-    edit_config(directory, use_sliding_window=True, sliding_window=4, max_window_layers=2)
-    assert "layer_types" not in json.loads((directory / "config.json").read_text())
+    edit_config(directory, use_sliding_window=True, sliding_window=4, max_window_layers=2,
+                layer_types=_DELETE)
     load_pretrained(directory)  # windows start at layer 2 of 2: every layer attends fully
 
 

@@ -188,11 +188,12 @@ def decoder_options(config: Mapping[str, Any]) -> tuple[Family, dict[str, Any]]:
             "which Dew's decoder does not have"
         )
     layers = int(config["num_hidden_layers"])
-    windowed = [i for i, kind in enumerate(_layer_types(config, layers)) if kind != "full_attention"]
-    if windowed:
+    kinds = _layer_types(config, layers)
+    other = [i for i, kind in enumerate(kinds) if kind != "full_attention"]
+    if other:
         raise UnsupportedCheckpoint(
-            f"sliding-window attention is enabled on layers {windowed} (use_sliding_window / "
-            "layer_types); Dew's decoder attends to the full context only"
+            f"layers {other} use {sorted({kinds[i] for i in other})} (sliding-window attention "
+            "via use_sliding_window / layer_types); Dew's decoder attends to the full context only"
         )
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])

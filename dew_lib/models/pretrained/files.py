@@ -1,8 +1,9 @@
 """Safetensors files in the Hugging Face layout: find, read tensor by tensor, write, swap in.
 
 A checkpoint is `model.safetensors`, or shards named `model-0000i-of-0000n.safetensors` listed by
-`model.safetensors.index.json`. Reading goes through the `safetensors` library with its `pread`
-backend, one tensor at a time, so the process never maps or holds the whole file at once. Writing
+`model.safetensors.index.json`. The `safetensors` library lists and validates the files; tensor
+bytes are then read one tensor at a time with `pread` into buffers the loader chooses, so the
+process never maps or holds the whole file at once and reads each byte once. Writing
 stages a complete directory beside the target and swaps it in with one rename, so a reader sees
 the old checkpoint or the new one, never a mixture.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import os
 import re
 import shutil
@@ -23,13 +25,16 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+FLOAT_DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16),
+                "F16": np.dtype(np.float16), "F64": np.dtype(np.float64)}
+ALIGNMENT = 64
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -97,19 +102,90 @@ def headers(located: Mapping[str, Path]) -> dict[str, tuple[str, tuple[int, ...]
     return out
 
 
-def read(located: Mapping[str, Path], names: Sequence[str]) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield `(name, array)` for `names`, opening each file once and reading one tensor at a time.
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """An uninitialised byte buffer whose data starts on a 64-byte boundary.
 
-    Files are visited in the order their first tensor appears in `names`; within a file tensors
-    come in `names` order. The caller owns each array and should drop it before asking for more.
+    JAX's CPU backend adopts such a buffer as device memory without copying it.
     """
-    by_file: dict[Path, list[str]] = {}
-    for name in names:
-        by_file.setdefault(located[name], []).append(name)
-    for path, group in by_file.items():
-        with safe_open(path, framework="numpy", backend="pread") as f:
-            for name in group:
-                yield name, f.get_tensor(name)
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = (-raw.ctypes.data) % ALIGNMENT
+    return raw[start:start + nbytes]
+
+
+class Reader:
+    """Reads the tensors of one safetensors file straight into caller-chosen buffers.
+
+    The `safetensors` library has already validated the header (see `headers`); this class
+    reads the same header for the byte offsets, which the library does not expose, and fills
+    buffers with `pread`. That lets the loader read into 64-byte-aligned memory that becomes
+    the device buffer itself, or into one reused scratch buffer, instead of a fresh copy per
+    tensor.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            size = int.from_bytes(os.pread(self._fd, 8, 0), "little")
+            header = json.loads(os.pread(self._fd, size, 8))
+            self._start = 8 + size
+            self._length = os.fstat(self._fd).st_size - self._start
+        except Exception:
+            os.close(self._fd)
+            raise
+        header.pop("__metadata__", None)
+        self.entries = header
+
+    def nbytes(self, name: str) -> int:
+        begin, end = self.entries[name]["data_offsets"]
+        return end - begin
+
+    def read(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """Tensor `name` as an array over `out` (a byte buffer of `nbytes(name)`) or a new one."""
+        entry = self.entries[name]
+        dtype = FLOAT_DTYPES.get(entry["dtype"], np.dtype(np.uint8))
+        begin, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        if entry["dtype"] not in FLOAT_DTYPES or end - begin != math.prod(shape) * dtype.itemsize \
+                or end > self._length:
+            raise CheckpointError(f"tensor {name} in {self.path.name} has an inconsistent header")
+        out = aligned_empty(end - begin) if out is None else out
+        view = memoryview(out).cast("B")
+        done = 0
+        while done < len(view):  # one pread returns at most ~2 GiB on Linux
+            got = os.preadv(self._fd, [view[done:]], self._start + begin + done)
+            if got <= 0:
+                raise CheckpointError(f"{self.path.name} ended inside tensor {name}")
+            done += got
+        return out.view(dtype).reshape(shape)
+
+    def raw(self, name: str, offset: int, length: int) -> bytes:
+        """`length` bytes of tensor `name`'s data, starting `offset` bytes in."""
+        return os.pread(self._fd, length, self._start + self.entries[name]["data_offsets"][0]
+                        + offset)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def same_tensor(located: Mapping[str, Path], a: str, b: str, chunk: int = 1 << 26) -> bool:
+    """Whether two stored tensors have the same dtype, shape and bytes; reads a chunk at a time."""
+    with Reader(located[a]) as first, Reader(located[b]) as second:
+        x, y = first.entries[a], second.entries[b]
+        if (x["dtype"], x["shape"]) != (y["dtype"], y["shape"]):
+            return False
+        size = first.nbytes(a)
+        for offset in range(0, size, chunk):
+            length = min(chunk, size - offset)
+            if first.raw(a, offset, length) != second.raw(b, offset, length):
+                return False
+    return True
 
 
 def shard_plan(sizes: Sequence[tuple[str, int]], max_shard_size: int) -> list[list[str]]:

@@ -31,47 +31,53 @@ class Tensor:
         return self.shape[::-1] if self.transpose else self.shape
 
 
+def _linear(hf: str, fl: str, module: str, name: str, rows: int, cols: int, bias: bool = False):
+    weight = Tensor(f"{hf}.{module}.weight", (fl, name, "kernel"), (rows, cols), True)
+    if not bias:
+        return [weight]
+    return [weight, Tensor(f"{hf}.{module}.bias", (fl, name, "bias"), (rows,), False)]
+
+
+def _norm(hf: str, fl: str, module: str, name: str, size: int):
+    return [Tensor(f"{hf}.{module}.weight", (fl, name, "weight"), (size,), False)]
+
+
 def tensors(model: Any) -> list[Tensor]:
     """Every tensor a Hugging Face checkpoint of `model` holds, in transformers' order."""
     e, h, kv, d = model.emb_features, model.num_heads, model.kv_heads, model.head_features
+    m, bias = model.mlp_features, model.attention_bias
     out = [Tensor("model.embed_tokens.weight", ("embed_tokens", "embedding"),
                   (model.vocab_size, e), False)]
     for i in range(model.num_layers):
-        hf, fl = f"model.layers.{i}", f"layers_{i}"
-
-        def linear(module, flax_name, rows, cols, bias=False):
-            weight = Tensor(f"{hf}.{module}.weight", (fl, flax_name, "kernel"), (rows, cols), True)
-            if not bias:
-                return [weight]
-            return [weight, Tensor(f"{hf}.{module}.bias", (fl, flax_name, "bias"), (rows,), False)]
-
-        def norm(module, flax_name, size):
-            return Tensor(f"{hf}.{module}.weight", (fl, flax_name, "weight"), (size,), False)
-
-        bias = model.attention_bias
-        out += linear("self_attn.q_proj", "q_proj", h * d, e, bias)
-        out += linear("self_attn.k_proj", "k_proj", kv * d, e, bias)
-        out += linear("self_attn.v_proj", "v_proj", kv * d, e, bias)
-        out += linear("self_attn.o_proj", "o_proj", e, h * d)
+        at = (f"model.layers.{i}", f"layers_{i}")
+        out += _linear(*at, "self_attn.q_proj", "q_proj", h * d, e, bias)
+        out += _linear(*at, "self_attn.k_proj", "k_proj", kv * d, e, bias)
+        out += _linear(*at, "self_attn.v_proj", "v_proj", kv * d, e, bias)
+        out += _linear(*at, "self_attn.o_proj", "o_proj", e, h * d)
         if model.qk_norm:
-            out += [norm("self_attn.q_norm", "q_norm", d), norm("self_attn.k_norm", "k_norm", d)]
-        out += linear("mlp.gate_proj", "gate_proj", model.mlp_features, e)
-        out += linear("mlp.up_proj", "up_proj", model.mlp_features, e)
-        out += linear("mlp.down_proj", "down_proj", e, model.mlp_features)
-        out += [norm("input_layernorm", "input_layernorm", e),
-                norm("post_attention_layernorm", "post_attention_layernorm", e)]
+            out += _norm(*at, "self_attn.q_norm", "q_norm", d)
+            out += _norm(*at, "self_attn.k_norm", "k_norm", d)
+        out += _linear(*at, "mlp.gate_proj", "gate_proj", m, e)
+        out += _linear(*at, "mlp.up_proj", "up_proj", m, e)
+        out += _linear(*at, "mlp.down_proj", "down_proj", e, m)
+        out += _norm(*at, "input_layernorm", "input_layernorm", e)
+        out += _norm(*at, "post_attention_layernorm", "post_attention_layernorm", e)
     out.append(Tensor("model.norm.weight", ("norm", "weight"), (e,), False))
     if not model.tie_embeddings:
         out.append(Tensor("lm_head.weight", ("lm_head", "kernel"), (model.vocab_size, e), True))
     return out
 
 
+TIED_COPY = "lm_head.weight"  # what a tied checkpoint may also store; see `ignorable`
+
+
 def ignorable(name: str, model: Any) -> bool:
     """A tensor present in a checkpoint that loading may skip without changing the model.
 
-    A tied model reads its output projection from the embedding, as transformers does, so a
-    stored `lm_head.weight` copy is skipped too.
+    A tied model reads its output projection from the embedding, so a stored `lm_head.weight`
+    is skipped too, provided it equals the embedding: transformers unties the two when they
+    differ, so the loader checks that (see `Pretrained.load`).
     """
-    if model.tie_embeddings and name == "lm_head.weight":
+    if model.tie_embeddings and name == TIED_COPY:
         return True
     return any(pattern.fullmatch(name) for pattern in IGNORED)

@@ -1,9 +1,9 @@
 """`Pretrained` and `load_pretrained`: Hugging Face checkpoints in and out of the decoder.
 
 `load_pretrained(directory)` reads a local Hugging Face directory (config.json, safetensors,
-tokenizer) into a `CausalTransformer`, its variables and its tokenizer, without torch. Weights stream
-tensor by tensor from disk onto the devices (or a given `jax.sharding`), so the host holds about
-one copy of the model plus one tensor in flight. `Pretrained.save` writes the reverse: safetensors
+tokenizer) into a `CausalTransformer`, its variables and its tokenizer, without torch. Weights
+stream tensor by tensor from disk onto the devices (or a given `jax.sharding`), so the host holds
+one copy of the model plus one scratch tensor. `Pretrained.save` writes the reverse: safetensors
 (bfloat16 by default, sharded above a size), config.json, generation_config.json and the tokenizer,
 staged beside the target and swapped in. `Pretrained.export` yields the same tensors by name
 without touching disk, for pushing weights straight into a serving engine.
@@ -48,6 +48,14 @@ def _dtype(value: Any) -> np.dtype:
     if isinstance(value, str):
         value = _DTYPE_ALIASES.get(value.lower(), value.lower())
     return np.dtype(jnp.dtype(value))
+
+
+def _model_dtype(value: Any) -> Any:
+    """The jnp scalar type (as `models.build` uses) for a float dtype given in any spelling."""
+    name = _dtype(value).name
+    if name not in _SAVE_DTYPES:
+        raise ValueError(f"parameters load as one of {_SAVE_DTYPES}, not {name}")
+    return getattr(jnp, name)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -95,12 +103,16 @@ def _sharding_for(spec: ShardingSpec, path: tuple[str, ...], shape: tuple[int, .
     return spec(path, shape)
 
 
-def _place(array: np.ndarray, sharding: Sharding | None) -> jax.Array:
-    """Put a host array (possibly a strided view) onto devices; jax copies out of the view."""
+def _place(array: np.ndarray, sharding: Sharding | None, *, owned: bool) -> jax.Array:
+    """Put a host array (possibly a strided view) onto devices.
+
+    `owned`: nothing else will touch the array's memory, so a CPU device may adopt it as its
+    buffer instead of copying; otherwise (a reused scratch buffer) a copy is forced.
+    """
     if sharding is None:
-        return jax.device_put(array)
+        return jax.device_put(array, may_alias=owned)
     if sharding.is_fully_addressable:
-        return jax.device_put(array, sharding)
+        return jax.device_put(array, sharding, may_alias=owned)
     # Multi-process: every process reads the same file and fills only its own shards.
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
@@ -126,6 +138,7 @@ class Pretrained:
     generation_config: Mapping[str, Any] | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "config", dict(self.config))  # a private copy
         _, options = families.decoder_options(self.config)
         actual = {key: getattr(self.model, key) for key in options}
         actual["num_kv_heads"] = self.model.kv_heads
@@ -205,11 +218,11 @@ class Pretrained:
         directory = Path(directory)
         config = _read_json(directory / CONFIG)
         _, options = families.decoder_options(config)
-        param_dtype = _dtype(dtype)
+        param_dtype = _model_dtype(dtype)
         model = CausalTransformer(
             **options,
-            dtype=jnp.dtype(_dtype(compute_dtype) if compute_dtype is not None else param_dtype),
-            param_dtype=jnp.dtype(param_dtype),
+            dtype=param_dtype if compute_dtype is None else _model_dtype(compute_dtype),
+            param_dtype=param_dtype,
         )
         generation = directory / GENERATION_CONFIG
         return cls(
@@ -247,20 +260,47 @@ class Pretrained:
         located = files.locate(directory)
         stored = files.headers(located)
         self._check_stored(stored, expected)
+        embedding = expected[0].name
+        if self.model.tie_embeddings and layout.TIED_COPY in located and not files.same_tensor(
+                located, layout.TIED_COPY, embedding):
+            raise CheckpointError(
+                f"tie_word_embeddings is true but the checkpoint's {layout.TIED_COPY} differs "
+                f"from {embedding}; transformers would use them untied, so set "
+                "tie_word_embeddings to false in config.json (or drop the copy)"
+            )
         target = _dtype(self.model.param_dtype)
-        by_name = {t.name: t for t in expected}
+
+        def direct(tensor):  # stored exactly as Flax wants it: read into the final buffer
+            return not tensor.transpose and files.FLOAT_DTYPES[stored[tensor.name][0]] == target
+
+        by_file: dict[Path, list[layout.Tensor]] = {}
+        for tensor in expected:
+            by_file.setdefault(located[tensor.name], []).append(tensor)
+        # Everything else passes through one scratch buffer, sized for the largest such tensor.
+        scratch_bytes = max(
+            [math.prod(t.shape) * files.FLOAT_DTYPES[stored[t.name][0]].itemsize
+             for t in expected if not direct(t)] or [0]
+        )
+        scratch = files.aligned_empty(scratch_bytes) if scratch_bytes else None
         params: dict[str, Any] = {}
-        for name, array in files.read(located, [t.name for t in expected]):
-            tensor = by_name[name]
-            if array.dtype != target:
-                array = array.astype(target)
-            view = array.T if tensor.transpose else array
-            leaf = _place(view, _sharding_for(sharding, tensor.path, tensor.flax_shape))
-            del array, view
-            node = params
-            for key in tensor.path[:-1]:
-                node = node.setdefault(key, {})
-            node[tensor.path[-1]] = leaf
+        for path, group in by_file.items():
+            with files.Reader(path) as reader:
+                for tensor in group:
+                    placement = _sharding_for(sharding, tensor.path, tensor.flax_shape)
+                    if direct(tensor):
+                        leaf = _place(reader.read(tensor.name), placement, owned=True)
+                    else:
+                        array = reader.read(tensor.name, scratch[: reader.nbytes(tensor.name)])
+                        owned = array.dtype != target
+                        if owned:
+                            array = array.astype(target)
+                        leaf = _place(array.T if tensor.transpose else array, placement,
+                                      owned=owned)
+                        leaf.block_until_ready()  # the scratch buffer is reused next
+                    node = params
+                    for key in tensor.path[:-1]:
+                        node = node.setdefault(key, {})
+                    node[tensor.path[-1]] = leaf
         return {"params": params}
 
     def _check_stored(self, stored: Mapping[str, tuple[str, tuple[int, ...]]],

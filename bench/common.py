@@ -1,0 +1,61 @@
+"""Shared pieces of the benchmarks: the model configuration, timing and the machine's peak."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+# An 8M-parameter Llama-architecture decoder (untied head), as the issue's targets assume.
+LLAMA_8M = dict(vocab_size=8192, emb_features=256, num_layers=5, num_heads=4, num_kv_heads=4,
+                mlp_features=704, max_seq_len=512)
+
+
+def threads() -> int:
+    return int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1))
+
+
+def median_seconds(run, repeats: int) -> float:
+    """Median wall time of `repeats` calls of `run` (which must block until done)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def jax_matmul_peak(size: int = 1024, repeats: int = 7) -> float:
+    """float32 matmul FLOP/s that JAX reaches on this machine right now."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
+    mm = jax.jit(lambda x, y: x @ y)
+    mm(a, b).block_until_ready()
+    return 2 * size**3 / median_seconds(lambda: mm(a, b).block_until_ready(), repeats)
+
+
+def torch_llama(config: dict, torch_threads: int):
+    """The same decoder as transformers' LlamaForCausalLM, float32, eager attention."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(torch_threads)
+    torch.manual_seed(0)
+    hf = LlamaConfig(
+        vocab_size=config["vocab_size"], hidden_size=config["emb_features"],
+        intermediate_size=config["mlp_features"], num_hidden_layers=config["num_layers"],
+        num_attention_heads=config["num_heads"], num_key_value_heads=config["num_kv_heads"],
+        max_position_embeddings=config["max_seq_len"], rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=False, attention_bias=False,
+    )
+    return LlamaForCausalLM(hf).float().eval()
+
+
+def report(title: str, rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    print(f"\n== {title}")
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")

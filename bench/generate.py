@@ -1,0 +1,79 @@
+"""Decode throughput of Dew's on-device generation against transformers' `generate`.
+
+Same Llama configuration and weights layout, greedy decoding of a fixed number of new tokens
+(no EOS) after a fixed prompt, at batch 1 and batch 16. Prints tokens/s and the Dew / HF ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import numpy as np  # noqa: E402
+
+from common import LLAMA_8M, median_seconds, report, threads, torch_llama  # noqa: E402
+
+
+def dew_rate(config, batch, prompt_len, new_tokens, repeats):
+    import jax
+    import jax.numpy as jnp
+
+    from dew_lib import models
+    from dew_lib.sampling import Sampling, generate
+
+    model = models.build("causal_transformer", **config)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    prompt = np.random.default_rng(0).integers(0, config["vocab_size"], (batch, prompt_len)).astype(np.int32)
+    lengths = np.full(batch, prompt_len, np.int32)
+
+    def run():
+        out = generate(model, variables, prompt, lengths, key=jax.random.key(0),
+                       max_new_tokens=new_tokens, sampling=Sampling(temperature=0.0))
+        out.tokens.block_until_ready()
+
+    run()
+    return batch * new_tokens / median_seconds(run, repeats)
+
+
+def hf_rate(config, batch, prompt_len, new_tokens, repeats):
+    import torch
+
+    model = torch_llama(config, threads())
+    prompt = torch.from_numpy(np.random.default_rng(0).integers(0, config["vocab_size"], (batch, prompt_len)))
+
+    def run():
+        with torch.inference_mode():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+
+    run()
+    return batch * new_tokens / median_seconds(run, repeats)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    config = dict(LLAMA_8M)
+    rows = []
+    for batch in (1, 16):
+        dew = dew_rate(config, batch, args.prompt, args.new, args.repeats)
+        rows.append((f"batch {batch}: dew tokens/s", f"{dew:,.0f}"))
+        try:
+            hf = hf_rate(config, batch, args.prompt, args.new, args.repeats)
+        except ImportError as error:
+            rows.append((f"batch {batch}: transformers", f"not installed ({error})"))
+            continue
+        rows += [(f"batch {batch}: transformers tokens/s", f"{hf:,.0f}"),
+                 (f"batch {batch}: dew / transformers", f"{dew / hf:.2f}x")]
+    report(f"generate: Llama 8M, prompt {args.prompt}, {args.new} new tokens, greedy, "
+           f"{threads()} threads", rows)
+
+
+if __name__ == "__main__":
+    main()
