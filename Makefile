@@ -27,6 +27,8 @@ bench: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/python bench/train_lm.py
 	$(BIN)/python bench/generate.py
+	$(BIN)/python bench/load_checkpoint.py
+	$(BIN)/python bench/load_data.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 # An 8M-parameter Llama-architecture decoder (untied head), as the issue's targets assume.
@@ -59,3 +62,16 @@ def report(title: str, rows: list[tuple[str, str]]) -> None:
     print(f"\n== {title}")
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+
+
+def in_subprocess(script: str, *args: str) -> dict:
+    """Run `script --child ARGS` in a fresh interpreter and return the JSON it prints last.
+
+    Each side of a comparison gets its own process, so one framework's thread pool never
+    competes with the other's measurement.
+    """
+    out = subprocess.run([sys.executable, script, "--child", *args], capture_output=True,
+                         text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{script} {' '.join(args)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -7,6 +7,7 @@ Same Llama configuration and weights layout, greedy decoding of a fixed number o
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -14,7 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
-from common import LLAMA_8M, median_seconds, report, threads, torch_llama  # noqa: E402
+from common import LLAMA_8M, in_subprocess, median_seconds, report, threads, torch_llama  # noqa: E402
 
 
 def dew_rate(config, batch, prompt_len, new_tokens, repeats):
@@ -57,22 +58,29 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--child", nargs=2, metavar=("SIDE", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     config = dict(LLAMA_8M)
+    if args.child:
+        side, batch = args.child[0], int(args.child[1])
+        rate = (dew_rate if side == "dew" else hf_rate)(config, batch, args.prompt, args.new, args.repeats)
+        print(json.dumps({"rate": rate}))
+        return
     rows = []
+    common = ("--prompt", str(args.prompt), "--new", str(args.new), "--repeats", str(args.repeats))
     for batch in (1, 16):
-        dew = dew_rate(config, batch, args.prompt, args.new, args.repeats)
+        dew = in_subprocess(__file__, "dew", str(batch), *common)["rate"]
         rows.append((f"batch {batch}: dew tokens/s", f"{dew:,.0f}"))
         try:
-            hf = hf_rate(config, batch, args.prompt, args.new, args.repeats)
-        except ImportError as error:
-            rows.append((f"batch {batch}: transformers", f"not installed ({error})"))
+            hf = in_subprocess(__file__, "hf", str(batch), *common)["rate"]
+        except RuntimeError as error:
+            rows.append((f"batch {batch}: transformers", f"failed: {str(error).splitlines()[-1]}"))
             continue
         rows += [(f"batch {batch}: transformers tokens/s", f"{hf:,.0f}"),
                  (f"batch {batch}: dew / transformers", f"{dew / hf:.2f}x")]
     report(f"generate: Llama 8M, prompt {args.prompt}, {args.new} new tokens, greedy, "
-           f"{threads()} threads", rows)
+           f"{threads()} threads, each side in its own process", rows)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 import time
@@ -17,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
-from common import LLAMA_8M, jax_matmul_peak, median_seconds, report, threads, torch_llama  # noqa: E402
+from common import LLAMA_8M, in_subprocess, jax_matmul_peak, median_seconds, report, threads, torch_llama  # noqa: E402
 
 
 def model_flops_per_token(config: dict, seq: int) -> float:
@@ -71,30 +72,42 @@ def main():
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    parser.add_argument("--child", choices=("peak", "dew", "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     config = dict(LLAMA_8M)
-    peak = jax_matmul_peak()
-    start = time.perf_counter()
-    dew, compilations = dew_tokens_per_second(config, args.batch, args.seq, args.steps)
-    dew_seconds = time.perf_counter() - start
-    flops = dew * model_flops_per_token(config, args.seq)
+    if args.child:
+        if args.child == "peak":
+            print(json.dumps({"flops": jax_matmul_peak()}))
+        elif args.child == "dew":
+            start = time.perf_counter()
+            rate, compilations = dew_tokens_per_second(config, args.batch, args.seq, args.steps)
+            print(json.dumps({"rate": rate, "compilations": compilations,
+                              "seconds": time.perf_counter() - start}))
+        else:
+            print(json.dumps({"rate": torch_tokens_per_second(config, args.batch, args.seq, args.steps)}))
+        return
+    shape = ("--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps))
+    peak = in_subprocess(__file__, "peak")["flops"]
+    dew = in_subprocess(__file__, "dew", *shape)
+    flops = dew["rate"] * model_flops_per_token(config, args.seq)
     rows = [
         ("machine f32 matmul peak (JAX)", f"{peak / 1e9:.1f} GFLOP/s"),
-        ("dew tokens/s", f"{dew:,.0f}"),
+        ("dew tokens/s", f"{dew['rate']:,.0f}"),
         ("dew model FLOP/s", f"{flops / 1e9:.1f} GFLOP/s"),
         ("dew MFU vs measured peak", f"{flops / peak:.2f}"),
-        ("dew train-step compilations", str(compilations)),
-        ("dew wall time incl. compile", f"{dew_seconds:.1f} s"),
+        ("dew train-step compilations", str(dew["compilations"])),
+        ("dew wall time incl. compile", f"{dew['seconds']:.1f} s"),
     ]
     if not args.no_torch:
         try:
-            torch_rate = torch_tokens_per_second(config, args.batch, args.seq, args.steps)
-        except ImportError as error:
-            rows.append(("torch", f"not installed ({error}); `pip install -e '.[bench]'`"))
+            torch_rate = in_subprocess(__file__, "torch", *shape)["rate"]
+        except RuntimeError as error:
+            rows.append(("torch", f"failed: {str(error).splitlines()[-1]}; `pip install -e '.[bench]'`"))
         else:
             rows += [("torch tokens/s", f"{torch_rate:,.0f}"),
-                     ("dew / torch", f"{dew / torch_rate:.2f}x")]
-    report(f"train_lm: Llama 8M, batch {args.batch} x {args.seq}, float32, {threads()} threads", rows)
+                     ("dew / torch", f"{dew['rate'] / torch_rate:.2f}x")]
+    report(f"train_lm: Llama 8M, batch {args.batch} x {args.seq}, float32, {threads()} threads, "
+           "each side in its own process", rows)
 
 
 if __name__ == "__main__":

@@ -138,10 +138,10 @@ def _pack_cache(kvs, prompt_length, width, slots, dtype) -> KVCache:
     source = jnp.clip(jnp.arange(width)[None, :] + pad[:, None], 0, width - 1)  # [B, P]
     valid = (jnp.arange(width)[None, :] < prompt_length[:, None])[:, :, None, None]
 
-    def pack(x):
+    def pack(x):  # [B, P, KV, D] -> [B, KV, slots, D]
         moved = jnp.take_along_axis(x, source[:, :, None, None], axis=1)
-        moved = jnp.where(valid, moved, 0).astype(dtype)
-        return jnp.pad(moved, ((0, 0), (0, slots - width), (0, 0), (0, 0)))
+        moved = jnp.where(valid, moved, 0).astype(dtype).transpose(0, 2, 1, 3)
+        return jnp.pad(moved, ((0, 0), (0, 0), (0, slots - width), (0, 0)))
 
     keys = tuple(pack(k) for k, _ in kvs)
     values = tuple(pack(v) for _, v in kvs)

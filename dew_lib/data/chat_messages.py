@@ -29,41 +29,15 @@ from typing import Any
 
 import numpy as np
 
-from dew_lib.data.dataset import Batch, Dataset, Partition
-from dew_lib.data.loader import Pipeline
+from dew_lib.data.dataset import Batch, Dataset
+from dew_lib.data.encoders import ChatEncoder
+from dew_lib.data.loader import Pipeline, rows_per_process
 from dew_lib.data.loading import Loading
 from dew_lib.data.readers import DataError, HFOptions, PathLike, read_rows, require_columns
 from dew_lib.data.template import check_boundaries, check_messages, label
 from dew_lib.data.tokenizer import Renderer, TokenizerSpec, resolve_template
 
 OVERFLOW = ("truncate", "raise")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ChatEncoder:
-    """Conversations -> (ids, roles), run in worker processes."""
-
-    spec: TokenizerSpec
-    width: int
-    overflow: str
-
-    def __call__(self, records: Sequence[tuple]) -> list[tuple[np.ndarray, np.ndarray]]:
-        renderer = self.spec.renderer()
-        out = []
-        for messages, tools, where in records:
-            ids, roles = label(renderer, messages, tools, where)
-            if ids.size > self.width:
-                if self.overflow == "raise":
-                    raise DataError(
-                        f"{where}: the conversation has {ids.size} tokens, more than seq_len + 1 = "
-                        f"{self.width}; raise seq_len, shorten it, or use overflow='truncate'"
-                    )
-                ids, roles = ids[:self.width], roles[:self.width]
-            out.append((ids, roles))
-        return out
-
-    def lengths(self, records: Sequence[tuple]) -> list[int]:
-        return [ids.size for ids, _ in self(records)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,15 +66,6 @@ class ChatLayout:
             positions[row, offset:end] = np.arange(ids.size, dtype=np.int32)
         return {"text": text, "text_roles": roles, "text_segment_ids": segments,
                 "text_positions": positions}
-
-
-def rows_per_process(batch: int, partition: Partition) -> int:
-    if batch % partition.count:
-        raise ValueError(
-            f"batch={batch} rows do not divide across {partition.count} processes; make the batch "
-            f"a multiple of {partition.count}"
-        )
-    return batch // partition.count
 
 
 def _parse_json_field(value: Any, name: str, where: str) -> Any:
@@ -220,6 +185,7 @@ class ChatMessages:
         if self.val_path is not None:
             val = Pipeline(self.conversations(self.val_path, self.val_split), encoder, layout,
                            self.loading, share=train)
+        train.pool()  # start the workers now: they load while the caller builds the model
         return Dataset(
             train=lambda partition: train.train(partition, rows_per_process(batch, partition)),
             val=None if val is None else (
@@ -229,4 +195,4 @@ class ChatMessages:
         )
 
 
-__all__ = ["ChatEncoder", "ChatLayout", "ChatMessages"]
+__all__ = ["ChatLayout", "ChatMessages"]

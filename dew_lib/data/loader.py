@@ -7,8 +7,9 @@ A loader hands this module its records (plain Python objects, already validated)
 - orders records: epoch e is a permutation seeded by `(Loading.seed, e)`, and a process takes
   the share `order[partition.index::partition.count]` (cut to an equal length for every process);
   the training stream is the epochs one after another, without end;
-- encodes chunks of records on `Loading.workers` processes (or in the producer thread when it is
-  0), keeping chunk order, so batches never depend on the number of workers;
+- encodes chunks of records on `Loading.workers` worker processes (worker.py), or in the
+  producer thread when it is 0, keeping chunk order, so batches never depend on the number of
+  workers;
 - places items first-fit into the rows of the current batch; an item that fits nowhere closes
   the batch and opens the next, so batch n starts at a record that only lengths decide;
 - prepares `Loading.read_buffer` batches ahead on a background thread;
@@ -22,24 +23,26 @@ Not here: reading files (readers.py) or anything format-specific (the loaders' o
 from __future__ import annotations
 
 import collections
-import multiprocessing
 import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
 
 from dew_lib.data.dataset import Batch, Partition
 from dew_lib.data.loading import Loading
+from dew_lib.data.worker import WorkerPool
 
 CHUNK = 32  # records per encoding task: large enough to amortize IPC, small enough to balance
 
 
 class Encoder(Protocol):
-    """Turns records into encoded items; runs in worker processes, so it must pickle."""
+    """Turns records into encoded items; runs in worker processes, so it must pickle.
+
+    An encoder may also have `setup() -> [(function, argument)]`: calls each worker runs first.
+    """
 
     def __call__(self, records: Sequence[Any]) -> list[Any]: ...
 
@@ -47,10 +50,10 @@ class Encoder(Protocol):
 
 
 class Layout(Protocol):
-    """How encoded items become one batch of `rows` rows, `width` slots each."""
+    """How encoded items become one batch of `rows` rows, `width` slots each (1 for one item a row)."""
 
     width: int
-    fixed_length: int | None  # every item's length, when it is known without encoding
+    fixed_length: int | None  # every item's length in slots, when it is known without encoding
 
     def length(self, item: Any) -> int: ...
 
@@ -106,13 +109,6 @@ class Order:
         return int(self.epoch(epoch)[offset])
 
 
-def _context():
-    try:
-        return multiprocessing.get_context("forkserver")
-    except ValueError:  # platforms without fork (Windows)
-        return multiprocessing.get_context("spawn")
-
-
 class Pipeline:
     """Records, their encoder and layout, and the worker pool that the loader's streams share."""
 
@@ -121,30 +117,29 @@ class Pipeline:
         self.records, self.encoder, self.layout, self.loading = records, encoder, layout, loading
         self.lengths = np.full(len(records), -1, np.int64)  # cached item lengths, -1 = unknown
         self._share = share  # another pipeline whose worker pool this one uses (validation)
-        self._pool: Executor | None = None
+        self._pool: WorkerPool | None = None
         self._lock = threading.Lock()
 
-    def pool(self) -> Executor | None:
+    def pool(self) -> WorkerPool | None:
         if self.loading.workers == 0:
             return None
         if self._share is not None:
             return self._share.pool()
         with self._lock:
             if self._pool is None:
-                # forkserver (or spawn): workers never inherit JAX's threads from this process.
-                self._pool = ProcessPoolExecutor(self.loading.workers, mp_context=_context())
-                weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+                self._pool = WorkerPool(self.loading.workers, getattr(self.encoder, "setup", None))
+                weakref.finalize(self, self._pool.shutdown)
             return self._pool
 
     def close(self) -> None:
         with self._lock:
             if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool.shutdown()
                 self._pool = None
 
     def map_chunks(self, function: Callable, indices: Iterator[np.ndarray],
                    stop: threading.Event | None = None) -> Iterator[tuple[np.ndarray, list]]:
-        """Apply `function` to chunks of records in order, `workers` chunks at a time in flight."""
+        """Apply `function` to chunks of records, in order; on workers, several chunks in flight."""
         pool = self.pool()
         if pool is None:
             for chunk in indices:
@@ -190,6 +185,16 @@ class Pipeline:
         lo, hi = partition.index * rows, (partition.index + 1) * rows
         for batch in stream:
             yield {name: value[lo:hi] for name, value in batch.items()}
+
+
+def rows_per_process(batch: int, partition: Partition) -> int:
+    """This process's rows of a global batch; every process gets the same number."""
+    if batch % partition.count:
+        raise ValueError(
+            f"batch={batch} rows do not divide across {partition.count} processes; make the batch "
+            f"a multiple of {partition.count}"
+        )
+    return batch // partition.count
 
 
 class _Failure:
@@ -332,4 +337,4 @@ class BatchStream(Iterator[Batch]):
             self._start = self._record_of_batch(self.position)
 
 
-__all__ = ["BatchStream", "CHUNK", "Encoder", "Layout", "Order", "Pipeline", "Planner"]
+__all__ = ["BatchStream", "CHUNK", "Encoder", "Layout", "Order", "Pipeline", "Planner", "rows_per_process"]

@@ -26,11 +26,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dew_lib.data.errors import DataError
+
 PathLike = str | os.PathLike
-
-
-class DataError(ValueError):
-    """A record or option that a loader cannot turn into a correct batch; the message says where."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,7 +83,7 @@ class ListRows(Rows):
         self.records, self.files, self.file_of, self.line_of = records, files, file_of, line_of
         self.unit, self.source = unit, source
         names: dict[str, None] = {}
-        for record in records[:1000]:
+        for record in records:
             names.update(dict.fromkeys(record))
         self.columns = tuple(names)
 
@@ -319,6 +317,16 @@ def read_rows(path: PathLike | Sequence[PathLike], *, split: str | None = None,
     raise DataError(f"cannot mix file types in one source: {names}; give all .parquet or all .jsonl files")
 
 
+def open_source(records, path, *, split, options, threads, owner: str) -> Rows:
+    """Rows from exactly one of in-memory `records` and a `path`."""
+    if (records is None) == (path is None):
+        raise ValueError(f"{owner} takes exactly one source: records= (JSON strings) or path=, not "
+                         f"{'both' if records is not None else 'neither'}")
+    if records is not None:
+        return rows_from_records(records, f"{owner}.records")
+    return read_rows(path, split=split, options=options, threads=threads)
+
+
 def require_columns(rows: Rows, needed: Sequence[str], what: str) -> None:
     """Refuse a columnar source that lacks a column every record needs."""
     if isinstance(rows, ArrowRows):
@@ -328,6 +336,31 @@ def require_columns(rows: Rows, needed: Sequence[str], what: str) -> None:
                 f"{rows.source}: missing column {missing[0]!r} needed for {what}; the columns are "
                 f"{list(rows.columns)}"
             )
+
+
+def token_ids(value: Any, field: str, where: str) -> np.ndarray:
+    """A list of token ids as int32, refusing booleans, non-integers, negatives and int32 overflow."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or value.dtype.kind not in "iu":
+            raise DataError(f"{where}: field {field!r} must be a flat list of integer token ids, got "
+                            f"an array of {value.dtype} with shape {value.shape}")
+        items = value.tolist()
+    elif isinstance(value, (list, tuple)):
+        items = value
+    else:
+        raise DataError(f"{where}: field {field!r} must be a list of token ids, got {type(value).__name__}")
+    for j, item in enumerate(items):
+        if isinstance(item, bool) or not isinstance(item, (int, np.integer)):
+            raise DataError(
+                f"{where}: field {field!r} item {j} is {item!r} ({type(item).__name__}); token ids "
+                "must be integers"
+            )
+        if item < 0 or item > 2**31 - 1:
+            raise DataError(
+                f"{where}: field {field!r} item {j} is {item}; token ids must be non-negative "
+                "integers below 2**31"
+            )
+    return np.asarray(items, np.int32)
 
 
 def json_text(value: Any) -> str:
@@ -348,4 +381,4 @@ def _jsonable(value):
 
 
 __all__ = ["ArrowRows", "DataError", "HFOptions", "ListRows", "Rows", "json_text", "read_rows",
-           "require_columns", "rows_from_records"]
+           "open_source", "require_columns", "rows_from_records", "token_ids"]

@@ -15,6 +15,12 @@ conversation is refused with its index and the first differing token rather than
 wrong masks. Passing the check does not prove the masks right for every template: look at the
 tokens and roles of a few conversations before a long run.
 
+Encoding every prefix from scratch would tokenize a conversation several times over. A render
+that extends the previous one as a string, at a point where the tokenizer cuts its input anyway
+(an added token such as `<|im_start|>`), is encoded as the previous ids plus the ids of the new
+text, which is exactly what encoding it whole gives (`Renderer.splits_at`); anything else is
+encoded whole, so the prefix check always compares exact tokens.
+
 Consecutive messages of one non-assistant role (several tool responses in a row) are rendered as
 one block; a template may merge them. A boundary between two prompt roles that the template
 cannot render on its own (some refuse a conversation without a user message) is skipped, and
@@ -29,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from dew_lib.data.chat import Role
-from dew_lib.data.readers import DataError
+from dew_lib.data.errors import DataError
 from dew_lib.data.tokenizer import Renderer
 
 ROLES = {"system": Role.SYSTEM, "user": Role.USER, "assistant": Role.ASSISTANT, "tool": Role.TOOL}
@@ -121,33 +127,19 @@ def _rewrite(renderer: Renderer, where: str, what: str, short: list[int], long: 
     )
 
 
-def label(renderer: Renderer, messages: Sequence[Mapping], tools: Sequence | None,
-          where: str) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids (int32) and roles (int8) of one conversation; see the module docstring."""
+def _requests(messages: Sequence[Mapping]) -> list[tuple[int, int, str, int | None, int, bool]]:
+    """Per block: (start, end, role, header prefix length or None, full prefix length, soft)."""
     blocks = _blocks(messages)
-    texts: list[str] = []
-    plan: list[tuple[int, int, str, int | None, int]] = []  # (start, end, role, header, full)
-
-    def render(count, generation=False, soft=False):
-        try:
-            texts.append(renderer.render(messages[:count], tools, generation))
-            return len(texts) - 1
-        except Exception as error:
-            if soft:
-                return None
-            raise DataError(
-                f"{where}: the chat template failed on messages[:{count}]"
-                f"{' with the generation prompt' if generation else ''}: {type(error).__name__}: {error}"
-            ) from None
-
+    out = []
     for b, (start, end, role) in enumerate(blocks):
-        header = render(start, generation=True) if role == "assistant" else None
         following = blocks[b + 1][2] if b + 1 < len(blocks) else "assistant"
         soft = role != "assistant" and following != "assistant"
-        full = render(end, soft=soft)
-        plan.append((start, end, role, header, full))
-    ids = renderer.encode(texts)
+        out.append((start, end, role, start if role == "assistant" else None, end, soft))
+    return out
 
+
+def _assemble(renderer: Renderer, plan, ids: Sequence[list[int]], where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Roles from the tokenized renders; plan rows are (start, end, role, header, full) indices."""
     roles: list[int] = []
     previous: list[int] = []
     for start, end, role, header, full in plan:
@@ -155,8 +147,8 @@ def label(renderer: Renderer, messages: Sequence[Mapping], tools: Sequence | Non
             continue
         tokens = ids[full]
         if tokens[:len(previous)] != previous:
-            raise _rewrite(renderer, where, f"when messages {start}..{end - 1} ({role}) are added",
-                           previous, tokens)
+            added = f"message {start} ({role}) is" if end == start + 1 else f"messages {start}..{end - 1} ({role}) are"
+            raise _rewrite(renderer, where, f"when {added} added", previous, tokens)
         if role == "assistant":
             prompt = ids[header]
             if prompt[:len(previous)] != previous:
@@ -176,4 +168,80 @@ def label(renderer: Renderer, messages: Sequence[Mapping], tools: Sequence | Non
     return np.asarray(previous, np.int32), np.asarray(roles, np.int8)
 
 
-__all__ = ["ROLES", "TemplateRewrite", "check_boundaries", "check_messages", "label"]
+def label(renderer: Renderer, messages: Sequence[Mapping], tools: Sequence | None,
+          where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (int32) and roles (int8) of one conversation; see the module docstring."""
+    texts: list[str] = []
+
+    def render(count, generation=False, soft=False):
+        try:
+            texts.append(renderer.render(messages[:count], tools, generation))
+            return len(texts) - 1
+        except Exception as error:
+            if soft:
+                return None
+            raise DataError(
+                f"{where}: the chat template failed on messages[:{count}]"
+                f"{' with the generation prompt' if generation else ''}: {type(error).__name__}: {error}"
+            ) from None
+
+    plan, bases, previous = [], [], None
+    for start, end, role, header, full, soft in _requests(messages):
+        if header is not None:
+            header = render(header, generation=True)
+            if header is not None:
+                bases.append(previous)
+        full = render(full, soft=soft)
+        if full is not None:
+            bases.append(previous)
+            previous = full
+        plan.append((start, end, role, header, full))
+    return _assemble(renderer, plan, renderer.encode_extending(texts, bases), where)
+
+
+def label_many(renderer: Renderer, conversations: Sequence[tuple]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`label` for (messages, tools, where) conversations, rendering and encoding them together.
+
+    Conversations without tool schemas share two batched renders and one tokenizer call, which
+    saves the per-call overhead of transformers; anything that fails there is redone one at a
+    time so that errors and skipped boundaries come out exactly as `label` gives them.
+    """
+    out: list = [None] * len(conversations)
+    batched = [i for i, (_, tools, _) in enumerate(conversations) if not tools]
+    requests: list[tuple[Sequence[Mapping], bool]] = []  # (prefix, with generation prompt)
+    bases: list[int | None] = []  # the render each one extends: the previous full render
+    plans = {}
+    for i in batched:
+        messages = conversations[i][0]
+        plan, previous = [], None
+        for start, end, role, header, full, _ in _requests(messages):
+            if header is not None:
+                requests.append((messages[:header], True))
+                bases.append(previous)
+                header = len(requests) - 1
+            requests.append((messages[:full], False))
+            bases.append(previous)
+            previous = len(requests) - 1
+            plan.append((start, end, role, header, previous))
+        plans[i] = plan
+    try:
+        plain = [k for k, (_, generation) in enumerate(requests) if not generation]
+        prompted = [k for k, (_, generation) in enumerate(requests) if generation]
+        texts = [""] * len(requests)
+        for indices, generation in ((plain, False), (prompted, True)):
+            for k, text in zip(indices, renderer.render_many([requests[k][0] for k in indices], generation),
+                               strict=True):
+                texts[k] = text
+    except Exception:  # a template that refuses some prefix: label one by one below
+        batched = []
+    if batched:
+        ids = renderer.encode_extending(texts, bases)
+        for i in batched:
+            out[i] = _assemble(renderer, plans[i], ids, conversations[i][2])
+    for i, (messages, tools, where) in enumerate(conversations):
+        if out[i] is None:
+            out[i] = label(renderer, messages, tools, where)
+    return out
+
+
+__all__ = ["ROLES", "TemplateRewrite", "check_boundaries", "check_messages", "label", "label_many"]

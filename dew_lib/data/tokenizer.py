@@ -1,9 +1,10 @@
 """Tokenizers and chat templates, loaded offline and once per process.
 
-`TokenizerSpec` is the picklable description a loader hands to its worker processes; each process
-loads the tokenizer itself (through `AutoTokenizer` with `local_files_only=True`) and caches it.
-A Hub name works only when the tokenizer is already in the local Hugging Face cache: Dew never
-downloads at load time, so a training job cannot stall or change under it because of the network.
+`load_tokenizer` goes through `AutoTokenizer` with `local_files_only=True`: a Hub name works only
+when the tokenizer is already in the local Hugging Face cache. Dew never downloads at load time,
+so a training job cannot stall or change under it because of the network. `TokenizerSpec` is the
+picklable description a loader hands to its worker processes, and `shipment` sends them the
+training process's own tokenizer, so every process encodes with the very same object state.
 
 `Renderer` renders conversations with the tokenizer's chat template (or one given in its place)
 through `apply_chat_template(tokenize=False)` and encodes the text exactly as
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dew_lib.data.readers import DataError
+from dew_lib.data.errors import DataError
 
 _TOKENIZERS: dict[str, Any] = {}
 _LOCK = threading.Lock()
@@ -52,6 +55,42 @@ def load_tokenizer(name: str | os.PathLike) -> Any:
         ) from None
     with _LOCK:
         return _TOKENIZERS.setdefault(key, tokenizer)
+
+
+_ADDED: dict[int, tuple] = {}  # id(tokenizer) -> (tokenizer, starters, spans); holds the tokenizer
+
+
+def _added_tokens(tokenizer: Any) -> tuple[tuple[str, ...], list[tuple[int, Any]]]:
+    """(added tokens that can start an exact split, [(length, regex of the added tokens of that
+    length)]) for one tokenizer, cached."""
+    key = id(tokenizer)
+    if key not in _ADDED:
+        added = list(tokenizer.added_tokens_decoder.values())
+        starters = tuple(a.content for a in added if a.content and not (a.lstrip or a.single_word or a.normalized))
+        by_length: dict[int, list[str]] = {}
+        for a in added:
+            if len(a.content) > 1:
+                by_length.setdefault(len(a.content), []).append(re.escape(a.content))
+        spans = [(length, re.compile("|".join(contents))) for length, contents in sorted(by_length.items())]
+        _ADDED[key] = (tokenizer, starters, spans)  # keeping the tokenizer keeps its id unique
+    return _ADDED[key][1:]
+
+
+def install_tokenizer(argument: tuple[str, bytes]) -> None:
+    """Worker side of `shipment`: put a pickled tokenizer in this process's cache under its name."""
+    name, blob = argument
+    with _LOCK:
+        _TOKENIZERS[name] = pickle.loads(blob)
+
+
+def shipment(name: str | os.PathLike) -> tuple[Any, tuple[str, bytes]]:
+    """`(install_tokenizer, argument)` that gives a worker this process's tokenizer.
+
+    Unpickling a tokenizer is faster than building it from its files, and unlike AutoTokenizer it
+    does not import PyTorch where PyTorch is installed: it halves a worker's start-up.
+    """
+    key = os.fspath(name)
+    return install_tokenizer, (key, pickle.dumps(load_tokenizer(key), protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def resolve_template(chat_template: str | os.PathLike | None) -> str | None:
@@ -109,6 +148,51 @@ class Renderer:
             tokenize=False, **self.kwargs,
         )
 
+    def render_many(self, conversations: Sequence[Sequence[Mapping]], generation: bool = False) -> list[str]:
+        """`render` for several conversations without tools, in one apply_chat_template call."""
+        if not conversations:
+            return []
+        return self.tokenizer.apply_chat_template(
+            [list(c) for c in conversations], chat_template=self.template, add_generation_prompt=generation,
+            tokenize=False, **self.kwargs,
+        )
+
+    def splits_at(self, text: str, at: int) -> bool:
+        """Whether encoding `text` equals encoding `text[:at]` and `text[at:]` apart and joining.
+
+        Tokenizers cut their input at added tokens (`<|im_start|>` ...) before normalizing,
+        pre-tokenizing or merging, and encode the pieces between them independently. So the split is
+        exact when an added token starts at `at` that takes nothing from its left (no lstrip, no
+        word-boundary rule, matched on raw text) and no added token spans `at`.
+        """
+        starters, spans = _added_tokens(self.tokenizer)
+        if not text.startswith(starters, at):
+            return False
+        for length, pattern in spans:
+            if pattern.search(text, max(0, at - length + 1), at + length - 1):
+                return False  # any match in that window covers both sides of `at`
+        return True
+
+    def encode_extending(self, texts: Sequence[str], bases: Sequence[int | None]) -> list[list[int]]:
+        """Ids of each text, as `encode`; a text that extends an earlier one (`bases[i] = j < i`)
+        at an exact split is encoded as the earlier text's ids plus the ids of its new part."""
+        pieces: list[str] = []
+        plan: list[tuple[int | None, int]] = []
+        for text, base in zip(texts, bases, strict=True):
+            if base is not None:
+                head = texts[base]
+                if text.startswith(head) and self.splits_at(text, len(head)):
+                    plan.append((base, len(pieces)))
+                    pieces.append(text[len(head):])
+                    continue
+            plan.append((None, len(pieces)))
+            pieces.append(text)
+        encoded = self.encode(pieces)
+        out: list[list[int]] = []
+        for base, piece in plan:
+            out.append(encoded[piece] if base is None else out[base] + encoded[piece])
+        return out
+
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Ids of each text with no special tokens added, as apply_chat_template(tokenize=True)."""
         with _ENCODE:
@@ -123,4 +207,4 @@ class Renderer:
         return self.tokenizer.decode(list(ids))
 
 
-__all__ = ["Renderer", "TokenizerSpec", "load_tokenizer", "resolve_template"]
+__all__ = ["Renderer", "TokenizerSpec", "install_tokenizer", "load_tokenizer", "resolve_template", "shipment"]

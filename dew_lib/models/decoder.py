@@ -26,7 +26,10 @@ _NEG = -1e30  # finite, so a row with nothing to attend to gives no NaN
 
 
 class KVCache(NamedTuple):
-    """Per-layer keys and values `[B, T, KV, D]` and how many slots of each row are filled `[B]`."""
+    """Per-layer keys and values `[B, KV, T, D]` and how many slots of each row are filled `[B]`.
+
+    Head-major, so each decode step's attention reads the cache without transposing it.
+    """
 
     keys: tuple[jax.Array, ...]
     values: tuple[jax.Array, ...]
@@ -64,6 +67,17 @@ def attend(q, k, v, mask):
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqt,btkd->bqkgd", weights, v)
     return out.reshape(b, sq, h * d)
+
+
+def attend_cached(q, k, v, visible):
+    """One query per row against a head-major cache: q `[B, 1, H, D]`, k/v `[B, KV, T, D]`."""
+    b, _, h, d = q.shape
+    kv = k.shape[1]
+    q = q.reshape(b, kv, h // kv, d)
+    scores = jnp.einsum("bkgd,bktd->bkgt", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(visible[:, None, None, :], scores * (d**-0.5), _NEG)  # [B, KV, G, T]
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgt,bktd->bkgd", weights, v).reshape(b, 1, h * d)
 
 
 class Block(nn.Module):
@@ -185,6 +199,23 @@ class CausalTransformer(nn.Module):
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)
 
+    def target_scores(self, hidden, targets):
+        """Scores of `targets` `[B, S]` under the output head without a vocabulary-wide gather.
+
+        Returns `(log_probs, is_top)`, both `[B, S]`: log p(target) in float32 and whether the
+        target has the highest logit. The target's logit comes from its own output row, so the
+        backward pass never scatters into the `[B, S, V]` logits gradient.
+        """
+        logits = self.logits(hidden)  # [B, S, V]
+        if self.tie_embeddings:
+            rows = self.embed_tokens.embedding[targets]  # [B, S, E]
+        else:
+            rows = jnp.take(self.lm_head.variables["params"]["kernel"], targets, axis=1)  # [E, B, S]
+            rows = jnp.moveaxis(rows, 0, -1)
+        picked = jnp.einsum("bse,bse->bs", hidden.astype(jnp.float32), rows.astype(jnp.float32))
+        log_probs = picked - jax.nn.logsumexp(logits, axis=-1)
+        return log_probs, picked >= jnp.max(logits, axis=-1)
+
     def hidden(self, tokens, segment_ids=None, positions=None, *, return_kv=False):
         """Final normed hidden states `[B, S, E]` (and each layer's keys and values if asked)."""
         b, s = tokens.shape
@@ -223,7 +254,7 @@ class CausalTransformer(nn.Module):
         Returns logits `[B, V]` and the updated cache.
         """
         b = tokens.shape[0]
-        slots = cache.keys[0].shape[1]
+        slots = cache.keys[0].shape[2]
         positions = cache.lengths[:, None]  # [B, 1]
         write_at = jnp.where(active, cache.lengths, slots)  # out of range: dropped
         rows = jnp.arange(b)
@@ -231,10 +262,10 @@ class CausalTransformer(nn.Module):
         x = self.embed_tokens(tokens[:, None])
         keys, values = [], []
         for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values, strict=True):
-            q, k, v = layer.qkv(x, positions)
-            k_cache = k_cache.at[rows, write_at].set(k[:, 0].astype(k_cache.dtype), mode="drop")
-            v_cache = v_cache.at[rows, write_at].set(v[:, 0].astype(v_cache.dtype), mode="drop")
-            x = layer.finish(x, attend(q, k_cache, v_cache, visible[:, None, :]))
+            q, k, v = layer.qkv(x, positions)  # [B, 1, H or KV, D]
+            k_cache = k_cache.at[rows, :, write_at].set(k[:, 0].astype(k_cache.dtype), mode="drop")
+            v_cache = v_cache.at[rows, :, write_at].set(v[:, 0].astype(v_cache.dtype), mode="drop")
+            x = layer.finish(x, attend_cached(q, k_cache, v_cache, visible))
             keys.append(k_cache)
             values.append(v_cache)
         logits = self.logits(self.norm(x))[:, 0]
@@ -243,7 +274,7 @@ class CausalTransformer(nn.Module):
 
     def empty_cache(self, batch: int, slots: int) -> KVCache:
         """A zeroed cache with room for `slots` tokens per row."""
-        shape = (batch, slots, self.kv_heads, self.head_features)
+        shape = (batch, self.kv_heads, slots, self.head_features)
 
         def layers():
             return tuple(jnp.zeros(shape, self.dtype) for _ in range(self.num_layers))

@@ -28,6 +28,19 @@ def token_log_probs(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
+def score_targets(model, params, inputs, targets, segments=None, positions=None):
+    """log p(target) and whether it was the argmax, `[B, S]` each, for any decoder.
+
+    Models with a `target_scores` method (the causal transformer) skip the vocabulary-wide
+    gather; others are scored from their full logits.
+    """
+    if hasattr(model, "target_scores"):
+        hidden = model.apply(params, inputs, segments, positions, method=model.hidden)
+        return model.apply(params, hidden, targets, method=model.target_scores)
+    logits = model.apply(params, inputs, segments, positions)
+    return token_log_probs(logits, targets), jnp.argmax(logits, axis=-1) == targets
+
+
 class LMObjective:
     """Language-model loss over `text`, counting only `loss_role` targets when it is set."""
 
@@ -87,25 +100,23 @@ class LMObjective:
                 )
 
     def _targets(self, params, batch):
-        """Per-target log-probs, weights and the number of correct argmax predictions."""
+        """Per-target log-probs, weights and whether each target was the top prediction."""
         text = batch["text"]
         inputs, targets = text[:, :-1], text[:, 1:]
         segments = batch.get("text_segment_ids")
         positions = batch.get("text_positions")
-        logits = self.model.apply(
-            params, inputs,
+        log_probs, top = score_targets(
+            self.model, params, inputs, targets,
             None if segments is None else segments[:, :-1],
             None if positions is None else positions[:, :-1],
-        )  # [B, L, V]
-        log_probs = token_log_probs(logits, targets)  # [B, L]
+        )  # [B, L] each
         weights = jnp.ones(targets.shape, jnp.float32)
         if segments is not None:
             same_document = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
             weights = weights * same_document
         if self.loss_role is not None:
             weights = weights * (batch["text_roles"][:, 1:] == int(self.loss_role))
-        correct = (jnp.argmax(logits, axis=-1) == targets) * weights
-        return log_probs, weights, correct
+        return log_probs, weights, top * weights
 
     def terms(self, params, batch, *, step, reference, key) -> LossTerms:
         del step, reference, key

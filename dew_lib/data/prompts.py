@@ -1,0 +1,214 @@
+"""Prompts: prompt ids and reward metadata for GRPO, from Parquet or JSON records (verl's layout too).
+
+Each record has a `prompt` (token ids, a string, or a list of chat messages) and optional reward
+fields `data_source`, `ground_truth` and `extra_info`. verl's parquet is read as it is: its
+`reward_model.ground_truth` is the ground truth, `tools_kwargs` stays inside `extra_info` (a
+top-level `tools_kwargs` column is moved there), and `ability` and `agent_name` are read and
+dropped. Missing reward fields become empty strings; values that are not strings travel as JSON
+text. `load(batch=B)` returns batches of
+
+    prompt         [B, P] int32   left-padded with pad_id; a longer prompt keeps its end
+    prompt_length  [B]    int32   real tokens at the end of each row
+    data_source, ground_truth, extra_info
+                   [B, W] int32   UTF-8 bytes, zero-padded on the right; W is the longest value
+                                  of that field in the data, so every batch has one shape
+
+with P = max_prompt_len. `text_field` turns a metadata array back into strings. Strings are
+tokenized with the tokenizer's special tokens (e.g. BOS); messages through the chat template with
+the generation prompt. Token-id prompts never load a tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from dew_lib.data.dataset import Batch, Dataset
+from dew_lib.data.encoders import PromptEncoder
+from dew_lib.data.loader import Pipeline, rows_per_process
+from dew_lib.data.loading import Loading
+from dew_lib.data.readers import (DataError, HFOptions, PathLike, Rows, json_text, open_source,
+                                  require_columns, token_ids)
+from dew_lib.data.template import check_messages
+from dew_lib.data.tokenizer import TokenizerSpec, resolve_template
+
+METADATA = ("data_source", "ground_truth", "extra_info")
+
+
+def text_field(values: np.ndarray) -> list[str]:
+    """The strings of a `[B, W]` UTF-8 metadata array (trailing zero bytes removed)."""
+    return [bytes(np.asarray(row, np.uint8)).rstrip(b"\0").decode("utf-8") for row in np.asarray(values)]
+
+
+def prompt_kind(value: Any, where: str) -> str:
+    """'ids', 'text' or 'messages'; anything else is refused."""
+    if isinstance(value, str):
+        if not value:
+            raise DataError(f"{where}: the prompt is an empty string")
+        return "text"
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise DataError(f"{where}: the prompt is an empty list")
+        if all(isinstance(item, Mapping) for item in value):
+            return "messages"
+        if all(isinstance(item, (int, float, np.integer, np.floating)) for item in value):
+            return "ids"  # token_ids refuses the non-integers with their position
+    raise DataError(
+        f"{where}: the prompt is neither token ids, a string nor a list of messages "
+        f"(got {type(value).__name__} {repr(value)[:60]}); give one of those three"
+    )
+
+
+def _metadata(record: Mapping[str, Any], where: str) -> tuple[bytes, bytes, bytes]:
+    truth = record.get("ground_truth")
+    reward_model = record.get("reward_model")
+    if truth is None and isinstance(reward_model, Mapping):
+        truth = reward_model.get("ground_truth")  # verl: reward_model.ground_truth
+    extra = record.get("extra_info")
+    tools_kwargs = record.get("tools_kwargs")
+    if tools_kwargs is not None:
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise DataError(f"{where}: has tools_kwargs but its extra_info is not a mapping to keep them in")
+        extra = {**extra, "tools_kwargs": extra.get("tools_kwargs", tools_kwargs)}
+    # `ability` and `agent_name` (verl) are read with the record and dropped here.
+    return tuple(json_text(value).encode("utf-8") for value in (record.get("data_source"), truth, extra))
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLayout:
+    """One prompt per batch row."""
+
+    max_len: int
+    pad_id: int
+    widths: tuple[int, int, int]  # bytes of data_source, ground_truth, extra_info
+    width = 1  # one slot per row
+    fixed_length = 1
+
+    def length(self, item) -> int:
+        return 1
+
+    def build(self, rows: int, placed) -> Batch:
+        prompt = np.full((rows, self.max_len), self.pad_id, np.int32)
+        length = np.zeros(rows, np.int32)
+        fields = [np.zeros((rows, w), np.int32) for w in self.widths]
+        for row, _, (ids, metadata) in placed:
+            prompt[row, self.max_len - ids.size:] = ids
+            length[row] = ids.size
+            for array, value in zip(fields, metadata, strict=True):
+                array[row, :len(value)] = np.frombuffer(value, np.uint8)
+        return {"prompt": prompt, "prompt_length": length, **dict(zip(METADATA, fields, strict=True))}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prompts:
+    """Prompts for GRPO; see the module docstring for the record and batch layout.
+
+    records: a tuple of JSON strings (or mappings); or path: .parquet / .jsonl (list or glob) or a
+      Hugging Face dataset read with split and options. Exactly one.
+    max_prompt_len: P. tokenizer: needed only for string and message prompts (a local directory
+      or a cached Hub name), with chat_template / template_kwargs as in ChatMessages.
+    column: the field holding the prompt. pad_id: the id written on left padding.
+    val_records / val_path: prompts for validation (at most one). loading: as in ChatMessages.
+    """
+
+    records: Sequence[str | Mapping] | None = None
+    path: PathLike | Sequence[PathLike] | None = None
+    max_prompt_len: int
+    tokenizer: str | os.PathLike | None = None
+    column: str = "prompt"
+    split: str | None = None
+    options: HFOptions | None = None
+    chat_template: str | os.PathLike | None = None
+    template_kwargs: Mapping[str, Any] | None = None
+    pad_id: int = 0
+    val_records: Sequence[str | Mapping] | None = None
+    val_path: PathLike | Sequence[PathLike] | None = None
+    loading: Loading = Loading()
+
+    def __post_init__(self):
+        if (self.records is None) == (self.path is None):
+            raise ValueError("Prompts takes exactly one source: records= (JSON strings) or path=, "
+                             f"not {'both' if self.records is not None else 'neither'}")
+        if self.val_records is not None and self.val_path is not None:
+            raise ValueError("Prompts takes at most one validation source: val_records= or val_path=")
+        if isinstance(self.max_prompt_len, bool) or not isinstance(self.max_prompt_len, int) \
+                or self.max_prompt_len < 1:
+            raise ValueError(f"Prompts.max_prompt_len must be a positive integer, got {self.max_prompt_len!r}")
+        if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int) or self.pad_id < 0:
+            raise ValueError(f"Prompts.pad_id must be a non-negative integer, got {self.pad_id!r}")
+        if not isinstance(self.loading, Loading):
+            raise TypeError(f"Prompts.loading must be a Loading, got {type(self.loading).__name__}")
+
+    def spec(self) -> TokenizerSpec | None:
+        if self.tokenizer is None:
+            return None
+        return TokenizerSpec(name=os.fspath(self.tokenizer), chat_template=resolve_template(self.chat_template),
+                             template_kwargs=tuple(sorted((self.template_kwargs or {}).items())))
+
+    def prompts(self, records=None, path=None) -> list[tuple]:
+        """(kind, prompt, tools, where, metadata) of every record, validated."""
+        rows: Rows = open_source(records, path, split=self.split, options=self.options,
+                                 threads=self.loading.threads, owner="Prompts")
+        require_columns(rows, [self.column], "Prompts")
+        records_ = rows.get(range(len(rows)))
+        out = []
+        for index, record in enumerate(records_):
+            where = f"prompt {index} ({rows.where(index)})"
+            if record.get(self.column) is None:
+                raise DataError(f"{where}: missing column {self.column!r}; set Prompts(column=...) to the "
+                                "field that holds the prompt")
+            prompt = record[self.column]
+            kind = prompt_kind(prompt, where)
+            tools = record.get("tools")
+            if kind == "ids":
+                prompt = token_ids(prompt, self.column, where)
+            elif kind == "messages":
+                check_messages(prompt, where)
+                prompt = list(prompt)
+            out.append((kind, prompt, tools, where, _metadata(record, where)))
+        needs = next((item for item in out if item[0] != "ids"), None)
+        if needs is not None and self.tokenizer is None:
+            raise DataError(
+                f"{needs[3]}: the prompt is {'a string' if needs[0] == 'text' else 'a list of messages'}, "
+                "which needs a tokenizer; pass Prompts(tokenizer=...) or give token ids"
+            )
+        return out
+
+    def load(self, batch: int) -> Dataset:
+        """Validate every prompt and return a Dataset of `[batch, max_prompt_len]` prompt batches."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"Prompts.load(batch=...) must be a positive integer, got {batch!r}")
+        train_items = self.prompts(self.records, self.path)
+        val_items = None
+        if self.val_records is not None or self.val_path is not None:
+            val_items = self.prompts(self.val_records, self.val_path)
+        items = train_items + (val_items or [])
+        widths = tuple(max(len(item[4][f]) for item in items) for f in range(len(METADATA)))
+        spec = self.spec()
+        if spec is not None and any(item[0] == "messages" for item in items):
+            spec.renderer()  # fails here, not in a worker, when the template is missing
+        encoder = PromptEncoder(spec=spec, max_len=self.max_prompt_len)
+        layout = PromptLayout(self.max_prompt_len, self.pad_id, widths)
+        loading = self.loading if spec is not None and any(i[0] != "ids" for i in items) \
+            else dataclasses.replace(self.loading, workers=0)
+        train = Pipeline(train_items, encoder, layout, loading)
+        val = None if val_items is None else Pipeline(val_items, encoder, layout, loading, share=train)
+        train.pool()  # start the workers now: they load while the caller builds the model
+        return Dataset(
+            train=lambda partition: train.train(partition, rows_per_process(batch, partition)),
+            val=None if val is None else (
+                lambda partition: val.val(partition, rows_per_process(batch, partition))),
+            records=len(train.records),
+            batch=batch,
+        )
+
+
+__all__ = ["METADATA", "PromptLayout", "Prompts", "prompt_kind", "text_field"]
