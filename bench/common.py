@@ -64,14 +64,18 @@ def report(title: str, rows: list[tuple[str, str]]) -> None:
         print(f"{key:<{width}}  {value}")
 
 
-def in_subprocess(script: str, *args: str) -> dict:
+def in_subprocess(script: str, *args: str, host_devices: int = 1) -> dict:
     """Run `script --child ARGS` in a fresh interpreter and return the JSON it prints last.
 
     Each side of a comparison gets its own process, so one framework's thread pool never
-    competes with the other's measurement.
+    competes with the other's measurement. `host_devices` > 1 splits the CPU into that many
+    XLA devices, which the Trainer then uses data parallel.
     """
+    env = dict(os.environ)
+    if host_devices > 1:  # one XLA CPU device per core: data parallel inside one process
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={host_devices}"
     out = subprocess.run([sys.executable, script, "--child", *args], capture_output=True,
-                         text=True, check=False)
+                         text=True, check=False, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{script} {' '.join(args)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
