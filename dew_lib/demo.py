@@ -1,9 +1,9 @@
 """`make run`: the most complete job Dew runs today, end to end on two CPU cores.
 
-1. Generate arithmetic problems from a seed and train a byte-level BPE tokenizer with a ChatML
-   template on them (nothing is downloaded).
-2. Render each conversation with the chat template; prompt tokens are USER, the answer and its
-   end-of-turn token are ASSISTANT; pack conversations into fixed-width rows.
+1. Generate arithmetic problems from a seed, write them as chat JSONL, and train a byte-level
+   BPE tokenizer with a ChatML template on them (nothing is downloaded).
+2. ChatMessages renders each conversation with the chat template, labels answer tokens
+   ASSISTANT, and packs conversations into fixed-width rows.
 3. Measure exact-answer accuracy of greedy answers on held-out problems, fine-tune a small
    decoder with LMObjective(loss_role=ASSISTANT), checkpointing as it goes, and measure again.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
+import json
 import os
 import shutil
 import sys
@@ -35,7 +35,7 @@ class DemoConfig:
     vocab_size: int = 320
     seq_len: int = 96
     batch: int = 16
-    steps: int = 800
+    steps: int = 2000
     learning_rate: float = 3e-3
     emb_features: int = 128
     num_layers: int = 4
@@ -50,41 +50,12 @@ def prompt_ids(tokenizer, problem: Problem) -> list[int]:
                                          tokenize=True, return_dict=False)
 
 
-def render(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
-    """Token ids of one conversation and the role of each id."""
-    prompt = prompt_ids(tokenizer, problem)
-    answer = tokenizer.encode(solution(problem) + tokenizer.eos_token, add_special_tokens=False)
-    return prompt + answer, [Role.USER] * len(prompt) + [Role.ASSISTANT] * len(answer)
-
-
-def pack_rows(conversations, width: int) -> dict[str, np.ndarray]:
-    """First-fit packing of (ids, roles) pairs into rows of `width` ids with segments/positions."""
-    rows: list[list[tuple[list[int], list[int]]]] = []
-    room: list[int] = []
-    for ids, roles in conversations:
-        if len(ids) > width:
-            raise ValueError(f"a conversation of {len(ids)} tokens does not fit rows of {width}")
-        for index, free in enumerate(room):
-            if free >= len(ids):
-                rows[index].append((ids, roles))
-                room[index] -= len(ids)
-                break
-        else:
-            rows.append([(ids, roles)])
-            room.append(width - len(ids))
-    out = {name: np.zeros((len(rows), width), dtype)
-           for name, dtype in (("text", np.int32), ("text_roles", np.int8),
-                               ("text_segment_ids", np.int32), ("text_positions", np.int32))}
-    for r, row in enumerate(rows):
-        at = 0
-        for segment, (ids, roles) in enumerate(row, start=1):
-            end = at + len(ids)
-            out["text"][r, at:end] = ids
-            out["text_roles"][r, at:end] = roles
-            out["text_segment_ids"][r, at:end] = segment
-            out["text_positions"][r, at:end] = np.arange(len(ids))
-            at = end
-    return out
+def write_conversations(path: str, items: list[Problem]) -> None:
+    """One `{"messages": [...]}` JSON line per problem: the layout ChatMessages reads."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as out:
+        for problem in items:
+            out.write(json.dumps({"messages": problem.messages()}) + "\n")
 
 
 def accuracy(model, variables, tokenizer, tests: list[Problem]) -> tuple[float, list[str]]:
@@ -117,33 +88,39 @@ def main(argv=None) -> int:
     if args.fresh:
         shutil.rmtree(config.directory, ignore_errors=True)
 
+    # On a CPU-only machine, one XLA device per core trains data parallel: the copies and
+    # elementwise work between matmuls then run on both cores too.
+    cores = os.cpu_count() or 1
+    if cores > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={min(cores, 8)}")
     import jax
     import optax
 
-    from dew_lib import Dataset, LMObjective, Trainer, models
+    from dew_lib import LMObjective, Loading, Trainer, models
+    from dew_lib.data import ChatMessages
     from dew_lib.data.byte_bpe import train_byte_bpe
 
     started = time.perf_counter()
-    jax.config.update("jax_compilation_cache_dir", os.path.abspath(os.path.join(config.directory, "jax_cache")))
-    print(f"[1/4] data: {config.train_problems} training and {config.test_problems} test problems "
-          f"(seed {config.seed}); tokenizer with a ChatML template", flush=True)
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.abspath(os.path.join(config.directory, "jax_cache")))
     train = problems(config.train_problems, seed=config.seed)
-    tests = problems(config.test_problems, seed=config.seed + 1)
-    corpus = itertools.chain.from_iterable(
-        (f"<|im_start|>user\n{p.question}<|im_end|>\n<|im_start|>assistant\n{solution(p)}<|im_end|>",)
-        for p in train[:4000])
-    tokenizer = train_byte_bpe(corpus, vocab_size=config.vocab_size,
-                               directory=os.path.join(config.directory, "tokenizer"))
-    packed = pack_rows((render(tokenizer, p) for p in train), config.seq_len + 1)
-    rows = len(packed["text"])
-    print(f"      {rows} packed rows of {config.seq_len + 1} ids; vocabulary {len(tokenizer)}", flush=True)
-
-    def stream(partition):
-        order = np.random.default_rng(config.seed).permutation(rows)
-        for step in itertools.count():
-            start = (step * config.batch) % (rows - config.batch + 1)
-            pick = order[start:start + config.batch]
-            yield {name: values[pick] for name, values in packed.items()}
+    seen = {p.question for p in train}
+    tests = [p for p in problems(4 * config.test_problems, seed=config.seed + 1)
+             if p.question not in seen][: config.test_problems]
+    print(f"[1/4] data: {len(train)} training problems, {len(tests)} held-out ones never seen in "
+          f"training (seed {config.seed}); a byte-level BPE tokenizer with a ChatML template",
+          flush=True)
+    data_dir = os.path.join(config.directory, "data")
+    write_conversations(os.path.join(data_dir, "train.jsonl"), train)
+    write_conversations(os.path.join(data_dir, "val.jsonl"), tests)
+    tokenizer_dir = os.path.join(config.directory, "tokenizer")
+    corpus = (f"<|im_start|>user\n{p.question}<|im_end|>\n<|im_start|>assistant\n{solution(p)}<|im_end|>"
+              for p in train[:4000])
+    tokenizer = train_byte_bpe(corpus, vocab_size=config.vocab_size, directory=tokenizer_dir)
+    data = ChatMessages(path=os.path.join(data_dir, "train.jsonl"), tokenizer=tokenizer_dir,
+                        seq_len=config.seq_len, val_path=os.path.join(data_dir, "val.jsonl"),
+                        loading=Loading(workers=0, seed=config.seed)).load(batch=config.batch)
 
     model = models.build("causal_transformer", vocab_size=len(tokenizer),
                          emb_features=config.emb_features, num_layers=config.num_layers,
@@ -156,11 +133,11 @@ def main(argv=None) -> int:
 
     before, _ = accuracy(model, trainer.initial_state().params, tokenizer, tests)
     print(f"[2/4] before SFT: {before:.1%} of held-out answers exact", flush=True)
-    print(f"[3/4] SFT: {config.steps} steps of {config.batch} rows, loss on assistant tokens only; "
-          f"checkpoints in {config.directory}/sft", flush=True)
-    state = trainer.fit(Dataset(train=stream, batch=config.batch), steps=config.steps,
-                        log_every=50, directory=os.path.join(config.directory, "sft"),
-                        checkpoint_every=200)
+    print(f"[3/4] SFT on {jax.device_count()} device(s): {config.steps} steps of {config.batch} "
+          f"packed rows, loss on assistant tokens only; checkpoints in {config.directory}/sft",
+          flush=True)
+    state = trainer.fit(data, steps=config.steps, log_every=50, eval_every=config.steps // 4,
+                        directory=os.path.join(config.directory, "sft"), checkpoint_every=200)
     after, replies = accuracy(model, state.params, tokenizer, tests)
     print(f"[4/4] after SFT: {after:.1%} of held-out answers exact (before: {before:.1%})")
     for problem, reply in list(zip(tests, replies))[:5]:

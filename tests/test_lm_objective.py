@@ -92,3 +92,23 @@ def test_the_specs_sft_example_trains_only_on_the_response():
     losses = [value for _, value in sink.series("loss")]
     assert losses[-1] < 0.5 * losses[0]
     assert sink.series("tokens")[0][1] == 4 * 8  # 4 assistant targets per row
+
+
+def test_token_accuracy_counts_argmax_hits_exactly():
+    text = np.array([[4, 5, 6, 7, 8, 9, 10, 11]], np.int32)
+    _, metrics = loss(LMObjective(MODEL, seq_len=7), VARIABLES, {"text": text})
+    logits = MODEL.apply(VARIABLES, text[:, :-1])
+    expected = np.mean(np.argmax(np.asarray(logits), -1) == text[:, 1:])
+    assert metrics["accuracy"] == pytest.approx(expected)
+
+
+def test_fused_target_scores_equal_full_log_softmax():
+    from dew_lib.objectives.lm import score_targets
+
+    text = np.random.default_rng(0).integers(1, 32, (3, 9)).astype(np.int32)
+    for model in (MODEL, tiny_model(tie_embeddings=True)):
+        variables = model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))
+        fused, top = score_targets(model, variables, text[:, :-1], text[:, 1:])
+        logits = model.apply(variables, text[:, :-1])
+        np.testing.assert_allclose(fused, token_log_probs(logits, text[:, 1:]), atol=1e-5)
+        np.testing.assert_array_equal(top, np.argmax(np.asarray(logits), -1) == text[:, 1:])

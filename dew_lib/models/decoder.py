@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dew_lib.models import rotary
 
@@ -51,10 +52,44 @@ class RMSNorm(nn.Module):
         return (normed * weight.astype(jnp.float32)).astype(self.dtype)
 
 
-def _dense(features, name, dtype, param_dtype, bias=False):
-    return nn.Dense(
-        features, use_bias=bias, kernel_init=_INIT, dtype=dtype, param_dtype=param_dtype, name=name
-    )
+class Linear(nn.Module):
+    """A projection whose weights sibling projections can read, to run several as one matmul.
+
+    Same parameters as `nn.Dense` (`kernel` `[in, out]`, optional `bias`), declared in `setup`
+    so a parent can concatenate kernels that share an input.
+    """
+
+    in_features: int
+    features: int
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        self.kernel = self.param("kernel", _INIT, (self.in_features, self.features), self.param_dtype)
+        if self.use_bias:
+            self.bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+
+    def __call__(self, x):
+        return fused(x, [self])[0]
+
+
+def fused(x, projections):
+    """Apply projections that share the input `x` as one matmul; returns one output each."""
+    kernel = jnp.concatenate([p.kernel for p in projections], axis=1) if len(projections) > 1 \
+        else projections[0].kernel
+    dtype = projections[0].dtype
+    out = jnp.dot(x.astype(dtype), kernel.astype(dtype))
+    if any(p.use_bias for p in projections):
+        out = out + jnp.concatenate([
+            p.bias if p.use_bias else jnp.zeros((p.features,), p.param_dtype) for p in projections
+        ]).astype(dtype)
+    cuts = np.cumsum([p.features for p in projections])[:-1].tolist()
+    return jnp.split(out, cuts, axis=-1)
+
+
+def _dense(in_features, features, name, dtype, param_dtype, bias=False):
+    return Linear(in_features, features, bias, dtype, param_dtype, name=name)
 
 
 def attend(q, k, v, mask):
@@ -109,24 +144,26 @@ class Block(nn.Module):
         h, kv, d, dt, pt = self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.param_dtype
         self.input_layernorm = RMSNorm(self.norm_eps, dt, pt)
         self.post_attention_layernorm = RMSNorm(self.norm_eps, dt, pt)
-        self.q_proj = _dense(h * d, "q_proj", dt, pt, self.attention_bias)
-        self.k_proj = _dense(kv * d, "k_proj", dt, pt, self.attention_bias)
-        self.v_proj = _dense(kv * d, "v_proj", dt, pt, self.attention_bias)
-        self.o_proj = _dense(self.features, "o_proj", dt, pt)
+        e, m = self.features, self.mlp_features
+        self.q_proj = _dense(e, h * d, "q_proj", dt, pt, self.attention_bias)
+        self.k_proj = _dense(e, kv * d, "k_proj", dt, pt, self.attention_bias)
+        self.v_proj = _dense(e, kv * d, "v_proj", dt, pt, self.attention_bias)
+        self.o_proj = _dense(h * d, e, "o_proj", dt, pt)
         if self.qk_norm:
             self.q_norm = RMSNorm(self.norm_eps, dt, pt)
             self.k_norm = RMSNorm(self.norm_eps, dt, pt)
-        self.gate_proj = _dense(self.mlp_features, "gate_proj", dt, pt)
-        self.up_proj = _dense(self.mlp_features, "up_proj", dt, pt)
-        self.down_proj = _dense(self.features, "down_proj", dt, pt)
+        self.gate_proj = _dense(e, m, "gate_proj", dt, pt)
+        self.up_proj = _dense(e, m, "up_proj", dt, pt)
+        self.down_proj = _dense(m, e, "down_proj", dt, pt)
 
     def qkv(self, x, positions):
         """Rotated queries and keys and plain values for `x` `[B, S, E]`."""
         b, s, _ = x.shape
         h = self.input_layernorm(x)
-        q = self.q_proj(h).reshape(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(h).reshape(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(h).reshape(b, s, self.num_kv_heads, self.head_dim)
+        q, k, v = fused(h, [self.q_proj, self.k_proj, self.v_proj])
+        q = q.reshape(b, s, self.num_heads, self.head_dim)
+        k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotary.rotate(q, positions, self.inv_freq)
@@ -137,7 +174,8 @@ class Block(nn.Module):
         """Output projection, residual, then the gated MLP with its residual."""
         x = x + self.o_proj(attended)
         h = self.post_attention_layernorm(x)
-        return x + self.down_proj(nn.silu(self.gate_proj(h)) * self.up_proj(h))
+        gate, up = fused(h, [self.gate_proj, self.up_proj])
+        return x + self.down_proj(nn.silu(gate) * up)
 
     def __call__(self, x, positions, mask):
         q, k, v = self.qkv(x, positions)
@@ -199,7 +237,8 @@ class CausalTransformer(nn.Module):
         ]
         self.norm = RMSNorm(self.norm_eps, self.dtype, self.param_dtype)
         if not self.tie_embeddings:
-            self.lm_head = _dense(self.vocab_size, "lm_head", self.dtype, self.param_dtype)
+            self.lm_head = _dense(self.emb_features, self.vocab_size, "lm_head", self.dtype,
+                                  self.param_dtype)
 
     def logits(self, hidden):
         """Project final hidden states to float32 vocabulary logits."""
@@ -220,11 +259,15 @@ class CausalTransformer(nn.Module):
         if self.tie_embeddings:
             rows = self.embed_tokens.embedding[targets]  # [B, S, E]
         else:
-            rows = jnp.take(self.lm_head.variables["params"]["kernel"], targets, axis=1)  # [E, B, S]
+            rows = jnp.take(self.lm_head.kernel, targets, axis=1)  # [E, B, S]
             rows = jnp.moveaxis(rows, 0, -1)
         picked = jnp.einsum("bse,bse->bs", hidden.astype(jnp.float32), rows.astype(jnp.float32))
         log_probs = picked - jax.nn.logsumexp(logits, axis=-1)
-        return log_probs, picked >= jnp.max(logits, axis=-1)
+        # The top-1 test reads the target from the same logits as the max (a forward-only
+        # gather): the row product above can differ from the matmul in the last bit.
+        fixed = jax.lax.stop_gradient(logits)
+        is_top = jnp.take_along_axis(fixed, targets[..., None], axis=-1)[..., 0] >= fixed.max(-1)
+        return log_probs, is_top
 
     def hidden(self, tokens, segment_ids=None, positions=None, *, return_kv=False):
         """Final normed hidden states `[B, S, E]` (and each layer's keys and values if asked)."""
