@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -59,6 +60,7 @@ def main():
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating measurement rounds")
     parser.add_argument("--child", nargs=2, metavar=("SIDE", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     config = dict(LLAMA_8M)
@@ -70,15 +72,15 @@ def main():
     rows = []
     common = ("--prompt", str(args.prompt), "--new", str(args.new), "--repeats", str(args.repeats))
     for batch in (1, 16):
-        dew = in_subprocess(__file__, "dew", str(batch), *common)["rate"]
-        rows.append((f"batch {batch}: dew tokens/s", f"{dew:,.0f}"))
-        try:
-            hf = in_subprocess(__file__, "hf", str(batch), *common)["rate"]
-        except RuntimeError as error:
-            rows.append((f"batch {batch}: transformers", f"failed: {str(error).splitlines()[-1]}"))
-            continue
-        rows += [(f"batch {batch}: transformers tokens/s", f"{hf:,.0f}"),
-                 (f"batch {batch}: dew / transformers", f"{dew / hf:.2f}x")]
+        dew, hf = [], []
+        for _ in range(args.rounds):  # alternate the sides so drift in machine load hits both
+            dew.append(in_subprocess(__file__, "dew", str(batch), *common)["rate"])
+            hf.append(in_subprocess(__file__, "hf", str(batch), *common)["rate"])
+        ratios = [d / h for d, h in zip(dew, hf)]
+        rows += [(f"batch {batch}: dew tokens/s (median)", f"{statistics.median(dew):,.0f}"),
+                 (f"batch {batch}: transformers tokens/s (median)", f"{statistics.median(hf):,.0f}"),
+                 (f"batch {batch}: dew / transformers per round", " ".join(f"{r:.2f}" for r in ratios)),
+                 (f"batch {batch}: dew / transformers (median)", f"{statistics.median(ratios):.2f}x")]
     report(f"generate: Llama 8M, prompt {args.prompt}, {args.new} new tokens, greedy, "
            f"{threads()} threads, each side in its own process", rows)
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from dew_lib.data.dataset import Batch, Dataset
 from dew_lib.data.encoders import ChatEncoder
-from dew_lib.data.loader import Pipeline, rows_per_process
+from dew_lib.data.loader import Pipeline, as_dataset, check_batch_size
 from dew_lib.data.loading import Loading
 from dew_lib.data.readers import DataError, HFOptions, PathLike, read_rows, require_columns
 from dew_lib.data.template import check_boundaries, check_messages, label
@@ -174,8 +174,7 @@ class ChatMessages:
 
     def load(self, batch: int) -> Dataset:
         """Read, validate and return a Dataset of packed `[batch, seq_len + 1]` rows."""
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"ChatMessages.load(batch=...) must be a positive integer, got {batch!r}")
+        check_batch_size("ChatMessages", batch)
         self.renderer()  # fails now, not in a worker, when the tokenizer or template is unusable
         width = self.seq_len + 1
         encoder = ChatEncoder(spec=self.spec(), width=width, overflow=self.overflow)
@@ -186,13 +185,7 @@ class ChatMessages:
             val = Pipeline(self.conversations(self.val_path, self.val_split), encoder, layout,
                            self.loading, share=train)
         train.pool()  # start the workers now: they load while the caller builds the model
-        return Dataset(
-            train=lambda partition: train.train(partition, rows_per_process(batch, partition)),
-            val=None if val is None else (
-                lambda partition: val.val(partition, rows_per_process(batch, partition))),
-            records=len(train.records),
-            batch=batch,
-        )
+        return as_dataset(train, val, batch)
 
 
 __all__ = ["ChatLayout", "ChatMessages"]

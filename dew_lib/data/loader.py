@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dew_lib.data.dataset import Batch, Partition
+from dew_lib.data.dataset import Batch, Dataset, Partition
 from dew_lib.data.loading import Loading
 from dew_lib.data.worker import WorkerPool
 
@@ -197,6 +197,31 @@ def rows_per_process(batch: int, partition: Partition) -> int:
     return batch // partition.count
 
 
+def as_dataset(train: Pipeline, val: Pipeline | None, batch: int) -> Dataset:
+    """The Dataset a loader's `.load(batch)` returns: each process reads its share of rows."""
+    return Dataset(
+        train=lambda partition: train.train(partition, rows_per_process(batch, partition)),
+        val=None if val is None else (
+            lambda partition: val.val(partition, rows_per_process(batch, partition))),
+        records=len(train.records),
+        batch=batch,
+    )
+
+
+def check_batch_size(owner: str, batch) -> None:
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"{owner}.load(batch=...) must be a positive integer, got {batch!r}")
+
+
+def check_sources(owner: str, records, path, val_records, val_path) -> None:
+    """Exactly one training source and at most one validation source."""
+    if (records is None) == (path is None):
+        raise ValueError(f"{owner} takes exactly one source: records= (JSON strings) or path=, "
+                         f"not {'both' if records is not None else 'neither'}")
+    if val_records is not None and val_path is not None:
+        raise ValueError(f"{owner} takes at most one validation source: val_records= or val_path=")
+
+
 class _Failure:
     def __init__(self, error: BaseException):
         self.error = error
@@ -337,4 +362,5 @@ class BatchStream(Iterator[Batch]):
             self._start = self._record_of_batch(self.position)
 
 
-__all__ = ["BatchStream", "CHUNK", "Encoder", "Layout", "Order", "Pipeline", "Planner", "rows_per_process"]
+__all__ = ["BatchStream", "CHUNK", "Encoder", "Layout", "Order", "Pipeline", "Planner", "as_dataset",
+           "check_batch_size", "check_sources", "rows_per_process"]

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from dew_lib.data.dataset import Batch, Dataset
-from dew_lib.data.loader import Pipeline, rows_per_process
+from dew_lib.data.loader import Pipeline, as_dataset, check_batch_size, check_sources
 from dew_lib.data.loading import Loading
 from dew_lib.data.readers import (DataError, HFOptions, PathLike, Rows, open_source, require_columns,
                                   token_ids)
@@ -134,11 +134,7 @@ class PreferencePairs:
     loading: Loading = Loading()
 
     def __post_init__(self):
-        if (self.records is None) == (self.path is None):
-            raise ValueError("PreferencePairs takes exactly one source: records= (JSON strings) or path=, "
-                             f"not {'both' if self.records is not None else 'neither'}")
-        if self.val_records is not None and self.val_path is not None:
-            raise ValueError("PreferencePairs takes at most one validation source: val_records= or val_path=")
+        check_sources("PreferencePairs", self.records, self.path, self.val_records, self.val_path)
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 2:
             raise ValueError(f"PreferencePairs.seq_len must be an integer >= 2 (the full row width), "
                              f"got {self.seq_len!r}")
@@ -154,21 +150,14 @@ class PreferencePairs:
 
     def load(self, batch: int) -> Dataset:
         """Validate every pair and return a Dataset of `[batch, 2, seq_len]` batches."""
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"PreferencePairs.load(batch=...) must be a positive integer, got {batch!r}")
+        check_batch_size("PreferencePairs", batch)
         loading = dataclasses.replace(self.loading, workers=0)
         layout = PairLayout(self.seq_len, self.pad_id)
         train = Pipeline(self.pairs(self.records, self.path), _PairEncoder(), layout, loading)
         val = None
         if self.val_records is not None or self.val_path is not None:
             val = Pipeline(self.pairs(self.val_records, self.val_path), _PairEncoder(), layout, loading)
-        return Dataset(
-            train=lambda partition: train.train(partition, rows_per_process(batch, partition)),
-            val=None if val is None else (
-                lambda partition: val.val(partition, rows_per_process(batch, partition))),
-            records=len(train.records),
-            batch=batch,
-        )
+        return as_dataset(train, val, batch)
 
 
 __all__ = ["PairLayout", "PreferencePairs", "read_pairs"]

@@ -29,7 +29,7 @@ import numpy as np
 
 from dew_lib.data.dataset import Batch, Dataset
 from dew_lib.data.encoders import PromptEncoder
-from dew_lib.data.loader import Pipeline, rows_per_process
+from dew_lib.data.loader import Pipeline, as_dataset, check_batch_size, check_sources
 from dew_lib.data.loading import Loading
 from dew_lib.data.readers import (DataError, HFOptions, PathLike, Rows, json_text, open_source,
                                   require_columns, token_ids)
@@ -134,11 +134,7 @@ class Prompts:
     loading: Loading = Loading()
 
     def __post_init__(self):
-        if (self.records is None) == (self.path is None):
-            raise ValueError("Prompts takes exactly one source: records= (JSON strings) or path=, "
-                             f"not {'both' if self.records is not None else 'neither'}")
-        if self.val_records is not None and self.val_path is not None:
-            raise ValueError("Prompts takes at most one validation source: val_records= or val_path=")
+        check_sources("Prompts", self.records, self.path, self.val_records, self.val_path)
         if isinstance(self.max_prompt_len, bool) or not isinstance(self.max_prompt_len, int) \
                 or self.max_prompt_len < 1:
             raise ValueError(f"Prompts.max_prompt_len must be a positive integer, got {self.max_prompt_len!r}")
@@ -184,8 +180,7 @@ class Prompts:
 
     def load(self, batch: int) -> Dataset:
         """Validate every prompt and return a Dataset of `[batch, max_prompt_len]` prompt batches."""
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"Prompts.load(batch=...) must be a positive integer, got {batch!r}")
+        check_batch_size("Prompts", batch)
         train_items = self.prompts(self.records, self.path)
         val_items = None
         if self.val_records is not None or self.val_path is not None:
@@ -202,13 +197,7 @@ class Prompts:
         train = Pipeline(train_items, encoder, layout, loading)
         val = None if val_items is None else Pipeline(val_items, encoder, layout, loading, share=train)
         train.pool()  # start the workers now: they load while the caller builds the model
-        return Dataset(
-            train=lambda partition: train.train(partition, rows_per_process(batch, partition)),
-            val=None if val is None else (
-                lambda partition: val.val(partition, rows_per_process(batch, partition))),
-            records=len(train.records),
-            batch=batch,
-        )
+        return as_dataset(train, val, batch)
 
 
 __all__ = ["METADATA", "PromptLayout", "Prompts", "prompt_kind", "text_field"]
