@@ -20,7 +20,9 @@ jax.config.update("jax_compilation_cache_dir", os.path.abspath(CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-SHARED_DATA = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
+# The workplace's public data sits beside the repository; DEW_SHARED_DATA points elsewhere.
+SHARED_DATA = os.environ.get("DEW_SHARED_DATA") or os.path.abspath(
+    os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
 
 
 def tiny_model(**overrides):
@@ -43,5 +45,5 @@ def lm_batches(seed: int, batch: int, width: int, vocab: int = 32, count: int | 
 @pytest.fixture
 def shared_data():
     if not os.path.isdir(SHARED_DATA):
-        pytest.skip(f"shared data not found at {SHARED_DATA}")
+        pytest.skip(f"shared data not found at {SHARED_DATA}; set DEW_SHARED_DATA to its directory")
     return SHARED_DATA
