@@ -104,16 +104,19 @@ def filter_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
 def sample(logits: jax.Array, key: jax.Array, sampling: Sampling):
     """Draw one id per row. Returns `(ids, raw log-probs, behavior log-probs)`, each `[B]`."""
     logits = logits.astype(jnp.float32)
-    raw = jax.nn.log_softmax(logits, axis=-1)
+
+    def log_prob(scores, ids):  # log softmax(scores)[ids] without building the whole softmax
+        picked = jnp.take_along_axis(scores, ids[:, None], axis=-1)[:, 0]
+        return picked - jax.nn.logsumexp(scores, axis=-1)
+
     if sampling.greedy:
         ids = jnp.argmax(logits, axis=-1)
         behavior = jnp.zeros(ids.shape, jnp.float32)
     else:
         filtered = filter_logits(logits, sampling)
         ids = jax.random.categorical(key, filtered, axis=-1)
-        behavior = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), ids[:, None], -1)[:, 0]
-    picked = jnp.take_along_axis(raw, ids[:, None], axis=-1)[:, 0]
-    return ids.astype(jnp.int32), picked, behavior
+        behavior = log_prob(filtered, ids)
+    return ids.astype(jnp.int32), log_prob(logits, ids), behavior
 
 
 def _is_eos(ids, sampling: Sampling):

@@ -76,8 +76,8 @@ class Linear(nn.Module):
 
 def fused(x, projections):
     """Apply projections that share the input `x` as one matmul; returns one output each."""
-    kernel = jnp.concatenate([p.kernel for p in projections], axis=1) if len(projections) > 1 \
-        else projections[0].kernel
+    kernels = [p.kernel for p in projections]
+    kernel = kernels[0] if len(kernels) == 1 else jnp.concatenate(kernels, axis=1)
     dtype = projections[0].dtype
     out = jnp.dot(x.astype(dtype), kernel.astype(dtype))
     if any(p.use_bias for p in projections):
