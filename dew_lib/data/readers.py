@@ -12,6 +12,7 @@ objects), remote filesystems other than what `datasets.load_dataset` itself reac
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import glob
 import gzip
@@ -55,20 +56,21 @@ class HFOptions:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-class Rows:
+class Rows(abc.ABC):
     """Records of one source: `len`, `get(indices) -> list[dict]`, `where(i)`, `columns`."""
 
     columns: tuple[str, ...]
     source: str
 
-    def __len__(self) -> int:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
 
-    def get(self, indices: Sequence[int]) -> list[dict]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def get(self, indices: Sequence[int]) -> list[dict]: ...
 
+    @abc.abstractmethod
     def where(self, index: int) -> str:
-        raise NotImplementedError
+        """Where record `index` comes from, for error messages (file and line, or item)."""
 
     def column(self, name: str) -> list[Any]:
         """One column for every record (None where a record lacks it)."""
