@@ -18,6 +18,9 @@ from typing import Protocol, TextIO
 
 
 class Sink(Protocol):
+    """Receives metrics. A sink may also define `begin(first_step, total_steps)`, which `fit`
+    calls once before training (the progress displays use it)."""
+
     def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
 
     def close(self) -> None: ...
@@ -38,6 +41,7 @@ class ProgressBar:
         self.stream = stream or sys.stderr
         self.width = width
         self.total: int | None = None
+        self.first = 0
         self.start = time.perf_counter()
         self.latest: dict[str, float] = {}
 
@@ -50,9 +54,11 @@ class ProgressBar:
         done = min(1.0, step / max(total, 1))
         bar = "#" * int(done * self.width)
         elapsed = time.perf_counter() - self.start
-        rate = (step - getattr(self, "first", 0)) / elapsed if elapsed > 0 else 0.0
+        rate = (step - self.first) / elapsed if elapsed > 0 else 0.0
         line = f"\r[{bar:<{self.width}}] {step}/{total} {rate:.2f} step/s {_format(self.latest, _HEADLINE)}"
-        self.stream.write(line[: max(40, os.get_terminal_size(2).columns - 1)] if self.stream.isatty() else line)
+        if self.stream.isatty():  # keep to one terminal line so the carriage return redraws it
+            line = line[: max(40, os.get_terminal_size(self.stream.fileno()).columns - 1)]
+        self.stream.write(line)
         self.stream.flush()
 
     def close(self):

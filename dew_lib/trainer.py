@@ -298,13 +298,16 @@ class _Run:
                 self.closed.append(self.open)
                 self.open = _Window()
             if self.eval_every and done % self.eval_every == 0:
+                self._deliver(include_open=True)
                 self._evaluate(state, done)
+                self.clock = time.perf_counter()  # evaluation time is not training throughput
             if self.store is not None and (
                 done == self.steps or (self.checkpoint_every and done % self.checkpoint_every == 0)
             ):
-                self._deliver(include_open=True)
+                self._deliver(include_open=True)  # a diverged step must never be checkpointed
                 self.store.save(done, state, {"position": done, "accumulate": trainer.accumulate})
                 self.last_checkpoint = f"{self.store.directory}/{done}"
+                self.clock = time.perf_counter()
         self._deliver(include_open=True)
         return state
 
