@@ -248,12 +248,13 @@ class CausalTransformer(nn.Module):
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)
 
-    def target_scores(self, hidden, targets):
+    def target_scores(self, hidden, targets, temperature: float = 1.0):
         """Scores of `targets` `[B, S]` under the output head without a vocabulary-wide gather.
 
-        Returns `(log_probs, is_top)`, both `[B, S]`: log p(target) in float32 and whether the
-        target has the highest logit. The target's logit comes from its own output row, so the
-        backward pass never scatters into the `[B, S, V]` logits gradient.
+        Returns `(log_probs, is_top)`, both `[B, S]`: log p(target) under
+        `softmax(logits / temperature)` in float32 and whether the target has the highest logit.
+        The target's logit comes from its own output row, so the backward pass never scatters
+        into the `[B, S, V]` logits gradient.
         """
         logits = self.logits(hidden)  # [B, S, V]
         if self.tie_embeddings:
@@ -262,6 +263,8 @@ class CausalTransformer(nn.Module):
             rows = jnp.take(self.lm_head.kernel, targets, axis=1)  # [E, B, S]
             rows = jnp.moveaxis(rows, 0, -1)
         picked = jnp.einsum("bse,bse->bs", hidden.astype(jnp.float32), rows.astype(jnp.float32))
+        if temperature != 1.0:
+            picked, logits = picked / temperature, logits / temperature
         log_probs = picked - jax.nn.logsumexp(logits, axis=-1)
         # The top-1 test reads the target from the same logits as the max (a forward-only
         # gather): the row product above can differ from the matmul in the last bit.

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Metric = tuple[jax.Array, jax.Array]
 Metrics = dict[str, Metric]
@@ -54,3 +55,29 @@ def loss(objective: Objective, params, batch, step=0, reference=None, key=None):
         key=jax.random.key(0) if key is None else key,
     )
     return mean((terms.total, terms.weight)), {k: mean(v) for k, v in terms.metrics.items()}
+
+
+def check_token_ids(field: str, values: Any, model: Any) -> None:
+    """Refuse token ids outside `[0, model.vocab_size)` on the host, before anything compiles.
+
+    An id past the embedding table does not fail inside XLA: it reads clamped garbage and the
+    loss turns non-finite steps later, so the check names the field, the id and the size here.
+    """
+    values = np.asarray(values)
+    if not np.issubdtype(values.dtype, np.integer):
+        raise TypeError(
+            f"batch field {field!r} holds {values.dtype} values; token ids must be integers "
+            f"(convert with .astype(np.int32))"
+        )
+    if values.size == 0:
+        return
+    low, high = int(values.min()), int(values.max())
+    vocab = getattr(model, "vocab_size", None)
+    if low < 0:
+        raise ValueError(f"batch field {field!r} holds a negative token id ({low}); ids start at 0")
+    if vocab is not None and high >= vocab:
+        raise ValueError(
+            f"batch field {field!r} holds token id {high}, but the model's vocab_size is {vocab}; "
+            f"build the model with vocab_size >= {high + 1} (for a Hugging Face tokenizer use "
+            "len(tokenizer), which counts added special tokens, not tokenizer.vocab_size)"
+        )

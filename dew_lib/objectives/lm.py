@@ -17,28 +17,32 @@ import numpy as np
 
 from dew_lib.data.chat import Role
 from dew_lib.data.dataset import describe
-from dew_lib.objectives.base import LossTerms, Metrics
+from dew_lib.objectives.base import LossTerms, Metrics, check_token_ids
 
 OPTIONAL_FIELDS = ("text_roles", "text_segment_ids", "text_positions")
 
 
-def token_log_probs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+def token_log_probs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
     """log p(target) per position, `[B, S]`, without materializing a full log-softmax copy."""
+    if temperature != 1.0:
+        logits = logits / temperature
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
-def score_targets(model, params, inputs, targets, segments=None, positions=None):
+def score_targets(model, params, inputs, targets, segments=None, positions=None, *,
+                  temperature: float = 1.0):
     """log p(target) and whether it was the argmax, `[B, S]` each, for any decoder.
 
-    Models with a `target_scores` method (the causal transformer) skip the vocabulary-wide
-    gather; others are scored from their full logits.
+    temperature: score under `softmax(logits / temperature)`, as a sampler at that temperature
+    drew (the argmax test does not depend on it). Models with a `target_scores` method (the
+    causal transformer) skip the vocabulary-wide gather; others are scored from their full logits.
     """
     if hasattr(model, "target_scores"):
         hidden = model.apply(params, inputs, segments, positions, method=model.hidden)
-        return model.apply(params, hidden, targets, method=model.target_scores)
+        return model.apply(params, hidden, targets, temperature, method=model.target_scores)
     logits = model.apply(params, inputs, segments, positions)
-    return token_log_probs(logits, targets), jnp.argmax(logits, axis=-1) == targets
+    return token_log_probs(logits, targets, temperature), jnp.argmax(logits, axis=-1) == targets
 
 
 class LMObjective:
@@ -92,6 +96,7 @@ class LMObjective:
                 f"LMObjective(loss_role={self.loss_role.name}) needs 'text_roles' in every batch "
                 "to know which targets count; add roles or construct it with loss_role=None"
             )
+        check_token_ids("text", batch["text"], self.model)
         for name in OPTIONAL_FIELDS:
             if name in batch and np.shape(batch[name]) != shape:
                 raise ValueError(

@@ -1,0 +1,1 @@
+"""Preference and reinforcement objectives, and the rollouts that feed them."""

@@ -1,0 +1,1 @@
+"""Verifiable rewards with the `reward(data_source, completion, ground_truth, extra_info)` signature."""
