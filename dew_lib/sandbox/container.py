@@ -13,9 +13,11 @@ afterwards in every case.
 such as "runsc" (gVisor) or "kata-runtime", is passed to Docker as the container's runtime.
 
 What it does not isolate: with the default runtime the kernel is shared with the host, as with
-any container; the image's own files are readable; CPU is shared by weight, not capped. The
-engine must see the job directory at the same path (a local engine, or `root=` on a shared
-mount), and the image must already be present (nothing is pulled).
+any container; the image's own files are readable; CPU is shared by weight, not capped. If the
+parent is SIGKILLed, nothing stops a running container but its own end or its CPU-time limit (a
+sleeping program runs on), and it is left for `docker rm` (label `dew.sandbox=1`). The engine
+must see the job directory at the same path (a local engine, or `root=` on a shared mount), and
+the image must already be present (nothing is pulled).
 
 Not here: the launcher of the local runners (launcher.py).
 """
