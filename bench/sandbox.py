@@ -1,6 +1,6 @@
 """What isolation costs: programs per second through SandboxFleet against plain subprocess.run.
 
-    .venv/bin/python bench/sandbox.py [--programs 24] [--rounds 5] [--workers 1 2 4]
+    .venv/bin/python bench/sandbox.py [--programs 24] [--rounds 5] [--workers 1 2 4] [--image IMG]
 
 Three workloads, each the same Program on both sides:
 - true: `true`, no interpreter (the runner's fixed cost, undiluted);
@@ -107,14 +107,14 @@ def measure(runner, programs: list[Program], workers: int, rounds: int) -> dict:
     return dict(fleet=fleet_rate, peer=peer_rate, cost=peer_rate / fleet_rate)
 
 
-def runners() -> dict:
+def runners(image: str) -> dict:
     found = {"process": ProcessRunner()}
     try:
         found["namespace"] = NamespaceRunner()
     except SandboxUnavailable as error:
         print(f"namespace runner skipped: {error}")
     if shutil.which("docker") and subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
-        found["container"] = ContainerRunner("python:3.12-slim")
+        found["container"] = ContainerRunner(image)
     else:
         print("container runner skipped: docker info does not answer")
     return found
@@ -126,10 +126,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--workloads", nargs="+", default=["true", "print", "humaneval"])
+    parser.add_argument("--runners", nargs="+", default=["process", "namespace", "container"])
+    parser.add_argument("--image", default=os.environ.get("DEW_SANDBOX_IMAGE", "python:3.12-slim"),
+                        help="the container runner's image (needs python3; nothing is pulled)")
     args = parser.parse_args()
     programs = workloads(args.programs)
     results = {}
-    for name, runner in runners().items():
+    for name, runner in runners(args.image).items():
+        if name not in args.runners:
+            continue
         for workload in args.workloads:
             rows = []
             for workers in args.workers:

@@ -2,13 +2,14 @@
 against a fake engine, and real containers where `docker info` answers.
 """
 
+import os
 import shutil
 import socket
 import subprocess
 import threading
 
 import pytest
-from docker.types import Ulimit
+from docker.types import LogConfig, Ulimit
 
 from dew_lib.sandbox import ContainerRunner, Program, SandboxLimits, Verdict
 from dew_lib.sandbox.container import WORKDIR
@@ -105,7 +106,7 @@ def test_container_configuration_is_exactly_the_isolated_one():
         memswap_limit=128 << 20, cpu_shares=256, pids_limit=32,
         ulimits=[Ulimit(name="cpu", soft=3, hard=4), Ulimit(name="core", soft=0, hard=0),
                  Ulimit(name="fsize", soft=1 << 20, hard=1 << 20)],
-        stdin_open=True, tty=False, labels={"dew.sandbox": "1"})
+        stdin_open=True, tty=False, init=True, log_config=LogConfig(type="none"), labels={"dew.sandbox": "1"})
 
 
 def test_other_runtime_is_passed_to_docker():
@@ -179,7 +180,9 @@ def test_bad_arguments_are_refused():
         ContainerRunner("img", client=FakeEngine(None), cpu_shares=0)
 
 
-# Real containers, where an engine answers.
+# Real containers, where an engine answers. DEW_SANDBOX_IMAGE names another image with python3.
+IMAGE = os.environ.get("DEW_SANDBOX_IMAGE", "python:3.12-slim")
+
 
 def _docker_reason():
     if shutil.which("docker") is None:
@@ -188,9 +191,9 @@ def _docker_reason():
     if info.returncode != 0:
         lines = (info.stderr or info.stdout).strip().splitlines()
         return f"docker info failed: {lines[-1] if lines else f'exit {info.returncode}'}"
-    image = subprocess.run(["docker", "image", "inspect", "python:3.12-slim"], capture_output=True, timeout=30)
+    image = subprocess.run(["docker", "image", "inspect", IMAGE], capture_output=True, timeout=30)
     if image.returncode != 0:
-        return "image python:3.12-slim is not present (nothing is pulled)"
+        return f"image {IMAGE} is not present (nothing is pulled; DEW_SANDBOX_IMAGE names another)"
     return None
 
 
@@ -199,7 +202,7 @@ def docker_runner():
     reason = _docker_reason()
     if reason:
         pytest.skip(reason)
-    return ContainerRunner("python:3.12-slim")
+    return ContainerRunner(IMAGE)
 
 
 def test_real_container_has_no_network_and_a_read_only_mount(docker_runner):
@@ -217,3 +220,31 @@ def test_real_container_has_no_network_and_a_read_only_mount(docker_runner):
 def test_real_container_is_killed_at_the_deadline(docker_runner):
     out = docker_runner.run(Program(argv=("sleep", "60")), SandboxLimits(wall_seconds=2))
     assert out.verdict is Verdict.TIMEOUT
+
+
+@pytest.mark.parametrize("source, verdict, detail", [
+    ("import sys; print('partial'); sys.exit(3)", Verdict.FAILED, "exit 3"),
+    ("while True: pass", Verdict.TIMEOUT, "stopped by its CPU-time limit (SIGXCPU)"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", Verdict.CRASHED, "killed by SIGSEGV"),
+    ("import sys\nwhile True: sys.stdout.write('x' * 1000)", Verdict.OUTPUT_LIMIT,
+     "killed after more than 10000 bytes of output"),
+    ("chunks = []\nwhile True: chunks.append(bytearray(32 << 20))", Verdict.CRASHED,
+     "killed by SIGKILL (out of memory)"),
+], ids=["failed", "cpu", "crashed", "flood", "memory"])
+def test_real_container_verdicts(docker_runner, source, verdict, detail):
+    limits = SandboxLimits(wall_seconds=20, cpu_seconds=1, memory_bytes=128 << 20, max_output_bytes=10_000)
+    out = docker_runner.run(Program(files={"main.py": source}, argv=("python3", "main.py")), limits)
+    assert (out.verdict, out.detail) == (verdict, detail), out
+
+
+def test_real_container_contains_a_fork_storm_and_reads_stdin(docker_runner):
+    source = ("import os, sys, time\ncount = 0\n"
+              "for _ in range(300):\n"
+              "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
+              "    if pid == 0:\n        time.sleep(60)\n        os._exit(0)\n"
+              "    count += 1\n"
+              "print(count, sys.stdin.read().upper())\n")
+    out = docker_runner.run(Program(files={"main.py": source}, argv=("python3", "main.py"), stdin="abc"),
+                            SandboxLimits(max_processes=16))
+    count, text = out.stdout.split()
+    assert out.verdict is Verdict.COMPLETED and 0 < int(count) < 16 and text == "ABC"

@@ -3,11 +3,11 @@
 Per program it creates a container from `image` with: no network (`network_mode="none"`), a
 read-only root filesystem, the job directory bind-mounted read-only at /work as the working
 directory, a private size-capped tmpfs at /tmp (the only writable place), all capabilities
-dropped, no-new-privileges, an unprivileged user (65534:65534), and memory (swap included),
-CPU-share, process-count (pids), CPU-time, file-size and no-core-dump limits. Stdin goes in and
-stdout and stderr come out over the attach socket, which the parent reads against the wall
-deadline and the output cap; past either, the container is killed by name. It is removed
-afterwards in every case.
+dropped, no-new-privileges, an unprivileged user (65534:65534), Docker's init as PID 1, no
+log driver, and memory (swap included), CPU-share, process-count (pids), CPU-time, file-size
+and no-core-dump limits. Stdin goes in and stdout and stderr come out over the attach socket, which the parent
+reads against the wall deadline and the output cap; past either, the container is killed by
+name. It is removed afterwards in every case.
 
 `runtime` names the OCI runtime: "docker" keeps the engine's default (runc); any other value,
 such as "runsc" (gVisor) or "kata-runtime", is passed to Docker as the container's runtime.
@@ -78,7 +78,7 @@ class ContainerRunner:
 
     def config(self, job: str, name: str, program: Program, limits: SandboxLimits) -> dict[str, Any]:
         """The keyword arguments given to `client.containers.create` for one program."""
-        from docker.types import Ulimit
+        from docker.types import LogConfig, Ulimit
 
         cpu = limits.cpu_seconds
         config = dict(
@@ -102,6 +102,11 @@ class ContainerRunner:
                      Ulimit(name="fsize", soft=limits.max_file_bytes, hard=limits.max_file_bytes)],
             stdin_open=True,
             tty=False,
+            # A small init (docker-init) as PID 1, so the program is an ordinary process: PID 1
+            # ignores signals it has no handler for (SIGXCPU at the CPU limit, a self-sent SIGSEGV).
+            init=True,
+            # Output comes over the attach socket; no log driver keeps (and writes to disk) a flood.
+            log_config=LogConfig(type="none"),
             labels={"dew.sandbox": "1"},
         )
         if self.runtime != "docker":
@@ -119,8 +124,14 @@ class ContainerRunner:
                 container.start()
                 cause, out, err, ended = _pump(sock, program.stdin_bytes, deadline=started + limits.wall_seconds,
                                               max_output_bytes=limits.max_output_bytes)
+                # End the stream before the kill: the engine finishes a container only once its
+                # output is delivered, and nobody would read the rest. shutdown, because close
+                # alone leaves the connection open while the SDK's file object holds it.
                 with contextlib.suppress(OSError):
-                    sock.close()
+                    sock.shutdown(socket.SHUT_RDWR)
+                for stream in (attached, sock):
+                    with contextlib.suppress(OSError):
+                        stream.close()
                 if cause != "exit":
                     self.client.api.kill(name)  # by name: the deadline or the cap is past
                 status = container.wait(timeout=WAIT_SECONDS)
