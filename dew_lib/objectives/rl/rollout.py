@@ -20,7 +20,6 @@ import concurrent.futures
 import math
 from collections.abc import Callable, Sequence
 
-
 import jax
 import numpy as np
 
