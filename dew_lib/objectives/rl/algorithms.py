@@ -11,8 +11,9 @@ Tables:
     KL_ESTIMATORS    k1, k3                                       per-token KL to the reference
     AGGREGATIONS     token-mean, session-mean                     per-token values -> (sum, norm)
 
-and the behavior corrections: `truncated_importance` (token TIS), `band_mask` (IcePop) and
-`chain_k1_mask` (sequence and geometric rejection).
+and the behavior corrections: `truncated_importance` (token TIS), `band_weights` (IcePop with a
+recorded old policy), `band_mask` (IcePop in bypass mode) and `chain_k1_mask` (sequence and
+geometric rejection).
 
 Conventions, with the reference they were checked against (verl's core_algos):
   * log-ratios are clamped to [-20, 20] before `exp`, as verl does;
@@ -134,14 +135,23 @@ def ppo_loss(log_probs, old_log_probs, advantages, mask, chains, clip: Clip) -> 
     return Surrogate(loss, clipped > unclipped, lower)
 
 
-def chain_mean(values, mask, chains):
-    """Each token's mean of `values` over the sampled tokens of its chain; chains `[N, T]` ids."""
+def chain_sums(values, mask, chains):
+    """Each token's chain total of `values` over sampled tokens, and the chain's sampled count.
+
+    chains `[N, T]` holds a chain id per token (row * T + segment works); both results are
+    `[N, T]`, constant over each chain.
+    """
     n, t = values.shape
-    flat_chain = chains.reshape(-1)
-    total = jax.ops.segment_sum((values * mask).reshape(-1), flat_chain, num_segments=n * t + 1)
-    count = jax.ops.segment_sum(mask.reshape(-1).astype(values.dtype), flat_chain, num_segments=n * t + 1)
-    mean = total / jnp.maximum(count, 1)
-    return mean[flat_chain].reshape(n, t)
+    flat = chains.reshape(-1)
+    total = jax.ops.segment_sum((values * mask).reshape(-1), flat, num_segments=n * t + 1)
+    count = jax.ops.segment_sum(mask.reshape(-1).astype(values.dtype), flat, num_segments=n * t + 1)
+    return total[flat].reshape(n, t), count[flat].reshape(n, t)
+
+
+def chain_mean(values, mask, chains):
+    """Each token's mean of `values` over the sampled tokens of its chain."""
+    total, count = chain_sums(values, mask, chains)
+    return total / jnp.maximum(count, 1)
 
 
 def gspo_loss(log_probs, old_log_probs, advantages, mask, chains, clip: Clip) -> Surrogate:
@@ -234,23 +244,23 @@ def band_mask(numerator_log_probs, behavior_log_probs, low: float, high: float):
     return jax.lax.stop_gradient(((ratio >= low) & (ratio <= high)).astype(jnp.float32))
 
 
+def band_weights(old_log_probs, behavior_log_probs, low: float, high: float):
+    """IcePop with a recorded old policy: the ratio old / behavior inside [low, high], else 0."""
+    ratio = _ratio(old_log_probs, behavior_log_probs)
+    return jax.lax.stop_gradient(jnp.where((ratio >= low) & (ratio <= high), ratio, 0.0))
+
+
 def chain_k1_mask(numerator_log_probs, behavior_log_probs, mask, chains, low: float, high: float,
                   mean: bool):
     """Reject whole chains whose k1 statistic leaves [log low, log high].
 
-    The statistic is log(pi_train / pi_behavior) summed over the chain's sampled tokens
-    (`mean=False`, the sequence mask) or averaged over them (`mean=True`, the geometric mask).
-    Returns a `[N, T]` 0/1 mask, constant over each chain.
+    The statistic is verl's rejection k1, log(pi_behavior / pi_train), summed over the chain's
+    sampled tokens (`mean=False`, the sequence mask) or averaged over them (`mean=True`, the
+    geometric mask); the sign matters when the band is not symmetric. Returns a `[N, T]` 0/1
+    mask, constant over each chain; the bounds are inclusive.
     """
-    delta = numerator_log_probs - behavior_log_probs
-    per_token_mean = chain_mean(delta, mask, chains)
-    if mean:
-        statistic = per_token_mean
-    else:
-        n, t = delta.shape
-        count = jax.ops.segment_sum(mask.reshape(-1).astype(delta.dtype), chains.reshape(-1),
-                                    num_segments=n * t + 1)[chains.reshape(-1)].reshape(n, t)
-        statistic = per_token_mean * count
+    total, count = chain_sums(behavior_log_probs - numerator_log_probs, mask, chains)
+    statistic = total / jnp.maximum(count, 1) if mean else total
     kept = (statistic >= np.log(low)) & (statistic <= np.log(high))
     return jax.lax.stop_gradient(kept.astype(jnp.float32))
 

@@ -231,7 +231,7 @@ class GRPOObjective:
             if bypass:
                 kept = kept * band
             else:
-                weight = band * jax.lax.stop_gradient(jnp.exp(jnp.clip(old - behavior, -20, 20)))
+                weight = algorithms.band_weights(old, behavior, *importance)
             metrics["masked/behavior_band"] = ((mask * (1 - band)).sum(), mask.sum())
         for name, band, mean in (("sequence", self.sequence_mask, False),
                                  ("geometric", self.geometric_mask, True)):
