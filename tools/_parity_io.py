@@ -81,7 +81,8 @@ def source_sha256(module) -> dict:
     """sha256 of a module's source file, keyed by its path inside site-packages."""
     path = Path(module.__file__)
     parts = path.parts
-    key = "/".join(parts[parts.index("site-packages") + 1:]) if "site-packages" in parts else path.name
+    inside = parts[parts.index("site-packages") + 1:] if "site-packages" in parts else [path.name]
+    key = "/".join(inside)
     return {key: hashlib.sha256(path.read_bytes()).hexdigest()}
 
 

@@ -236,7 +236,8 @@ def main() -> None:
         "cases": cases,
     }
     path = io.write("dpo_trl.json", document)
-    print(f"wrote {path.relative_to(io.ROOT)}: {len(cases)} cases, trl {document['reference']['version']}")
+    print(f"wrote {path.relative_to(io.ROOT)}: {len(cases)} cases, "
+          f"trl {document['reference']['version']}")
 
 
 if __name__ == "__main__":

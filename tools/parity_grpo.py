@@ -137,8 +137,10 @@ def _policy_cases(run, core_algos, ActorConfig, PolicyLossConfig):
     t = run.tensors
     mask = t["response_mask"]
     clips = {
-        "vanilla": [dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0),
-                    dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=10.0)],
+        "vanilla": [
+            dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0),
+            dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=10.0),
+        ],
         "gspo": [dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28),
                  dict(clip_ratio=3e-4, clip_ratio_low=3e-4, clip_ratio_high=4e-4)],
         "cispo": [dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28),
