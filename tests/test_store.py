@@ -309,3 +309,18 @@ def test_queries_during_constant_compaction_see_whole_steps_only(tmp_path):
         writer.join()
         run.close()
     assert totals == sorted(totals) and totals[-1] > totals[0]
+
+
+def test_a_table_stays_queryable_before_its_first_part_and_after_its_last(tmp_path):
+    store = Store(tmp_path)
+    store.create()
+    assert count(store, "SELECT count(*) FROM metrics") == [0]  # a zero-row placeholder part
+    with store.writer("r") as run:
+        stage = run.stage("sft")
+        stage.metrics(3, {"loss": 1.0})
+        stage.flush()
+        assert not (tmp_path / "store" / "metrics" / "_" / "_" / "schema.parquet").exists()
+        stage.close()
+    with store.writer("r") as run, run.stage("sft") as stage:
+        stage.discard_after(0)  # the only part of the table goes
+    assert count(store, "SELECT count(*) FROM metrics") == [0]

@@ -65,16 +65,17 @@ def _stamps(when: datetime.datetime, n: int) -> pa.Array:
     return pa.array([when] * n, pa.timestamp("us", tz="UTC"))
 
 
-def _list(arrays: Sequence[np.ndarray | None], dtype, value_type: pa.DataType) -> pa.Array:
+def _list(arrays: Sequence[Any], dtype, value_type: pa.DataType) -> pa.Array:
     """A list column from per-row arrays (None: a null row) with one concatenation."""
-    lengths = np.fromiter((0 if a is None else a.size for a in arrays), np.int64, len(arrays))
-    offsets = np.zeros(len(arrays) + 1, np.int32)
+    rows = [None if a is None else _array(a, dtype).reshape(-1) for a in arrays]
+    lengths = np.fromiter((0 if a is None else a.size for a in rows), np.int64, len(rows))
+    offsets = np.zeros(len(rows) + 1, np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    present = [a for a in arrays if a is not None]
-    values = np.concatenate([np.asarray(a, dtype).reshape(-1) for a in present]) if present else np.zeros(0, dtype)
+    present = [a for a in rows if a is not None]
+    values = np.concatenate(present) if present else np.zeros(0, dtype)
     mask = None
-    if len(present) != len(arrays):
-        mask = pa.array([a is None for a in arrays], pa.bool_())
+    if len(present) != len(rows):
+        mask = pa.array([a is None for a in rows], pa.bool_())
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, value_type), mask=mask)
 
 
@@ -106,120 +107,171 @@ def _table(name: str, columns: dict[str, Any]) -> pa.Table:
                                  else columns[f.name] for f in schema], schema=schema)
 
 
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: every input bit moves every output bit (uint64, wrapping)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def session_uids(run: str, stage: str, update: int, tasks: Sequence[str], groups, samples, attempts,
+                 trained) -> np.ndarray:
+    """Signed 64-bit ids of recorded session rows: a hash of run, stage, update, task, group,
+    sample, attempt and the trained flag (the join key of calls and verdicts to sessions)."""
+    cache: dict[str, int] = {}
+    x = np.fromiter((cache.setdefault(t, _hash(t)) if t not in cache else cache[t] for t in tasks),
+                    np.uint64, len(tasks))
+    x = _mix(x ^ np.uint64(_hash(f"{run}\0{stage}\0{update}")))
+    for values in (groups, samples, attempts, trained):
+        x = _mix(x ^ np.asarray(values, np.int64).astype(np.uint64))
+    return x.view(np.int64)
+
+
 def session_uid(run: str, stage: str, update: int, task: str, group: int, sample: int, attempt: int,
                 trained: bool) -> int:
-    """A signed 64-bit id of one recorded session row (the join key of calls and verdicts)."""
-    text = f"{run}\0{stage}\0{update}\0{task}\0{group}\0{sample}\0{attempt}\0{int(trained)}"
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+    """The `session_uid` the store gives one recorded session (see session_uids)."""
+    return int(session_uids(run, stage, update, [str(task)], [group], [sample], [attempt], [trained])[0])
 
 
 def _status(session) -> str:
     return str(getattr(session.status, "value", session.status))
 
 
-def resolve_trained(sessions: Sequence[Any], trained, truncation: str) -> list[bool]:
+def trained_flags(sessions: Sequence[Any], trained, truncation: str) -> list[bool]:
     """Per-session trained flags: given, one for all, or (None) what `pack` would train on."""
     if trained is None:
-        from dew_lib.objectives.rl.sessions import status_trains, Status
+        from dew_lib.objectives.rl.sessions import Status, status_trains
 
-        return [status_trains(Status(_status(s)), truncation) for s in sessions]
+        trains = {status: status_trains(status, truncation) for status in Status}
+        return [trains[Status(_status(s))] for s in sessions]
     if isinstance(trained, (bool, np.bool_)):
         return [bool(trained)] * len(sessions)
-    flags = [bool(t) for t in trained]
-    if len(flags) != len(sessions):
-        raise ValueError(f"trained has {len(flags)} entries for {len(sessions)} sessions; give one per session")
-    return flags
+    return [bool(t) for t in trained]
 
 
-def per_session(values, sessions: Sequence[Any], field: str, check=None) -> list:
+def check_trained(trained, count: int, truncation: str) -> None:
+    """Refuse on the caller's thread what trained_flags would fail on later."""
+    if trained is None:
+        from dew_lib.objectives.rl.sessions import TRUNCATION
+
+        if truncation not in TRUNCATION:
+            raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
+    elif not isinstance(trained, (bool, np.bool_)) and len(trained) != count:
+        raise ValueError(f"trained has {len(trained)} entries for {count} sessions; give one per session")
+
+
+def per_session(values, count: int, field: str) -> list:
     """One value per session from None, a single value or a sequence of them."""
     if values is None or isinstance(values, (str, int, float)):
-        out = [values] * len(sessions)
-    else:
-        out = list(values)
-        if len(out) != len(sessions):
-            raise ValueError(f"{field} has {len(out)} entries for {len(sessions)} sessions; give one per session")
-    if check is not None:
-        for value in out:
-            check(value)
+        return [values] * count
+    out = list(values)
+    if len(out) != count:
+        raise ValueError(f"{field} has {len(out)} entries for {count} sessions; give one per session")
     return out
 
 
-def check_cause(cause) -> None:
-    if cause is not None and cause not in CAUSES:
+def check_causes(causes: list) -> None:
+    for cause in set(causes) - set(CAUSES) - {None}:
         raise ValueError(f"cause must be one of {CAUSES} or None, got {cause!r}")
 
 
-def check_latency(latency) -> None:
-    if latency is not None and not (isinstance(latency, (int, float, np.floating)) and math.isfinite(latency)
-                                    and latency >= 0):
-        raise ValueError(f"latency must be a finite number of seconds >= 0 or None, got {latency!r}")
+def check_latencies(latencies: list) -> None:
+    given = [x for x in latencies if x is not None]
+    try:
+        values = np.asarray(given, np.float64)
+    except (TypeError, ValueError):
+        values = None
+    if values is None or values.ndim != 1 or not np.all(np.isfinite(values)) or np.any(values < 0):
+        bad = next((x for x in given if not isinstance(x, (int, float, np.number)) or not math.isfinite(x)
+                    or x < 0), given)
+        raise ValueError(f"latencies must be finite numbers of seconds >= 0 or None, got {bad!r}")
+
+
+def _array(value, dtype) -> np.ndarray:
+    array = value if isinstance(value, np.ndarray) else np.asarray(value)
+    return array.astype(dtype, copy=False)
 
 
 def session_tables(sessions: Sequence[Any], *, run: str, stage: str, update: int, trained: list[bool],
                    latencies: list, causes: list, when: datetime.datetime) -> tuple[pa.Table, pa.Table]:
-    """The `sessions` and `calls` rows of one write."""
-    s_cols: dict[str, list] = {name: [] for name, _, _ in TABLES["sessions"].columns}
-    ident = ("run", "stage", "update", "task", "group_id", "sample", "attempt", "session_uid")
-    c_ident: dict[str, list] = {name: [] for name in ident}
-    call_index, versions, finish, prompts, sampled, behavior, raw = [], [], [], [], [], [], []
-    routed, routed_shape, routed_dtype, support = [], [], [], []
-    for session, flag, latency, cause in zip(sessions, trained, latencies, causes, strict=True):
-        calls = tuple(session.calls)
-        uid = session_uid(run, stage, update, session.task, session.group, session.sample,
-                          session.attempt, flag)
-        values = (run, stage, update, str(session.task), int(session.group), int(session.sample),
-                  int(session.attempt), uid)
-        for name, value in zip(ident, values, strict=True):
-            s_cols[name].append(value)
-        s_cols["status"].append(_status(session))
-        s_cols["reward"].append(None if session.reward is None else float(session.reward))
-        s_cols["components"].append({k: float(v) for k, v in session.components.items()})
-        s_cols["detail"].append(str(session.detail))
-        s_cols["trained"].append(flag)
-        s_cols["cause"].append(cause)
-        s_cols["latency"].append(None if latency is None else float(latency))
-        s_cols["num_calls"].append(len(calls))
-        s_cols["prompt_tokens"].append(int(np.size(calls[0].prompt_ids)) if calls else 0)
-        s_cols["sampled_tokens"].append(sum(int(np.size(c.sampled_ids)) for c in calls))
-        s_cols["min_version"].append(min((int(c.version) for c in calls), default=None))
-        s_cols["max_version"].append(max((int(c.version) for c in calls), default=None))
-        s_cols["finish_reason"].append(calls[-1].finish_reason if calls else None)
-        for k, call in enumerate(calls):
-            for name, value in zip(ident, values, strict=True):
-                c_ident[name].append(value)
-            call_index.append(k)
-            versions.append(int(call.version))
-            finish.append(call.finish_reason)
-            prompts.append(np.asarray(call.prompt_ids))
-            sampled.append(np.asarray(call.sampled_ids))
-            behavior.append(np.asarray(call.behavior_log_probs))
-            raw.append(None if call.raw_log_probs is None else np.asarray(call.raw_log_probs))
-            experts = call.routed_experts
-            if experts is None:
-                routed.append(None), routed_shape.append(None), routed_dtype.append(None)
-            else:
-                experts = np.asarray(experts)
-                routed.append(experts)
-                routed_shape.append(np.asarray(experts.shape[1:], np.int32))
-                routed_dtype.append(str(experts.dtype))
-            support.append(None if call.support is None else [np.asarray(kept) for kept in call.support])
-    s_cols["written_at"] = _stamps(when, len(sessions))
-    s_cols["components"] = _map(s_cols["components"])
-    n = len(call_index)
-    calls_cols = {
-        **c_ident, "call": call_index, "version": versions, "finish_reason": finish,
-        "prompt_tokens": [p.size for p in prompts], "sampled_tokens": [s.size for s in sampled],
+    """The `sessions` and `calls` rows of one write: per-session values in Python, everything
+    per call or per token in NumPy/Arrow."""
+    n = len(sessions)
+    tasks = [str(s.task) for s in sessions]
+    groups = [int(s.group) for s in sessions]
+    samples = [int(s.sample) for s in sessions]
+    attempts = [int(s.attempt) for s in sessions]
+    uids = session_uids(run, stage, update, tasks, groups, samples, attempts, trained)
+    per_session = [tuple(s.calls) for s in sessions]
+    num_calls = np.fromiter(map(len, per_session), np.int64, n)
+    flat = [call for calls in per_session for call in calls]
+    owner = np.repeat(np.arange(n), num_calls)
+    first = np.concatenate([[0], np.cumsum(num_calls)[:-1]]).astype(np.int64) if n else np.zeros(0, np.int64)
+    has = num_calls > 0
+    prompts = [_array(c.prompt_ids, np.int32) for c in flat]
+    sampled = [_array(c.sampled_ids, np.int32) for c in flat]
+    prompt_len = np.fromiter((p.size for p in prompts), np.int32, len(flat))
+    sampled_len = np.fromiter((t.size for t in sampled), np.int32, len(flat))
+    versions = np.fromiter((int(c.version) for c in flat), np.int64, len(flat))
+    finish = [c.finish_reason for c in flat]
+    lowest, highest = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    if flat:
+        starts = first[has]
+        lowest[has] = np.minimum.reduceat(versions, starts)
+        highest[has] = np.maximum.reduceat(versions, starts)
+    present = ~has  # null where a session has no calls
+    first_prompt = np.zeros(n, np.int32)
+    first_prompt[has] = prompt_len[first[has]]
+    ident = {"run": pa.repeat(pa.scalar(run), n), "stage": pa.repeat(pa.scalar(stage), n),
+             "update": pa.repeat(pa.scalar(update, pa.int64()), n), "task": pa.array(tasks, pa.string()),
+             "group_id": pa.array(groups, pa.int32()), "sample": pa.array(samples, pa.int32()),
+             "attempt": pa.array(attempts, pa.int32()), "session_uid": pa.array(uids)}
+    last = first + num_calls - 1
+    sessions_table = _table("sessions", {
+        **ident,
+        "status": [_status(s) for s in sessions],
+        "reward": [None if s.reward is None else float(s.reward) for s in sessions],
+        "components": _map([s.components for s in sessions]),
+        "detail": [str(s.detail) for s in sessions],
+        "trained": trained, "cause": causes,
+        "latency": [None if x is None else float(x) for x in latencies],
+        "num_calls": num_calls.astype(np.int32),
+        "prompt_tokens": first_prompt,
+        "sampled_tokens": np.bincount(owner, weights=sampled_len, minlength=n).astype(np.int32),
+        "min_version": pa.array(lowest, mask=present), "max_version": pa.array(highest, mask=present),
+        "finish_reason": [finish[i] if k else None for i, k in zip(last.tolist(), has.tolist())],
+        "written_at": _stamps(when, n),
+    })
+    take = pa.array(owner)
+    routed, routed_shape, routed_dtype = [], [], []
+    for call in flat:
+        experts = call.routed_experts
+        if experts is None:
+            routed.append(None), routed_shape.append(None), routed_dtype.append(None)
+        else:
+            experts = np.asarray(experts)
+            routed.append(experts)
+            routed_shape.append(np.asarray(experts.shape[1:], np.int32))
+            routed_dtype.append(str(experts.dtype))
+    calls_table = _table("calls", {
+        **{name: column.take(take) for name, column in ident.items()},
+        "call": (np.arange(len(flat)) - first[owner]).astype(np.int32) if flat else np.zeros(0, np.int32),
+        "version": versions, "finish_reason": finish,
+        "prompt_tokens": prompt_len, "sampled_tokens": sampled_len,
         "prompt_ids": _list(prompts, np.int32, pa.int32()),
         "sampled_ids": _list(sampled, np.int32, pa.int32()),
-        "behavior_log_probs": _list(behavior, np.float32, pa.float32()),
-        "raw_log_probs": _list(raw, np.float32, pa.float32()),
+        "behavior_log_probs": _list([c.behavior_log_probs for c in flat], np.float32, pa.float32()),
+        "raw_log_probs": _list([c.raw_log_probs for c in flat], np.float32, pa.float32()),
         "routed_experts": _list(routed, np.int32, pa.int32()),
         "routed_shape": _list(routed_shape, np.int32, pa.int32()),
         "routed_dtype": routed_dtype,
-        "support": _nested(support) if n else pa.array([], TABLES["calls"].schema.field("support").type),
-    }
-    return _table("sessions", s_cols), _table("calls", calls_cols)
+        "support": _nested([None if c.support is None else list(c.support) for c in flat]),
+    })
+    return sessions_table, calls_table
 
 
 def record_table(record: Any, *, run: str, stage: str, when: datetime.datetime) -> pa.Table:

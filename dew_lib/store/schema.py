@@ -172,6 +172,12 @@ def view_sql(root: str, table: str) -> str:
     return f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM read_parquet('{path}')"
 
 
+def placeholder(root: str, table: str) -> str:
+    """A zero-row part that keeps a table's view bindable while no run has written it. Writers
+    remove it once the table has parts (a second file costs every scan of the table)."""
+    return f"{root}/{table}/_/_/schema.parquet"
+
+
 def empty(table: str) -> pa.Table:
     schema = TABLES[table].schema
     return pa.Table.from_arrays([pa.array([], f.type) for f in schema], schema=schema)

@@ -16,6 +16,7 @@ Not here: writing (writer.py), the command line (cli.py).
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -29,7 +30,8 @@ import pyarrow as pa
 
 from dew_lib.store import rows as _rows
 from dew_lib.store.parts import FileLock, StoreError, fsync_dir, held, replace_file
-from dew_lib.store.schema import FORMAT, TABLES, empty, view_sql
+from dew_lib.store.schema import FORMAT, TABLES, empty, placeholder, view_sql
+from dew_lib.store.schema import glob as _glob
 
 DEFAULT_MEMORY_LIMIT = "1GB"
 
@@ -105,8 +107,8 @@ class Store:
             if os.path.exists(format_path):
                 self._check_format()
             for table in TABLES:
-                path = os.path.join(self.directory, table, "_", "_", "schema.parquet")
-                if not os.path.exists(path):
+                path = placeholder(self.directory, table)
+                if not os.path.exists(path) and not glob.glob(_glob(self.directory, table)):
                     replace_file(empty(table), path, os.path.join(self.directory, ".gens", "_tmp"))
             if not os.path.exists(format_path):
                 _write_json(format_path, {"format": FORMAT})

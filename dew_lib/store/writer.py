@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -200,12 +201,13 @@ class RunWriter:
         if self.closed:
             return
         try:
-            for stage in self.stages:
-                stage.close()
             self.worker.flush()
         finally:
             self.closed = True
             self.worker.stop()
+            for stage in self.stages:  # after the flush: nothing of theirs is still queued
+                stage.closed = True
+                stage.lock.release()
             self.lock.release()
             _OPEN.discard(self)
 
@@ -275,11 +277,16 @@ class StageWriter:
         """
         update = _step("update", update)
         sessions = tuple(sessions)
-        latencies = rows.per_session(latencies, sessions, "latencies", rows.check_latency)
-        causes = rows.per_session(causes, sessions, "causes", rows.check_cause)
-        flags = rows.resolve_trained(sessions, trained, truncation)
+        latencies = rows.per_session(latencies, len(sessions), "latencies")
+        causes = rows.per_session(causes, len(sessions), "causes")
+        rows.check_latencies(latencies)
+        rows.check_causes(causes)
+        if trained is not None and not isinstance(trained, (bool, np.bool_)):
+            trained = list(trained)  # the caller may reuse its list while the thread converts
+        rows.check_trained(trained, len(sessions), truncation)
 
         def convert():
+            flags = rows.trained_flags(sessions, trained, truncation)
             s, c = rows.session_tables(sessions, run=self.run, stage=self.stage, update=update, trained=flags,
                                        latencies=latencies, causes=causes, when=rows.now())
             return [("calls", update, c), ("sessions", update, s)]
