@@ -139,13 +139,13 @@ def test_prompt_only_batches_come_from_tokenize_and_carry_captions():
 def test_simple_dit_predicts_zero_at_init_and_learns_a_nonzero_map():
     model = tiny_dit(channels=3)
     x = jax.random.normal(jax.random.key(0), (2, 4, 6, 3))
-    variables = model.init(jax.random.key(1), x, jnp.zeros(2), jnp.ones((2, 5)))
-    out = model.apply(variables, x, jnp.array([0.1, 0.9]), jnp.ones((2, 5)))
+    variables = jax.jit(model.init)(jax.random.key(1), x, jnp.zeros(2), jnp.ones((2, 5)))
+    out = jax.jit(model.apply)(variables, x, jnp.array([0.1, 0.9]), jnp.ones((2, 5)))
     assert out.shape == (2, 4, 6, 3) and np.all(np.asarray(out) == 0)
-    grads = jax.grad(lambda v: ((model.apply(v, x, jnp.zeros(2), jnp.ones((2, 5))) - x) ** 2).sum())(variables)
+    grads = jax.jit(jax.grad(lambda v: ((model.apply(v, x, jnp.zeros(2), jnp.ones((2, 5))) - x) ** 2).sum()))(variables)
     assert np.abs(np.asarray(grads["params"]["output"]["kernel"])).max() > 0
     with pytest.raises(ValueError, match="multiples of patch_size=2"):
-        model.init(jax.random.key(1), jnp.zeros((1, 5, 4, 3)), jnp.zeros(1))
+        jax.eval_shape(model.init, jax.random.key(1), jnp.zeros((1, 5, 4, 3)), jnp.zeros(1))
 
 
 # ----- flow matching ---------------------------------------------------------------------------
