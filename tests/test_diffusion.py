@@ -12,7 +12,7 @@ import pytest
 
 from dew_lib import DiffusionObjective, Field, InputSpec, Trainer, models, presets
 from dew_lib.data import Dataset
-from dew_lib.diffusion import (BagOfTokens, FlowSDE, Process, WordTokenizer, gaussian_log_density,
+from dew_lib.diffusion import (CFG, BagOfTokens, FlowSDE, Process, WordTokenizer, gaussian_log_density,
                                grid_png, sample_trajectory)
 from dew_lib.sinks import MemorySink
 
@@ -139,10 +139,15 @@ def test_prompt_only_batches_come_from_tokenize_and_carry_captions():
 def test_simple_dit_predicts_zero_at_init_and_learns_a_nonzero_map():
     model = tiny_dit(channels=3)
     x = jax.random.normal(jax.random.key(0), (2, 4, 6, 3))
-    variables = jax.jit(model.init)(jax.random.key(1), x, jnp.zeros(2), jnp.ones((2, 5)))
-    out = jax.jit(model.apply)(variables, x, jnp.array([0.1, 0.9]), jnp.ones((2, 5)))
+    condition = jnp.ones((2, 5))
+    variables = jax.jit(model.init)(jax.random.key(1), x, jnp.zeros(2), condition)
+
+    def error(v):
+        out = model.apply(v, x, jnp.array([0.1, 0.9]), condition)
+        return ((out - x) ** 2).sum(), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(error, has_aux=True))(variables)
     assert out.shape == (2, 4, 6, 3) and np.all(np.asarray(out) == 0)
-    grads = jax.jit(jax.grad(lambda v: ((model.apply(v, x, jnp.zeros(2), jnp.ones((2, 5))) - x) ** 2).sum()))(variables)
     assert np.abs(np.asarray(grads["params"]["output"]["kernel"])).max() > 0
     with pytest.raises(ValueError, match="multiples of patch_size=2"):
         jax.eval_shape(model.init, jax.random.key(1), jnp.zeros((1, 5, 4, 3)), jnp.zeros(1))
@@ -191,7 +196,7 @@ def test_flow_matching_refuses_batches_without_the_image_field():
         objective.check_batch({"image": np.zeros((2, 8, 8, 1), np.uint8)})
     with pytest.raises(ValueError, match="guidance=None"):
         DiffusionObjective(tiny_dit(), presets.Flow()(), InputSpec(Field("image", (4, 4, 1))),
-                           guidance=__import__("dew_lib.diffusion", fromlist=["CFG"]).CFG(2.0))
+                           guidance=CFG(2.0))
 
 
 # ----- previews --------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ import itertools
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -281,7 +280,7 @@ def test_coordinates_and_held_variables():
 def test_toy_command_writes_both_preview_grids(tmp_path):
     from dew_lib.diffusion import toy
 
-    result = toy.run(str(tmp_path), pretrain_steps=2, grpo_steps=2)
+    result = toy.run(str(tmp_path), pretrain_steps=2, grpo_steps=2, width=8, layers=1)
     assert len(result["reward_curve"]) == 2
     for path in result["paths"].values():
         assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

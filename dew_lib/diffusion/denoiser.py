@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dew_lib.diffusion.inputs import AutoEncoder, Identity, InputSpec
 from dew_lib.diffusion.process import (CFG, Euler, FlowSDE, FlowTrajectory, Process, Solver,
@@ -102,7 +101,3 @@ def sample_metrics(images: jax.Array):
         "sample_std": (flat.std(axis=1).sum(), rows),
         "saturated": ((jnp.abs(flat) >= 1.0).sum().astype(jnp.float32), count),
     }
-
-
-def host_rows(batch: Mapping[str, Any]) -> int:
-    return int(np.shape(next(iter(batch.values())))[0])

@@ -20,8 +20,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from dew_lib.diffusion.denoiser import Denoiser, sample_metrics
+from dew_lib.diffusion.denoiser import Denoiser
 from dew_lib.diffusion.inputs import AutoEncoder, InputSpec
 from dew_lib.diffusion.preview import Preview, ensure_sequence, score
 from dew_lib.diffusion.process import CFG, Euler, Process, Solver
@@ -113,8 +114,6 @@ class DiffusionObjective:
 
 def _preview(objective, params, batch, step, scored) -> Preview:
     """Shared by both diffusion objectives: one compiled generation per batch shape."""
-    import numpy as np
-
     rows = objective.inputs.check(batch)
     conditions = {k: np.asarray(v) for k, v in objective.inputs.condition_batch(batch).items()}
     signature = (rows, tuple((k, v.shape, v.dtype.name) for k, v in conditions.items()))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -229,7 +229,3 @@ def sample_trajectory(velocity: Callable[[jax.Array, jax.Array], jax.Array], noi
     final, (states, log_probs, marks) = jax.lax.scan(transition, noise, (times[:-1], times[1:], keys))
     states = jnp.concatenate([states, final[None]], axis=0)  # [T, N, ...]
     return FlowTrajectory(jnp.moveaxis(states, 0, 1), times, log_probs.T, marks.T)
-
-
-def uses_velocity(process: Any) -> bool:
-    return getattr(process, "prediction", None) == "velocity"

@@ -59,10 +59,11 @@ def redness(images: np.ndarray, batch) -> np.ndarray:
 
 
 def run(out: str, pretrain_steps: int, grpo_steps: int, seed: int = 0, beta: float = 0.05,
-        learning_rate: float = 1e-3) -> dict:
+        learning_rate: float = 1e-3, width: int = 32, layers: int = 2) -> dict:
+    """Both stages; returns the curves, rates and the paths of the two grids."""
     inputs = InputSpec(Field("image", (SIZE, SIZE, 3)))
-    model = models.SimpleDiT(output_channels=3, patch_size=2, emb_features=32, num_layers=2, num_heads=4,
-                             mlp_ratio=2)
+    model = models.SimpleDiT(output_channels=3, patch_size=2, emb_features=width, num_layers=layers,
+                             num_heads=4, mlp_ratio=2)
     process = presets.Flow()()
     images = coloured_shapes(seed, 512)
     batches = [{"image": images[i:i + 32]} for i in range(0, len(images), 32)]
