@@ -71,7 +71,8 @@ class FlowGRPOObjective:
                  autoencoder: AutoEncoder | None = None, guidance: CFG | None = CFG(3.0),
                  sampler: Solver = Euler(), steps: int = 41, pretrained: Variables | None = None):
         if not isinstance(process, Process):
-            raise TypeError(f"process must be a Process (e.g. presets.Flow()()), got {type(process).__name__}")
+            raise TypeError(f"process must be a Process (e.g. presets.Flow()()), got "
+                            f"{type(process).__name__}")
         if process.prediction != "velocity":
             raise ValueError(
                 f"FlowGRPOObjective needs a rectified-flow Process with velocity prediction, got "
@@ -132,7 +133,8 @@ class FlowGRPOObjective:
             return
         missing = [k for k in (*TRAJECTORY_FIELDS, *STEP_FIELDS, "advantages") if k not in batch]
         if missing:
-            raise KeyError(f"a Flow-GRPO batch needs {missing} (FlowRollout makes them); it has {describe(batch)}")
+            raise KeyError(f"a Flow-GRPO batch needs {missing} (FlowRollout makes them); it has "
+                           f"{describe(batch)}")
         latent = self.denoiser.latent_shape
         shape = tuple(np.shape(batch["latents"]))
         if len(shape) != 2 + len(latent) or shape[2:] != latent:
@@ -143,16 +145,19 @@ class FlowGRPOObjective:
                 raise ValueError(f"batch field {name!r} has shape {np.shape(batch[name])}, expected {shape}")
         for name in STEP_FIELDS:
             if tuple(np.shape(batch[name])) != (rows, k):
-                raise ValueError(f"batch field {name!r} has shape {np.shape(batch[name])}, expected [N, K] = {(rows, k)}")
+                raise ValueError(f"batch field {name!r} has shape {np.shape(batch[name])}, expected "
+                                 f"[N, K] = {(rows, k)}")
         if tuple(np.shape(batch["advantages"])) not in ((rows,), (rows, k)):
             raise ValueError(f"batch field 'advantages' has shape {np.shape(batch['advantages'])}, "
                              f"expected [N] = {(rows,)} or [N, K] = {(rows, k)}")
         if "rewards" in batch and tuple(np.shape(batch["rewards"])) != (rows,):
-            raise ValueError(f"batch field 'rewards' has shape {np.shape(batch['rewards'])}, expected {(rows,)}")
+            raise ValueError(f"batch field 'rewards' has shape {np.shape(batch['rewards'])}, "
+                             f"expected {(rows,)}")
         for c in self.inputs.conditions:
             if c.name not in batch or tuple(np.shape(batch[c.name])) != (rows, *c.shape):
                 got = np.shape(batch[c.name]) if c.name in batch else "nothing"
-                raise ValueError(f"condition field {c.name!r} must be [N, *{c.shape}] = {(rows, *c.shape)}, got {got}")
+                raise ValueError(f"condition field {c.name!r} must be [N, *{c.shape}] = "
+                                 f"{(rows, *c.shape)}, got {got}")
 
     # ----- the loss ------------------------------------------------------------------------
     def _transitions(self, params, batch, reference):
@@ -178,10 +183,11 @@ class FlowGRPOObjective:
             log_ratio = jnp.where(kept, log_ratio, 0.0)
             ratio = jnp.exp(log_ratio)
             advantage = jnp.clip(advantage, -self.adv_clip_max, self.adv_clip_max)
-            surrogate = jnp.maximum(-advantage * ratio,
-                                    -advantage * jnp.clip(ratio, 1.0 - self.clip_range, 1.0 + self.clip_range))
+            bounded = jnp.clip(ratio, 1.0 - self.clip_range, 1.0 + self.clip_range)
+            surrogate = jnp.maximum(-advantage * ratio, -advantage * bounded)
             if kl_needed:
-                v_ref = jax.lax.stop_gradient(self.denoiser.velocity(reference, latents, t, condition, self.guidance))
+                v_ref = jax.lax.stop_gradient(
+                    self.denoiser.velocity(reference, latents, t, condition, self.guidance))
                 mean_ref, _ = self.sde.transition(latents, v_ref, t, t_next)
                 kl = transition_kl(mean, mean_ref, safe_std)
             else:
@@ -327,9 +333,11 @@ class FlowRollout:
 
     def __post_init__(self):
         if not isinstance(self.objective, FlowGRPOObjective):
-            raise TypeError(f"FlowRollout.objective must be a FlowGRPOObjective, got {type(self.objective).__name__}")
+            raise TypeError(f"FlowRollout.objective must be a FlowGRPOObjective, got "
+                            f"{type(self.objective).__name__}")
         if not callable(self.reward):
-            raise TypeError(f"FlowRollout.reward must be callable (images, batch) -> [N], got {self.reward!r}")
+            raise TypeError(f"FlowRollout.reward must be callable (images, batch) -> [N], got "
+                            f"{self.reward!r}")
         if isinstance(self.groups, bool) or not isinstance(self.groups, (int, np.integer)) or self.groups < 2:
             raise ValueError(f"FlowRollout.groups must be an integer >= 2 (a group of one has no "
                              f"relative advantage), got {self.groups!r}")
