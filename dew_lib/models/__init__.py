@@ -8,6 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from dew_lib.models.decoder import CausalTransformer, KVCache, RMSNorm
+from dew_lib.models.dit import SimpleDiT
 from dew_lib.models.pretrained import Pretrained, load_pretrained
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
@@ -40,5 +41,6 @@ def build(name: str, **options: Any):
 
 
 __all__ = [
-    "CausalTransformer", "KVCache", "RMSNorm", "Pretrained", "build", "load_pretrained", "REGISTRY",
+    "CausalTransformer", "KVCache", "RMSNorm", "Pretrained", "SimpleDiT", "build", "load_pretrained",
+    "REGISTRY",
 ]
