@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,7 +15,40 @@ from dew_lib.models.pretrained import Pretrained, load_pretrained
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
 
+def options_of(module: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(required, optional) constructor options of a Flax module class, in declaration order."""
+    fields = [f for f in dataclasses.fields(module) if f.init and f.name not in ("parent", "name")]
+    required = tuple(f.name for f in fields
+                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    return required, tuple(f.name for f in fields if f.name not in required)
+
+
+def check_options(module: type, options: Mapping[str, Any]) -> None:
+    """Refuse unknown or missing options, listing the valid names (and the closest to a typo);
+    `build` puts the model's name in front of the message."""
+    required, optional = options_of(module)
+    valid = required + optional
+    unknown = [name for name in options if name not in valid]
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise TypeError(
+            f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; the "
+            f"required options are {', '.join(required)} and the optional ones "
+            f"{', '.join(optional)}"
+        )
+    missing = [name for name in required if name not in options]
+    if missing:
+        raise TypeError(
+            f"missing required option{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(missing)}; the required options are {', '.join(required)}"
+        )
+
+
 def _causal_transformer(**options: Any) -> CausalTransformer:
+    check_options(CausalTransformer, options)
     for field in ("dtype", "param_dtype"):
         if isinstance(options.get(field), str):
             name = options[field]
@@ -40,5 +75,6 @@ def build(name: str, **options: Any):
 
 
 __all__ = [
-    "CausalTransformer", "KVCache", "RMSNorm", "Pretrained", "build", "load_pretrained", "REGISTRY",
+    "CausalTransformer", "KVCache", "RMSNorm", "Pretrained", "build", "check_options", "load_pretrained",
+    "options_of", "REGISTRY",
 ]
