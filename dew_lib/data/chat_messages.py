@@ -163,9 +163,10 @@ class ChatMessages:
         if names["prompt"] in rows.columns:
             return "verl"
         raise DataError(
-            f"{rows.source}: no conversations found; the fields are {list(rows.columns)}. ChatMessages "
-            f"reads messages from {self.column!r} (set column=...), or a prompt and a completion "
-            f"(set columns={{'prompt': ..., 'completion': ...}}, e.g. question and answer)"
+            f"{rows.source}: missing column {self.column!r} and no prompt/completion fields; the "
+            f"columns are {list(rows.columns)}. ChatMessages reads messages from {self.column!r} (set "
+            "column=...), or a prompt and a completion (set columns={'prompt': ..., 'completion': ...}, "
+            "e.g. for question and answer)"
         )
 
     def read(self, rows: Rows) -> list[Conversation]:
@@ -189,7 +190,7 @@ class ChatMessages:
             messages = record.get(column)
             if messages is None:
                 raise DataError(
-                    f"{where}: missing field {column!r}; every record needs its messages there (set "
+                    f"{where}: missing column {column!r}; every record needs its messages there (set "
                     "ChatMessages(column=...) to the field that holds them)"
                 )
             messages = formats.parse_json_field(messages, column, where)

@@ -103,7 +103,7 @@ def prompt_and_completion(record: Mapping, names: Mapping[str, str], where: str)
     for name in ("prompt", "completion"):
         value = record.get(names[name])
         if value is None:
-            raise DataError(f"{where}: missing field {names[name]!r} (the {name}); every prompt-completion "
+            raise DataError(f"{where}: missing column {names[name]!r} (the {name}); every prompt-completion "
                             "record needs both, or set ChatMessages(columns=...) to the fields that hold them")
         values[name] = value
     prompt = as_messages(values["prompt"], "user", names["prompt"], where)
@@ -124,7 +124,7 @@ def preference_messages(record: Mapping, names: Mapping[str, str], where: str) -
     value = record.get(names["prompt"])
     if value is None:
         raise DataError(
-            f"{where}: missing field {names['prompt']!r}; a text preference pair needs its prompt in "
+            f"{where}: missing column {names['prompt']!r}; a text preference pair needs its prompt in "
             "its own field (chosen and rejected hold only the answers). For data whose answers "
             "repeat the prompt, give token ids with chosen_mask and rejected_mask instead"
         )

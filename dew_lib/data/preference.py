@@ -75,15 +75,16 @@ def read_pairs(rows: Rows, width: int, columns: Mapping[str, str] | None = None,
     texts = []  # (index, where, prompt, chosen, rejected, tools) of text records
     for index in range(len(rows)):
         where = f"pair {index} ({rows.where(index)})"
-        record = {name: values[column][index] for name, column in names.items()}
+        record = {column: values[column][index] for column in wanted}  # by the data's field names
+        field = {name: record[column] for name, column in names.items()}  # by Dew's names
         for side in SIDES:
-            if record[side] is None:
-                raise DataError(f"{where}: missing field {names[side]!r}; each pair needs chosen and "
+            if field[side] is None:
+                raise DataError(f"{where}: missing column {names[side]!r}; each pair needs chosen and "
                                 "rejected answers (set PreferencePairs(columns=...) to the fields "
                                 "that hold them)")
-        if formats.is_text(record["chosen"]) or formats.is_text(record["rejected"]):
+        if formats.is_text(field["chosen"]) or formats.is_text(field["rejected"]):
             for side in SIDES:
-                if record[f"{side}_mask"] is not None:
+                if field[f"{side}_mask"] is not None:
                     raise DataError(f"{where}: field {names[side + '_mask']!r} is given with text "
                                     "answers; masks of text pairs come from the prompt boundary, "
                                     "drop the mask or give token ids")
@@ -91,16 +92,16 @@ def read_pairs(rows: Rows, width: int, columns: Mapping[str, str] | None = None,
                 raise DataError(f"{where}: the answers are text, which needs a tokenizer; pass "
                                 "PreferencePairs(tokenizer=...) or give token ids")
             prompt, chosen, rejected = formats.preference_messages(record, names, where)
-            tools = formats.tools_field(record["tools"], names["tools"], where)
+            tools = formats.tools_field(field["tools"], names["tools"], where)
             texts.append((index, where, prompt, chosen, rejected, tools))
             continue
         sequences = []
         for side in SIDES:
-            ids = token_ids(record[side], names[side], where)
+            ids = token_ids(field[side], names[side], where)
             if ids.size == 0:
                 raise DataError(f"{where}: field {names[side]!r} is empty; each side needs at least one token")
             _check_width(ids.size, names[side], width, where)
-            sequences.append((ids, _mask(record[f"{side}_mask"], ids.size, names[f"{side}_mask"], where)))
+            sequences.append((ids, _mask(field[f"{side}_mask"], ids.size, names[f"{side}_mask"], where)))
         pairs[index] = tuple(sequences)
     if texts:
         for index, pair in tokenize_pairs(spec.renderer(), texts, width, names):
