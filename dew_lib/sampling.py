@@ -202,6 +202,11 @@ def generate(model, variables: Any, prompt, prompt_length, *, key: jax.Array, ma
     are checked against the model's vocabulary first; device arrays only for their dtype, so a
     rollout loop never waits on the device here.
     """
+    if np.ndim(prompt) != 2 or np.shape(prompt_length) != np.shape(prompt)[:1]:
+        raise ValueError(
+            f"generate needs prompt [B, P] and prompt_length [B]; got {np.shape(prompt)} and "
+            f"{np.shape(prompt_length)}"
+        )
     if isinstance(prompt, np.ndarray | list | tuple):  # host ids: range and dtype checked here
         check_token_ids("prompt", prompt, model)
     elif not jnp.issubdtype(getattr(prompt, "dtype", jnp.int32), jnp.integer):

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from conftest import SHARED_DATA, tiny_model
-from dew_lib import Dataset, LMObjective, Trainer, models
+from dew_lib import Dataset, LMObjective, Trainer
 from dew_lib.data import vocab_size_for
 from dew_lib.sinks import LineLog, MemorySink, ProgressBar
 
@@ -39,24 +39,7 @@ def text(high=31, dtype=np.int32):
     return np.tile(row, (4, 1)).astype(dtype)
 
 
-# ----- item 1: ids outside the vocabulary, refused before anything compiles -------------------------
-
-
-def test_an_id_past_the_vocabulary_is_refused_before_any_compilation():
-    run = trainer()
-    with pytest.raises(ValueError) as caught:
-        run.fit(repeating({"text": text(high=40)}), steps=3, sinks=[])
-    message = str(caught.value)
-    assert "'text'" in message and "token id 40" in message and "vocab_size is 32" in message
-    assert "vocab_size >= 41" in message and "len(tokenizer)" in message
-    assert run.compilations == {"init": 0, "train_step": 0, "eval_step": 0}
-
-
-def test_float_token_ids_are_a_type_error_before_any_compilation():
-    run = trainer()
-    with pytest.raises(TypeError, match=r"'text' holds float32 values; token ids must be integers"):
-        run.fit(repeating({"text": text(dtype=np.float32)}), steps=3, sinks=[])
-    assert run.compilations == {"init": 0, "train_step": 0, "eval_step": 0}
+# ----- item 1: sizing the vocabulary (refusals are in test_bad_input.py) ---------------------------
 
 
 def test_the_largest_valid_id_trains():
@@ -82,7 +65,7 @@ def test_vocab_size_for_refuses_a_bad_multiple():
         vocab_size_for(FIXTURE_QWEN3, multiple=0)
 
 
-# ----- item 5: fit says what it did; build lists its options ----------------------------------------
+# ----- item 5: fit says what it did (build's option list is in test_bad_input.py) ------------------
 
 
 def test_fit_with_zero_steps_says_there_is_nothing_to_train():
@@ -112,25 +95,6 @@ def test_the_progress_bar_prints_no_blank_line_when_nothing_trains():
     stream = io.StringIO()
     trainer().fit(repeating({"text": text()}), steps=0, sinks=[ProgressBar(stream)])
     assert stream.getvalue() == "nothing to train: steps=0 and the state is at step 0; returning it unchanged\n"
-
-
-def test_build_with_a_misspelt_option_lists_the_valid_ones():
-    with pytest.raises(TypeError) as caught:
-        models.build("causal_transformer", vocab_size=32, emb_feature=16, num_layers=1, num_heads=2,
-                      mlp_features=32, max_seq_len=16)
-    message = str(caught.value)
-    assert message.startswith("models.build('causal_transformer'): unknown option 'emb_feature' "
-                              "(did you mean 'emb_features'?)")
-    for name in ("vocab_size", "emb_features", "max_seq_len", "num_kv_heads", "qk_norm", "dtype"):
-        assert name in message
-
-
-def test_build_without_a_required_option_names_it():
-    with pytest.raises(TypeError, match=r"missing required option max_seq_len; the required options are "
-                                        r"vocab_size, emb_features, num_layers, num_heads, mlp_features, "
-                                        r"max_seq_len"):
-        models.build("causal_transformer", vocab_size=32, emb_features=16, num_layers=1, num_heads=2,
-                     mlp_features=32)
 
 
 # ----- item 6: transformers' torch notice -----------------------------------------------------------

@@ -47,8 +47,29 @@ def check_options(module: type, options: Mapping[str, Any]) -> None:
         )
 
 
+_SIZES = ("vocab_size", "emb_features", "num_layers", "num_heads", "mlp_features", "max_seq_len")
+
+
+def _check_sizes(options: Mapping[str, Any]) -> None:
+    """Sizes that would otherwise fail only when the model is first traced, checked at build."""
+    for field in (*_SIZES, "num_kv_heads", "head_dim"):
+        value = options.get(field)
+        if value is None and field not in _SIZES:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field} must be a positive integer, got {value!r}")
+    heads, kv_heads = options["num_heads"], options.get("num_kv_heads") or options["num_heads"]
+    if heads % kv_heads:
+        raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads} (grouped-query "
+                         "attention shares each key/value head among a whole group of query heads)")
+    if options.get("head_dim") is None and options["emb_features"] % heads:
+        raise ValueError(f"emb_features={options['emb_features']} does not divide into num_heads={heads}; "
+                         "change one of them or set head_dim explicitly")
+
+
 def _causal_transformer(**options: Any) -> CausalTransformer:
     check_options(CausalTransformer, options)
+    _check_sizes(options)
     for field in ("dtype", "param_dtype"):
         if isinstance(options.get(field), str):
             name = options[field]
@@ -70,8 +91,8 @@ def build(name: str, **options: Any):
         raise ValueError(f"unknown model {name!r}; registered models: {sorted(REGISTRY)}")
     try:
         return REGISTRY[name](**options)
-    except TypeError as error:
-        raise TypeError(f"models.build({name!r}): {error}") from None
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"models.build({name!r}): {error}") from None
 
 
 __all__ = [
