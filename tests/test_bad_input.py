@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import tiny_model
+from conftest import SHARED_DATA, tiny_model
 from dew_lib import Dataset, LMObjective, Trainer, models
 from dew_lib.data import ChatMessages, DataError, Partition, PreferencePairs, Prompts, Role
 from dew_lib.models import load_pretrained
@@ -236,6 +236,39 @@ def rows(high=31, dtype=np.int32, width=9):
 def test_fit_an_id_past_the_vocabulary():
     fit_refused(ValueError, {"text": rows(high=40)}, "batch field 'text' holds token id 40",
                 "the model's vocab_size is 32", "vocab_size >= 41", "len(tokenizer)")
+
+
+QWEN3 = os.path.join(SHARED_DATA, "tokenizers", "qwen3")
+
+
+@pytest.mark.skipif(not os.path.isdir(QWEN3), reason="shared data not found")
+def test_fit_sft_on_qwen3_chats_with_a_model_sized_by_tokenizer_vocab_size(tmp_path):
+    # The trap of the issue: tokenizer.vocab_size (151,643) leaves out the added tokens.
+    from dew_lib.data.tokenizer import load_tokenizer
+
+    path = jsonl(tmp_path, "c.jsonl", [GOOD] * 4)
+    data = ChatMessages(path=path, tokenizer=QWEN3, seq_len=31).load(batch=4)
+    model = tiny_model(vocab_size=load_tokenizer(QWEN3).vocab_size)
+    trainer = Trainer(LMObjective(model, seq_len=31, loss_role=Role.ASSISTANT), optax.sgd(0.1),
+                      key=jax.random.key(0))
+    refused(ValueError, lambda: trainer.fit(data, steps=2, sinks=[]),
+            "batch field 'text' holds token id 151668, but the model's vocab_size is 151643",
+            "vocab_size >= 151669", "len(tokenizer)")
+    assert trainer.compilations == NO_COMPILATION
+
+
+@pytest.mark.skipif(not os.path.isdir(QWEN3), reason="shared data not found")
+def test_fit_dpo_on_qwen3_text_pairs_with_a_model_sized_by_tokenizer_vocab_size():
+    from dew_lib.data.tokenizer import load_tokenizer
+    from dew_lib.objectives.rl import DPOObjective
+
+    records = ({"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5"},) * 4
+    data = PreferencePairs(records=records, tokenizer=QWEN3, seq_len=32).load(batch=4)
+    model = tiny_model(vocab_size=load_tokenizer(QWEN3).vocab_size)
+    trainer = Trainer(DPOObjective(model, seq_len=31), optax.sgd(0.1), key=jax.random.key(0))
+    refused(ValueError, lambda: trainer.fit(data, steps=2, sinks=[]),
+            "batch field 'input_ids' holds token id 151668, but the model's vocab_size is 151643")
+    assert trainer.compilations == NO_COMPILATION
 
 
 def test_fit_a_negative_id():

@@ -70,6 +70,7 @@ def test_the_fence_reader_finds_blocks_and_their_lines(tmp_path):
     assert python_blocks(doc) == [(3, "a = 1"), (10, "b = '```'")]
 
 
+@pytest.mark.slow  # a doc's examples compile and train tiny models: seconds to a minute each
 @pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(ROOT)) for d in DOCS])
 def test_doc_examples_run_as_written(doc, tmp_path, monkeypatch):
     name = str(doc.relative_to(ROOT))
@@ -98,6 +99,3 @@ def test_every_not_run_entry_is_still_in_its_doc():
     marked = {(str(d.relative_to(ROOT)), not_run_reason(code)) for d in DOCS for _, code in python_blocks(d)}
     assert NOT_RUN <= marked, f"NOT_RUN lists blocks no doc has any more: {NOT_RUN - marked}"
 
-
-def count_runnable() -> int:
-    return sum(1 for d in DOCS for _, code in python_blocks(d) if not_run_reason(code) is None)
