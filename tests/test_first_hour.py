@@ -106,6 +106,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
                           timeout=300, cwd=ROOT)
 
 
+@pytest.mark.slow  # a fresh interpreter imports JAX and transformers
 def test_importing_dew_and_tokenizing_prints_no_torch_notice_but_other_warnings_still_show():
     code = (
         "import logging, dew_lib\n"
@@ -124,6 +125,7 @@ def test_importing_dew_and_tokenizing_prints_no_torch_notice_but_other_warnings_
     assert "an advisory warning" in done.stderr and "a module warning" in done.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter imports JAX and transformers
 def test_loader_workers_print_no_torch_notice(tmp_path):
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(
