@@ -6,6 +6,10 @@ first use, so `import dew_lib.store` or the `dew` command do not load JAX.
 
 import importlib
 
+from dew_lib.quiet import drop_torch_notice
+
+drop_torch_notice()  # before any dew_lib module imports transformers (quiet.py imports only logging)
+
 _EXPORTS = {
     "Dataset": "dew_lib.data", "Loading": "dew_lib.data", "Partition": "dew_lib.data",
     "LMObjective": "dew_lib.objectives", "Trainer": "dew_lib.trainer",
