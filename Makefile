@@ -44,6 +44,7 @@ bench: $(STAMP) sandbox-tools
 	$(BIN)/python bench/generate.py
 	$(BIN)/python bench/load_checkpoint.py
 	$(BIN)/python bench/load_data.py
+	$(BIN)/python bench/store.py
 	$(BIN)/python bench/sandbox.py
 
 clean:
