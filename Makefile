@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 
-.PHONY: run test bench setup clean sandbox-tools
+.PHONY: run test bench setup clean sandbox-tools ui
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m dew_lib.demo
+	$(BIN)/python -m flows
+
+# A local Prefect server (http://127.0.0.1:4200) with the pipeline and retraining deployments.
+ui: $(STAMP)
+	$(BIN)/python deployments/ui.py
 
 # bubblewrap, which dew_lib.sandbox.NamespaceRunner runs: installed with apt-get when missing and
 # this is root on a Debian-like system, a no-op when present; otherwise a note, and the tests that
