@@ -76,6 +76,8 @@ class DPOParams(StageParams):
     steps: int = Field(120, ge=1, description="optimizer steps")
     learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate")
     beta: float = Field(0.1, gt=0, description="DPO beta: the scale of the log-ratio to the reference")
+    nll_weight: float = Field(1.0, ge=0, description="weight of the chosen answers' NLL added to the "
+                              "DPO loss (RPO); 0 is plain DPO")
     seq_len: int = Field(40, ge=4, description="ids per chosen or rejected row")
     pairs: Literal["policy", "data"] = Field(
         "policy", description="'policy': reference answers against the starting policy's own wrong "

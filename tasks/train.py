@@ -76,7 +76,8 @@ def build(kind: str, params: StageParams, pretrained, variables, data: DataManif
         assert isinstance(params, DPOParams)
         spec = PreferencePairs(path=data.pairs_path, seq_len=params.seq_len,
                                pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
-        objective = DPOObjective(model, params.seq_len - 1, beta=params.beta, pretrained=variables)
+        objective = DPOObjective(model, params.seq_len - 1, beta=params.beta, pretrained=variables,
+                                 nll_weight=params.nll_weight)
         return objective, spec.load(batch=params.batch), None, None
     assert isinstance(params, GRPOParams)
     spec = Prompts(path=data.prompts_path, max_prompt_len=params.max_prompt_len,

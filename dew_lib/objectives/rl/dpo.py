@@ -47,7 +47,7 @@ class DPOObjective:
     """Sigmoid DPO over `PreferencePairs` batches with the frozen starting policy as reference."""
 
     def __init__(self, model, seq_len: int, *, beta: float = 0.1, pretrained: Any = None,
-                 ema_decay: float = 1.0):
+                 ema_decay: float = 1.0, nll_weight: float = 0.0):
         check_seq_len("DPOObjective", model, seq_len)
         if not beta > 0:
             raise ValueError(
@@ -60,6 +60,9 @@ class DPOObjective:
                 f"1.0; got {ema_decay}. Drop the ema_decay argument"
             )
         check_pretrained("DPOObjective", pretrained)
+        if nll_weight < 0:
+            raise ValueError(f"DPOObjective.nll_weight must be >= 0 (0 is plain DPO), got {nll_weight}")
+        self.nll_weight = float(nll_weight)
         self.model = model
         self.seq_len = seq_len
         self.beta = float(beta)
@@ -112,6 +115,7 @@ class DPOObjective:
         losses, chosen, rejected = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], self.beta)
         pairs = jnp.asarray(losses.shape[0], jnp.float32)
         tokens = mask.reshape(-1, 2, mask.shape[-1]).sum(-1)  # [B, 2]
+        nll = -policy[:, 0] / jnp.maximum(tokens[:, 0], 1)  # [B] chosen NLL per token
         metrics: Metrics = {
             "loss": (losses.sum(), pairs),
             "rewards/chosen": (chosen.sum(), pairs),
@@ -122,7 +126,13 @@ class DPOObjective:
             "logps/rejected": (policy[:, 1].sum(), pairs),
             "tokens": (tokens.sum(), jnp.ones(())),
         }
-        return LossTerms(losses.sum(), pairs, metrics)
+        total = losses.sum()
+        if self.nll_weight:
+            total = total + self.nll_weight * nll.sum()
+            metrics["nll"] = (nll.sum(), pairs)
+            metrics["loss"] = (total, pairs)
+            metrics["dpo_loss"] = (losses.sum(), pairs)
+        return LossTerms(total, pairs, metrics)
 
     def evaluate(self, params, batch) -> Metrics:
         """Negative log-likelihood and top-1 accuracy of the chosen completions' targets."""
