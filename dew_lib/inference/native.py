@@ -1,0 +1,197 @@
+"""NativeRolloutServer: Dew's own `Server` behind the `RolloutServer` interface, on a thread.
+
+`submit` checks the request, queues it and returns a future at once. One background thread
+drives the server: each turn of its loop swaps in weights a `load` handed over, moves queued
+requests into free slots (first come, first served), frees the slots of cancelled futures, and
+runs one decode step; the draws that step finishes resolve their futures. A future stays pending
+until its draw is done, so `future.cancel()` succeeds any time before that and the request's slot
+is free by the next step.
+
+Futures resolve on the server's thread, so their done-callbacks run there: keep them short
+(hand long work such as scoring to a pool), and never call `load` from one.
+
+`load` prepares the copy on the calling thread (checked, cast to the served dtypes, placed on
+the served devices) and returns once the loop has swapped it in, so every request submitted after
+`load` returns is drawn from those weights or later ones. An exception in the loop fails every
+pending future with it and closes the server; `close` fails them with `ServerClosed`.
+
+Not here: the continuous-batching engine itself (`dew_lib.inference.server`), remote engines.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from dew_lib.inference.base import Draw, ServerClosed
+from dew_lib.inference.server import Server
+
+
+class NativeRolloutServer:
+    """A `RolloutServer` that drives `server` on a background thread until `close`.
+
+    seed: the seed of the generator that picks a request's seed when `submit` gets none.
+    Use it as a context manager, or call `close` when done.
+    """
+
+    def __init__(self, server: Server, *, seed: int = 0):
+        if not isinstance(server, Server):
+            raise ValueError(f"NativeRolloutServer needs a dew_lib.inference.Server, got {type(server).__name__}")
+        self.server = server
+        self._seeds = np.random.default_rng(seed)
+        self._names = itertools.count()
+        self._lock = threading.Condition()
+        self._queue: deque[tuple[int, np.ndarray, int, int, Future]] = deque()
+        self._running: dict[int, Future] = {}  # requests in a slot, by name
+        self._load: _Handover | None = None
+        self._closing = False
+        self._error: BaseException | None = None
+        self._version = server.version
+        self._thread = threading.Thread(target=self._loop, name="dew-rollout-server", daemon=True)
+        self._thread.start()
+
+    @property
+    def version(self) -> int:
+        """The version of the weights new requests are drawn from."""
+        return self._version
+
+    @property
+    def sampling(self):
+        return self.server.sampling
+
+    def submit(self, prompt_ids, max_new_tokens: int, *, seed: int | None = None) -> Future[Draw]:
+        """Queue one request; the future resolves to its `Draw`.
+
+        Refuses (ValueError, here and now) a prompt that does not fit the server's capacity with
+        its budget, ids outside the vocabulary, and bad budgets or seeds. seed None draws one
+        from this server's own generator.
+        """
+        prompt = self.server.check(prompt_ids, max_new_tokens, seed)
+        future: Future[Draw] = Future()
+        with self._lock:
+            self._raise_if_closed()
+            if seed is None:
+                seed = int(self._seeds.integers(0, 2**32))
+            self._queue.append((next(self._names), prompt, int(max_new_tokens), int(seed), future))
+            self._lock.notify()
+        return future
+
+    def load(self, variables: Any, version: int) -> None:
+        """Serve `variables` as `version` from the next step on; returns once they are served.
+
+        Floating leaves are cast to the served dtypes (train float32, serve bfloat16); a tree of
+        another structure or shape is refused. Requests generating now keep going on the new
+        weights and report the older version.
+        """
+        if isinstance(version, bool) or not isinstance(version, int | np.integer):
+            raise ValueError(f"load version must be an int, got {version!r}")
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("load cannot run inside a draw's done-callback: the server's own "
+                               "thread would wait for itself; call it from another thread")
+        handover = _Handover(self.server.prepare(variables), int(version))
+        with self._lock:
+            self._raise_if_closed()
+            while self._load is not None:  # another thread's load is waiting to be swapped in
+                self._lock.wait()
+                self._raise_if_closed()
+            self._load = handover
+            self._lock.notify_all()
+        handover.done.wait()
+        if handover.error is not None:
+            raise handover.error
+
+    def close(self) -> None:
+        """Stop the loop and fail every request not yet finished with `ServerClosed`."""
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def __enter__(self) -> NativeRolloutServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _raise_if_closed(self):
+        if self._error is not None:
+            raise ServerClosed(f"the rollout server's loop failed: {self._error!r}") from self._error
+        if self._closing:
+            raise ServerClosed("the rollout server is closed")
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def _loop(self):
+        server = self.server
+        load = None
+        try:
+            while True:
+                with self._lock:
+                    while not (self._closing or self._load or self._queue or server.busy):
+                        self._lock.wait()
+                    if self._closing:
+                        break
+                    load, self._load = self._load, None
+                    joining = []
+                    while self._queue and len(joining) < server.free:
+                        request = self._queue.popleft()
+                        if not request[-1].cancelled():
+                            joining.append(request)
+                    if load is not None:
+                        self._lock.notify_all()  # a second load may hand over now
+                if load is not None:
+                    server.reload(load.variables, load.version, prepared=True)
+                    self._version = load.version
+                    load.done.set()
+                for name, *_, future in joining:  # held here first, so a failure reaches them
+                    self._running[name] = future
+                for name, prompt, budget, seed, _ in joining:
+                    server.add(name, prompt, budget, seed=seed)
+                for name in [n for n, f in self._running.items() if f.cancelled()]:
+                    server.cancel(name)
+                    del self._running[name]
+                for name, draw in server.step():
+                    future = self._running.pop(name)
+                    if future.set_running_or_notify_cancel():
+                        future.set_result(draw)
+        except BaseException as error:  # noqa: BLE001 - every failure goes to the futures
+            with self._lock:
+                self._error = error
+                if load is not None and not load.done.is_set():  # failed while swapping it in
+                    load.error = ServerClosed(f"the weights were not swapped in: {error!r}")
+                    load.done.set()
+                self._fail(error)
+            return
+        for name in list(self._running):  # leave the engine empty for whoever holds it next
+            server.cancel(name)
+        with self._lock:
+            self._fail(ServerClosed("the rollout server was closed before this draw finished"))
+
+    def _fail(self, error: BaseException):
+        """Fail every request not yet finished (called with the lock held)."""
+        pending = [f for *_, f in self._queue] + list(self._running.values())
+        self._queue.clear()
+        self._running.clear()
+        for future in pending:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
+        if self._load is not None:
+            self._load.error = ServerClosed(f"the weights were not swapped in: {error!r}")
+            self._load.done.set()
+            self._load = None
+        self._lock.notify_all()
+
+
+class _Handover:
+    """Weights `load` prepared, waiting for the loop to swap them in."""
+
+    def __init__(self, variables, version: int):
+        self.variables, self.version = variables, version
+        self.done = threading.Event()
+        self.error: BaseException | None = None
