@@ -275,10 +275,12 @@ class Server:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) \
                 or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        if prompt.size > self.capacity:
+        if prompt.size >= self.capacity:
             raise ValueError(
-                f"a prompt of {prompt.size} ids is longer than the server's capacity={self.capacity} "
-                "ids per slot; shorten the prompt or build the server with a larger capacity")
+                f"a prompt of {prompt.size} ids is too long for the server's capacity="
+                f"{self.capacity} ids per slot, which must hold the prompt and its sampled ids; "
+                f"shorten the prompt or build the server with capacity >= "
+                f"{prompt.size + max_new_tokens}")
         if prompt.size + max_new_tokens > self.capacity:
             raise ValueError(
                 f"a prompt of {prompt.size} ids plus max_new_tokens={max_new_tokens} exceeds the "
