@@ -120,6 +120,18 @@ def test_requests_join_and_leave_slots_and_the_server_compiles_once():
     assert compilations == {"decode": 1, "prefill": 2}  # prompts of <= 16 ids and of 20 ids
 
 
+def test_a_call_ends_as_soon_as_a_request_finishes_and_its_slot_takes_the_next():
+    engine = server(GREEDY, slots=3, steps=4)
+    engine.add("short", PROMPTS[0], 2)
+    engine.add("long", PROMPTS[1], 12)
+    assert [name for name, _ in engine.step()] == ["short"]  # after one decode step, not four
+    assert len(engine._by_key["long"].ids) == 2 and engine.free == 2
+    engine.add("next", PROMPTS[2], 3)
+    draws = run(engine)
+    assert sorted(draws) == ["long", "next"] and len(draws["long"]) == 12
+    np.testing.assert_array_equal(draws["long"].ids, reference(PROMPTS[1], 12, 0, GREEDY)[0])
+
+
 def test_cancel_frees_the_slot_for_the_next_request():
     engine = server(GREEDY, slots=1, steps=1)
     engine.add("long", PROMPTS[0], 30)
