@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/generate.py
 	$(BIN)/python bench/load_checkpoint.py
 	$(BIN)/python bench/load_data.py
+	$(BIN)/python bench/store.py
 	$(BIN)/python bench/native_server.py
 
 clean:

@@ -3,7 +3,7 @@
 A sink is any object with `write(step, metrics)` and `close()`. Metrics arrive late, a window at
 a time, so writing never stalls the device. `ProgressBar` redraws one terminal line;
 `LineLog` prints one line per window (for logs and CI); `MemorySink` keeps everything (tests,
-notebooks); `JsonlSink` appends to a file.
+notebooks); `JsonlSink` appends to a file; `dew_lib.store.StoreSink` writes to the run store.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Protocol, TextIO
 
 class Sink(Protocol):
     """Receives metrics. A sink may also define `begin(first_step, total_steps)`, which `fit`
-    calls once before training (the progress displays use it)."""
+    calls once before training (the progress displays use it), and `checkpoint(step, path)`,
+    which `fit` calls after each checkpoint it saves (the run store's sink records it)."""
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
 

@@ -307,6 +307,9 @@ class _Run:
                 self._deliver(include_open=True)  # a diverged step must never be checkpointed
                 self.store.save(done, state, {"position": done, "accumulate": trainer.accumulate})
                 self.last_checkpoint = f"{self.store.directory}/{done}"
+                for sink in self.sinks:  # e.g. the run store records where the checkpoint is
+                    if hasattr(sink, "checkpoint"):
+                        sink.checkpoint(done, self.last_checkpoint)
                 self.clock = time.perf_counter()
         self._deliver(include_open=True)
         return state
