@@ -201,8 +201,8 @@ def test_a_weight_swap_lands_between_two_calls_and_draws_keep_the_oldest_version
 
 
 def test_load_during_a_draw_keeps_its_version_and_serves_later_submissions_new_weights(monkeypatch):
-    """The loop is held inside its third call while `load` hands the weights over, so the push
-    lands after 1 + 3 * 4 ids of the running draw, whatever the machine's timing."""
+    """The loop is held at its third call while `load` hands the weights over, so the push lands
+    after 1 + 3 * 4 ids of the running draw, whatever the machine's timing."""
     blank = jax.tree_util.tree_map_with_path(
         lambda path, x: jnp.zeros_like(x) if "lm_head" in jax.tree_util.keystr(path) else x, VARIABLES)
     engine = server(GREEDY, steps=4)
@@ -220,13 +220,9 @@ def test_load_during_a_draw_keeps_its_version_and_serves_later_submissions_new_w
     with NativeRolloutServer(engine) as native:
         running = native.submit(PROMPTS[1], 39)
         assert third.wait(60)
-        loading = threading.Thread(target=native.load, args=(blank, 7))
-        loading.start()
-        while native._load is None:  # handed over, waiting for the loop
-            time.sleep(0.01)
-        resume.set()
-        loading.join(60)
+        native.load(blank, 7)  # returns without waiting for the call in flight
         assert native.version == 7
+        resume.set()
         later = native.submit(PROMPTS[2], 5).result(timeout=60)
         draw = running.result(timeout=60)
     assert later.version == 7 and np.all(later.ids == 0)
@@ -294,16 +290,21 @@ def test_an_exception_in_the_loop_reaches_every_future(monkeypatch):
     assert calls == [1]
 
 
-def test_a_load_waiting_on_a_failing_loop_raises_instead_of_hanging(monkeypatch):
+def test_a_failed_weight_swap_fails_the_pending_draws(monkeypatch):
     engine = server(GREEDY, slots=1, steps=1)
 
     def broken_reload(*args, **kwargs):
-        raise MemoryError("no room")
+        raise MemoryError("no room for the new weights")
 
     monkeypatch.setattr(engine, "reload", broken_reload)
     native = NativeRolloutServer(engine)
-    with pytest.raises(ServerClosed, match="not swapped in"):
+    with native._lock:  # both handed over before the loop's next turn
         native.load(VARIABLES, 1)
+        future = native.submit(PROMPTS[0], 3)
+    with pytest.raises(MemoryError, match="no room"):
+        future.result(timeout=60)
+    with pytest.raises(ServerClosed, match="loop failed"):
+        native.load(VARIABLES, 2)
     native.close()
 
 

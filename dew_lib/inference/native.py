@@ -3,17 +3,18 @@
 `submit` checks the request, queues it and returns a future at once. One background thread
 drives the server: each turn of its loop swaps in weights a `load` handed over, moves queued
 requests into free slots (first come, first served), frees the slots of cancelled futures, and
-runs one decode step; the draws that step finishes resolve their futures. A future stays pending
+runs one decode call; the draws that call finishes resolve their futures. A future stays pending
 until its draw is done, so `future.cancel()` succeeds any time before that and the request's slot
-is free by the next step.
+is free by the next call.
 
-Futures resolve on the server's thread, so their done-callbacks run there: keep them short
-(hand long work such as scoring to a pool), and never call `load` from one.
+Futures resolve on the server's thread, so their done-callbacks run there: keep them short and
+hand long work such as scoring to a pool.
 
 `load` prepares the copy on the calling thread (checked, cast to the served dtypes, placed on
-the served devices) and returns once the loop has swapped it in, so every request submitted after
-`load` returns is drawn from those weights or later ones. An exception in the loop fails every
-pending future with it and closes the server; `close` fails them with `ServerClosed`.
+the served devices) and hands it over without waiting for the decode call in flight; the loop
+swaps it in before it takes any request submitted after `load` returned, so those are drawn from
+that version or a later one. An exception in the loop fails every pending future with it and
+closes the server; `close` fails them with `ServerClosed`.
 
 Not here: the continuous-batching engine itself (`dew_lib.inference.server`), remote engines.
 """
@@ -48,7 +49,7 @@ class NativeRolloutServer:
         self._lock = threading.Condition()
         self._queue: deque[tuple[int, np.ndarray, int, int, Future]] = deque()
         self._running: dict[int, Future] = {}  # requests in a slot, by name
-        self._load: _Handover | None = None
+        self._load: tuple[Any, int] | None = None  # handed over, not yet swapped in
         self._closing = False
         self._error: BaseException | None = None
         self._version = server.version
@@ -82,28 +83,23 @@ class NativeRolloutServer:
         return future
 
     def load(self, variables: Any, version: int) -> None:
-        """Serve `variables` as `version` from the next step on; returns once they are served.
+        """Serve `variables` as `version`: every request submitted after this returns is drawn
+        from them (or newer ones), and requests generating now continue on them at the loop's
+        next call, reporting their older version.
 
-        Floating leaves are cast to the served dtypes (train float32, serve bfloat16); a tree of
-        another structure or shape is refused. Requests generating now keep going on the new
-        weights and report the older version.
+        Checks and copies the tree on the calling thread (floating leaves cast to the served
+        dtypes: train float32, serve bfloat16; another structure or shape is refused) and hands
+        it to the loop without waiting for the decode call in flight. A newer load handed over
+        before the loop took this one replaces it. A failed swap fails the pending draws.
         """
         if isinstance(version, bool) or not isinstance(version, int | np.integer):
             raise ValueError(f"load version must be an int, got {version!r}")
-        if threading.current_thread() is self._thread:
-            raise RuntimeError("load cannot run inside a draw's done-callback: the server's own "
-                               "thread would wait for itself; call it from another thread")
-        handover = _Handover(self.server.prepare(variables), int(version))
+        prepared = self.server.prepare(variables)
         with self._lock:
             self._raise_if_closed()
-            while self._load is not None:  # another thread's load is waiting to be swapped in
-                self._lock.wait()
-                self._raise_if_closed()
-            self._load = handover
-            self._lock.notify_all()
-        handover.done.wait()
-        if handover.error is not None:
-            raise handover.error
+            self._load = (prepared, int(version))
+            self._version = int(version)
+            self._lock.notify()
 
     def close(self) -> None:
         """Stop the loop and fail every request not yet finished with `ServerClosed`."""
@@ -129,7 +125,6 @@ class NativeRolloutServer:
 
     def _loop(self):
         server = self.server
-        load = None
         try:
             while True:
                 with self._lock:
@@ -137,20 +132,15 @@ class NativeRolloutServer:
                         self._lock.wait()
                     if self._closing:
                         break
-                    load, self._load = self._load, None
+                    load, self._load = self._load, None  # taken with the queue: see `load`
                     joining = []
                     while self._queue and len(joining) < server.free:
                         request = self._queue.popleft()
                         if not request[-1].cancelled():
                             joining.append(request)
-                    if load is not None:
-                        self._lock.notify_all()  # a second load may hand over now
+                            self._running[request[0]] = request[-1]  # a failure reaches it
                 if load is not None:
-                    server.reload(load.variables, load.version, prepared=True)
-                    self._version = load.version
-                    load.done.set()
-                for name, *_, future in joining:  # held here first, so a failure reaches them
-                    self._running[name] = future
+                    server.reload(*load, prepared=True)
                 for name, prompt, budget, seed, _ in joining:
                     server.add(name, prompt, budget, seed=seed)
                 for name in [n for n, f in self._running.items() if f.cancelled()]:
@@ -163,9 +153,6 @@ class NativeRolloutServer:
         except BaseException as error:  # noqa: BLE001 - every failure goes to the futures
             with self._lock:
                 self._error = error
-                if load is not None and not load.done.is_set():  # failed while swapping it in
-                    load.error = ServerClosed(f"the weights were not swapped in: {error!r}")
-                    load.done.set()
                 self._fail(error)
             return
         for name in list(self._running):  # leave the engine empty for whoever holds it next
@@ -181,17 +168,5 @@ class NativeRolloutServer:
         for future in pending:
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
-        if self._load is not None:
-            self._load.error = ServerClosed(f"the weights were not swapped in: {error!r}")
-            self._load.done.set()
-            self._load = None
+        self._load = None
         self._lock.notify_all()
-
-
-class _Handover:
-    """Weights `load` prepared, waiting for the loop to swap them in."""
-
-    def __init__(self, variables, version: int):
-        self.variables, self.version = variables, version
-        self.done = threading.Event()
-        self.error: BaseException | None = None
