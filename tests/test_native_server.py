@@ -251,6 +251,16 @@ def test_load_casts_to_the_served_dtype_and_keeps_its_own_copy():
     np.testing.assert_array_equal(draw.ids, reference(PROMPTS[0], 8, 0, GREEDY, bf16)[0])
 
 
+def test_the_server_keeps_its_own_copy_of_the_task_weights():
+    own = jax.tree.map(jnp.copy, VARIABLES)
+    engine = Server.from_task(ServeTask(model=MODEL, variables=own, sampling=GREEDY), slots=3,
+                              capacity=40, steps=4)
+    for leaf in jax.tree.leaves(own):
+        leaf.delete()  # as a trainer's donated update would
+    engine.add(0, PROMPTS[0], 12)
+    np.testing.assert_array_equal(run(engine)[0].ids, reference(PROMPTS[0], 12, 0, GREEDY)[0])
+
+
 def test_close_fails_every_pending_future_and_refuses_new_work():
     native = NativeRolloutServer(server(GREEDY, slots=1, steps=1))
     futures = [native.submit(PROMPTS[0], 30) for _ in range(4)]

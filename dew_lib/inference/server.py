@@ -225,9 +225,11 @@ class Server:
         self.model, self.sampling = model, sampling
         self.slots, self.capacity, self.steps = slots, capacity, steps
         self.version = int(version)
-        self.variables = jax.tree.map(jnp.asarray, variables)
+        # A copy of its own: a trainer that donates its state must not delete the served weights.
+        self.variables = jax.tree.map(lambda x: jnp.array(x, copy=True), variables)
         self.vocab_size = getattr(model, "vocab_size", None)
         self.buckets = _buckets(capacity)
+
         def zeros():  # a buffer of its own: the state is donated leaf by leaf
             return jnp.zeros((slots,), jnp.int32)
 
@@ -250,11 +252,11 @@ class Server:
             raise ValueError(
                 f"Server.from_task needs a dew_lib.inference.ServeTask(model, variables, sampling), "
                 f"got {type(task).__name__}")
-        variables = task.variables
+        variables = jax.tree.map(jnp.asarray, task.variables)
         if task.dtype is not None:
             variables = jax.tree.map(
                 lambda x: x.astype(task.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                jax.tree.map(jnp.asarray, variables))
+                variables)
         return cls(task.model, variables, sampling=task.sampling, slots=slots, capacity=capacity,
                    steps=steps, version=task.version)
 
