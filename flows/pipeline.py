@@ -85,6 +85,18 @@ def _summary(table, policy: str, store_root: str, directory: str, seconds: float
     return "\n".join(lines)
 
 
+def main(argv: list[str]) -> int:
+    """Run the pipeline with its defaults, `--name`, `--seed` and `--root` overridable."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m flows", description=__doc__.split("\n")[0])
+    parser.add_argument("--name", default=PipelineParams().name)
+    parser.add_argument("--root", default=PipelineParams().root)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    pipeline(PipelineParams(name=args.name, root=args.root, seed=args.seed))
+    return 0
+
+
 if __name__ == "__main__":
-    outcome = pipeline()
-    sys.exit(0 if outcome else 1)
+    sys.exit(main(sys.argv[1:]))

@@ -149,8 +149,9 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
             logger.info("%s resumes from its checkpoint at step %d", stage, resumed)
             writer.discard_after(resumed)
         log_path = os.path.join(directory, "metrics.jsonl")
-        sinks = [LogSink(stage, SHOWN), ProgressSink(stage, params.steps),
-                 Deadline(stage, params.max_minutes), writer.sink(), JsonlSink(log_path)]
+        sinks = [LogSink(stage, SHOWN), ProgressSink(stage, params.steps), writer.sink(),
+                 JsonlSink(log_path), Deadline(stage, params.max_minutes)]  # last: a window is
+        # recorded everywhere before a deadline stops the stage
         state = trainer.fit(dataset, steps=params.steps, log_every=params.log_every,
                             eval_every=eval_every, directory=checkpoints,
                             checkpoint_every=params.checkpoint_every, sinks=sinks)
