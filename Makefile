@@ -50,6 +50,7 @@ bench: $(STAMP) sandbox-tools
 	$(BIN)/python bench/load_data.py
 	$(BIN)/python bench/store.py
 	$(BIN)/python bench/sandbox.py
+	$(BIN)/python bench/native_server.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
