@@ -14,6 +14,9 @@ advantage, kept, and the image as a PNG) in the run store's `samples` table.
 The previews need the live parameters, which Trainer sinks never see. Flow-GRPO renders them
 in its rollout wrapper; pre-training has no rollout, so it passes a `PreviewHook` in the
 rollout slot, the Trainer's one host hook that sees the state, and returns the batch unchanged.
+
+Not here: conditioned models (prompts or labels), guidance, multi-process training (FlowRollout
+runs in one process).
 """
 
 from __future__ import annotations
