@@ -1,12 +1,12 @@
 """What the run store costs: writing a GRPO step's sessions, and querying a million of them.
 
-1. A GRPO-sized step on the demo's decoder (128 wide, 4 layers, vocabulary 320): 16 prompts x 4
-   samples of 24-token prompts, 64 sampled ids each (`generate`), the 64 Sessions built from
-   them, and one Trainer update on the 64 rows. Timed with and without writing the step's
-   sessions to the store, alternating rounds, medians: the share of the step's wall time the
-   write adds, and the share the training thread spends inside `stage.sessions(...)`.
-2. The same step while every step also writes 100x its rollouts (6,400 sessions): the write
-   runs on the writer's thread, so what the step pays is contention for this machine's cores.
+1. A GRPO step on the demo's decoder (128 wide, 4 layers, vocabulary 320): SampledRollout draws
+   16 prompts x 4 samples of 64 ids after 24-token prompts, scores and packs them, and
+   GRPOObjective (beta 0.04) updates on the 64 rows. Timed with and without writing the step's
+   sessions to the store (alternating rounds, medians): the time the training thread spends in
+   `stage.sessions(...)` and the writer thread's CPU time, each as a share of the step's time.
+2. The same step while every step writes 100x its rollouts (6,400 sessions): the write runs on
+   the writer's thread, so what the step pays is that thread's CPU on the same cores.
 3. Sessions per second through a stage writer (Arrow conversion, zstd Parquet, fsync, flush)
    against pyarrow writing the same converted rows to one Parquet file.
 4. A GROUP BY over one million session rows through the store's views (the part layout of a
@@ -36,51 +36,50 @@ from common import report  # noqa: E402
 PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 16, 4, 24, 64
 
 
-def demo_step(store_dir: str):
-    """A trainer whose rollout hook generates a GRPO step's samples, builds their Sessions and
-    (when `step.stage` is set) writes them; returns (trainer, data, step)."""
+def demo_step():
+    """A GRPO trainer at the demo's sizes whose rollout hook writes the step's sessions to the
+    store when `step.stage` is set (as tasks/train.py's RecordedRollout does)."""
     import jax
     import optax
 
-    from dew_lib import Dataset, LMObjective, Trainer, models
-    from dew_lib.objectives.rl.sessions import Call, Session
-    from dew_lib.sampling import Sampling, generate
+    from dew_lib import Dataset, Trainer, models
+    from dew_lib.objectives.rl import GRPOObjective, SampledRollout
+    from dew_lib.sampling import Sampling
 
+    width = PROMPT_LEN + NEW_TOKENS
     model = models.build("causal_transformer", vocab_size=320, emb_features=128, num_layers=4,
-                         num_heads=4, mlp_features=384, max_seq_len=PROMPT_LEN + NEW_TOKENS)
-    rows = PROMPTS * SAMPLES
+                         num_heads=4, mlp_features=384, max_seq_len=width)
+    objective = GRPOObjective(model, width - 1, beta=0.04)
+
+    def reward(data_source, completion, ground_truth, extra_info):
+        return float(completion.count("7")) / 10  # cheap, as a verifier's reading of the text
+
+    rollout = SampledRollout(objective, reward=reward, groups=SAMPLES, max_new_tokens=NEW_TOKENS,
+                             sampling=Sampling(temperature=1.0))
     rng = np.random.default_rng(0)
-    prompts = np.repeat(rng.integers(3, 320, (PROMPTS, PROMPT_LEN)).astype(np.int32), SAMPLES, axis=0)
-    sampling = Sampling(temperature=1.0)
+    batch = {"prompt": rng.integers(3, 320, (PROMPTS, PROMPT_LEN)).astype(np.int32),
+             "prompt_length": np.full(PROMPTS, PROMPT_LEN, np.int32)}
 
     class Step:
         stage = None
         extra: list = []  # sessions written beside the step's own (the 100x case)
-        in_write = []
+        in_write: list = []
 
         def __call__(self, state, batch, key):
-            out = generate(model, state.params, prompts, np.full(rows, PROMPT_LEN), key=key,
-                           max_new_tokens=NEW_TOKENS, sampling=sampling)
-            tokens, behavior, raw = (np.asarray(a) for a in (out.tokens, out.behavior_log_probs, out.log_probs))
-            update = int(state.step)
-            sessions = [Session(task=str(update * PROMPTS + i // SAMPLES), group=i // SAMPLES, sample=i % SAMPLES,
-                                calls=(Call(prompt_ids=prompts[i], sampled_ids=tokens[i],
-                                            behavior_log_probs=behavior[i], raw_log_probs=raw[i],
-                                            finish_reason="length", version=update),),
-                                reward=float(tokens[i, -1] % 2), components={"format": 1.0})
-                        for i in range(rows)]
+            packed = rollout(state, batch, key)
             if self.stage is not None:
-                written = sessions + self.extra
+                written = rollout.last_sessions + self.extra
                 latencies = [0.5] * len(written)
+                update = int(jax.device_get(state.updates))
                 start = time.perf_counter()
-                self.stage.sessions(written, update=update, latencies=latencies, causes="admitted")
+                self.stage.sessions(written, update=update, latencies=latencies, causes="admitted",
+                                    truncation="score")
                 self.in_write.append(time.perf_counter() - start)
-            return {"text": np.concatenate([prompts, tokens], axis=1)}
+            return packed
 
     step = Step()
-    objective = LMObjective(model, seq_len=PROMPT_LEN + NEW_TOKENS - 1, ema_decay=None)
-    trainer = Trainer(objective, optax.adamw(1e-3), key=jax.random.key(0), rollout=step)
-    data = Dataset(train=lambda partition: itertools.repeat({"task_id": np.zeros(rows, np.int32)}), batch=rows)
+    trainer = Trainer(objective, optax.adamw(1e-4), key=jax.random.key(0), rollout=step)
+    data = Dataset(train=lambda partition: itertools.repeat(batch), batch=PROMPTS)
     return trainer, data, step
 
 
@@ -88,7 +87,7 @@ def step_shares(rounds: int, steps: int, store_dir: str) -> list[tuple[str, str]
     from dew_lib.objectives.rl.sessions import Call, Session
     from dew_lib.store import Store
 
-    trainer, data, step = demo_step(store_dir)
+    trainer, data, step = demo_step()
     trainer.fit(data, steps=2, log_every=1, sinks=[])  # compile the update and generation
     # 100x the rollouts: 99 more copies of a step's worth of sessions, built once, outside the timing.
     rng = np.random.default_rng(1)
@@ -101,6 +100,7 @@ def step_shares(rounds: int, steps: int, store_dir: str) -> list[tuple[str, str]
     wall: dict[str, list[float]] = {"none": [], "demo": [], "100x": []}
     cpu: dict[str, list[float]] = {"none": [], "demo": [], "100x": []}
     in_write: dict[str, list[float]] = {"demo": [], "100x": []}
+    writer_cpu: dict[str, list[float]] = {"demo": [], "100x": []}
     for r in range(rounds):
         for mode in ("none", "demo", "100x"):
             run = store.writer(f"{mode}-{r}") if mode != "none" else None
@@ -109,25 +109,28 @@ def step_shares(rounds: int, steps: int, store_dir: str) -> list[tuple[str, str]
             step.in_write = []
             start, start_cpu = time.perf_counter(), time.process_time()
             trainer.fit(data, steps=steps, log_every=steps, sinks=[])
-            elapsed = time.perf_counter() - start
+            elapsed, used = time.perf_counter() - start, time.process_time() - start_cpu
             if run is not None:
-                run.close()  # the writer's backlog is CPU the steps caused: counted below
-                in_write[mode] += step.in_write
-            used = time.process_time() - start_cpu
+                run.close()
+                in_write[mode].append(statistics.median(step.in_write))
+                writer_cpu[mode].append(run.write_seconds[1] / steps)
             wall[mode].append(elapsed / steps)
             cpu[mode].append(used / steps)
-            print(f"round {r} {mode}: {elapsed / steps:.3f} s/step wall, {used / steps:.3f} s/step CPU "
-                  "(writer backlog included)", flush=True)
+            print(f"round {r} {mode}: {elapsed / steps:.3f} s/step wall, {used / steps:.3f} s/step process CPU"
+                  + (f", writer thread {1e3 * run.write_seconds[1] / steps:.0f} ms CPU/step" if run else ""),
+                  flush=True)
     base_wall, base_cpu = statistics.median(wall["none"]), statistics.median(cpu["none"])
-    out = [("GRPO-sized step without the store", f"{base_wall:.3f} s wall, {base_cpu:.3f} s CPU (medians)")]
+    out = [("GRPO-sized step without the store", f"{base_wall:.3f} s wall, {base_cpu:.3f} s CPU (medians; "
+            "wall time is inflated by other load on this machine)")]
     for mode, label in (("demo", "64 sessions/step"), ("100x", "6,400 sessions/step")):
-        spent = statistics.median(in_write[mode])
+        spent, thread = statistics.median(in_write[mode]), statistics.median(writer_cpu[mode])
         out.append((f"writing {label}: training thread inside stage.sessions",
-                    f"{1e3 * spent:.1f} ms = {100 * spent / base_wall:.2f}% of the step's wall time"))
-        out.append((f"  step wall time with the writes", f"{statistics.median(wall[mode]):.3f} s "
-                    f"({100 * (statistics.median(wall[mode]) / base_wall - 1):+.1f}%, within this machine's noise)"))
-        out.append((f"  CPU the writes add (writer thread, same cores)",
-                    f"{100 * (statistics.median(cpu[mode]) / base_cpu - 1):+.1f}% of the step's CPU time"))
+                    f"{1e3 * spent:.1f} ms = {100 * spent / base_wall:.2f}% of the step's wall time, "
+                    f"{100 * spent / base_cpu:.2f}% of its CPU time"))
+        out.append(("  writer thread (convert, Parquet, fsync, compaction)",
+                    f"{1e3 * thread:.1f} ms CPU per step = {100 * thread / base_cpu:.2f}% of the step's CPU time"))
+        out.append(("  whole step with the writes", f"{statistics.median(wall[mode]):.3f} s wall, "
+                    f"{statistics.median(cpu[mode]):.3f} s CPU (medians)"))
     return out
 
 

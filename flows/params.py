@@ -67,21 +67,25 @@ class StageParams(Params):
 
 
 class SFTParams(StageParams):
-    steps: int = Field(600, ge=1, description="optimizer steps")
+    steps: int = Field(1200, ge=1, description="optimizer steps")
     learning_rate: float = Field(3e-3, gt=0, description="peak AdamW learning rate")
     seq_len: int = Field(96, ge=8, description="tokens per packed row, less one")
 
 
 class DPOParams(StageParams):
     steps: int = Field(120, ge=1, description="optimizer steps")
-    learning_rate: float = Field(5e-4, gt=0, description="AdamW learning rate")
+    learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate")
     beta: float = Field(0.1, gt=0, description="DPO beta: the scale of the log-ratio to the reference")
     seq_len: int = Field(40, ge=4, description="ids per chosen or rejected row")
+    pairs: Literal["policy", "data"] = Field(
+        "policy", description="'policy': reference answers against the starting policy's own wrong "
+        "greedy answers to the GRPO prompts; 'data': the prepared pairs file")
+    pair_prompts: int = Field(2000, ge=1, description="policy pairs: prompts the policy answers")
 
 
 class GRPOParams(StageParams):
     steps: int = Field(60, ge=1, description="optimizer steps")
-    learning_rate: float = Field(5e-4, gt=0, description="AdamW learning rate")
+    learning_rate: float = Field(2e-4, gt=0, description="AdamW learning rate")
     batch: int = Field(16, ge=1, description="prompts per step")
     groups: int = Field(4, ge=2, description="completions drawn per prompt")
     max_new_tokens: int = Field(16, ge=1, description="response budget per completion")

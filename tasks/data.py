@@ -19,12 +19,12 @@ from flows.params import DataParams
 from tasks.manifests import DataManifest, fingerprint
 from tasks.storage import read_json, write_json, write_lines
 
-GENERATOR_VERSION = 1  # bump when the files below would come out differently
+GENERATOR_VERSION = 2  # bump when the files below would come out differently
 
 
 def _prompt_record(problem: Problem) -> dict:
     return {"prompt": problem.messages(False), "ground_truth": str(problem.answer),
-            "data_source": "arithmetic"}
+            "data_source": "arithmetic", "extra_info": json.dumps({"solution": solution(problem)})}
 
 
 def _pair(tokenizer, problem: Problem, wrong: int) -> dict:

@@ -31,8 +31,13 @@ def prompt_ids(tokenizer, prompt) -> list[int]:
 
 def answer_all(model, variables, tokenizer, prompts: list[list[int]], params: EvalParams) -> list[str]:
     """Greedy answers, generated `params.batch` at a time at one compiled shape."""
+    return [text for text, _, _ in draw_answers(model, variables, tokenizer, prompts, params)]
+
+
+def draw_answers(model, variables, tokenizer, prompts: list[list[int]], params: EvalParams):
+    """`(text, sampled ids, stopped on EOS)` of each prompt's greedy answer."""
     width = max(map(len, prompts))
-    answers: list[str] = []
+    answers = []
     for start in range(0, len(prompts), params.batch):
         chunk = prompts[start:start + params.batch]
         rows = np.zeros((params.batch, width), np.int32)
@@ -43,8 +48,9 @@ def answer_all(model, variables, tokenizer, prompts: list[list[int]], params: Ev
         out = generate(model, variables, rows, lengths, key=jax.random.key(0),
                        max_new_tokens=params.max_new_tokens,
                        sampling=Sampling(temperature=0.0, eos_id=tokenizer.eos_token_id))
-        tokens, counts = jax.device_get((out.tokens, out.lengths))
-        answers += [tokenizer.decode(tokens[i, :counts[i]], skip_special_tokens=True)
+        tokens, counts, stopped = jax.device_get((out.tokens, out.lengths, out.stopped))
+        answers += [(tokenizer.decode(tokens[i, :counts[i]], skip_special_tokens=True),
+                     [int(t) for t in tokens[i, :counts[i]]], bool(stopped[i]))
                     for i in range(len(chunk))]
     return answers
 

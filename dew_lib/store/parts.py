@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import time
 import uuid
 
 import pyarrow as pa
@@ -101,23 +102,35 @@ def replace_file(table: pa.Table, path: str, tmp_dir: str) -> None:
 
 
 class FileLock:
-    """An flock on `path`; the kernel drops it when the process dies."""
+    """An flock on `path`; the kernel drops it when the process dies.
 
-    def __init__(self, path: str, *, shared: bool = False, blocking: bool = False, what: str = ""):
+    A lock another process holds raises StoreBusy after `wait` seconds (`dew runs` probes locks
+    for an instant, so a writer that meets a probe retries instead of failing); `blocking`
+    waits as long as it takes.
+    """
+
+    def __init__(self, path: str, *, shared: bool = False, blocking: bool = False, wait: float = 2.0,
+                 what: str = ""):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        flags = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if blocking else fcntl.LOCK_NB)
-        try:
-            fcntl.flock(self.fd, flags)
-        except OSError as error:
-            os.close(self.fd)
-            if error.errno in (errno.EAGAIN, errno.EACCES):
-                raise StoreBusy(
-                    f"{what or path} is being written by another live process (lock {path}); "
-                    "wait for it to finish, or write under another run id"
-                ) from None
-            raise
+        mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(self.fd, mode if blocking else mode | fcntl.LOCK_NB)
+                break
+            except OSError as error:
+                if error.errno not in (errno.EAGAIN, errno.EACCES):
+                    os.close(self.fd)
+                    raise
+                if time.monotonic() >= deadline:
+                    os.close(self.fd)
+                    raise StoreBusy(
+                        f"{what or path} is being written by another live process (lock {path}); "
+                        "wait for it to finish, or write under another run or stage name"
+                    ) from None
+                time.sleep(0.02)
         if not shared:
             os.ftruncate(self.fd, 0)
             os.write(self.fd, f"{os.getpid()}\n".encode())
@@ -179,7 +192,7 @@ class Stream:
     """
 
     def __init__(self, store_dir: str, table: str, run: str, stage: str, key_column: str, *,
-                 compact_after: int = 8, keep_loose: int = 2, merge_after: int = 3,
+                 compact_after: int = 4, keep_loose: int = 1, merge_after: int = 2,
                  target_bytes: int = 128 << 20):
         self.table, self.key_column = table, key_column
         self.link = os.path.join(store_dir, table, run, stage)

@@ -94,8 +94,8 @@ class Store:
         return os.path.join(self.directory, ".gens", "_tmp", run)
 
     def create(self) -> None:
-        """Create the directory layout, one empty part per table (so every view has a file to
-        read) and `dew.duckdb`; a no-op when they exist and are current."""
+        """Create the directory layout, a zero-row placeholder part for every table without parts
+        (so every view has a file to bind to) and `dew.duckdb`; a no-op when they are current."""
         try:
             os.makedirs(os.path.join(self.directory, ".locks"), exist_ok=True)
         except OSError as error:

@@ -26,6 +26,7 @@ import queue
 import re
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -70,6 +71,7 @@ class _Worker:
 
     def __init__(self, background: bool, depth: int):
         self.error: BaseException | None = None
+        self.seconds = self.cpu_seconds = 0.0  # wall and CPU time spent running jobs
         self.queue: queue.Queue | None = None
         if background:
             self.queue = queue.Queue(maxsize=depth)
@@ -83,11 +85,19 @@ class _Worker:
                 if job is None:
                     return
                 if self.error is None:  # after a failure nothing later is written out of order
-                    job()
+                    self._timed(job)
             except BaseException as error:  # noqa: BLE001 - handed to the caller by check()
                 self.error = error
             finally:
                 self.queue.task_done()
+
+    def _timed(self, job) -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            job()
+        finally:
+            self.seconds += time.perf_counter() - wall
+            self.cpu_seconds += time.thread_time() - cpu
 
     def check(self) -> None:
         if self.error is not None:
@@ -97,7 +107,7 @@ class _Worker:
         self.check()
         if self.queue is None:
             try:
-                job()
+                self._timed(job)
             except BaseException as error:
                 self.error = error
                 raise
@@ -127,6 +137,21 @@ def _close_open_writers() -> None:
             pass
 
 
+def _clear_stale(directory: str, age: float = 3600.0) -> None:
+    """Remove temporary files a killed writer of this run left (the run's writers share the
+    directory, so only files older than any write in progress)."""
+    if not os.path.isdir(directory):
+        return
+    cutoff = time.time() - age
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        try:
+            if os.path.getmtime(path) < cutoff:
+                os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
 def _read_row(path: str) -> dict[str, Any] | None:
     if not os.path.exists(path):
         return None
@@ -146,7 +171,8 @@ class RunWriter:
         self.store, self.run = store, check_name("run", run)
         self.compaction = compaction
         store.create()
-        self.lock = FileLock(store.lock_path(run), shared=True, what=f"run {run!r}")
+        self.lock = FileLock(store.lock_path(run), shared=True, blocking=True)  # only probes exclude it
+        _clear_stale(store.tmp_dir(run))
         self.worker = _Worker(background, queue_depth)
         self.stages: list[StageWriter] = []
         self.closed = False
@@ -196,6 +222,11 @@ class RunWriter:
     def flush(self) -> None:
         """Wait until every queued write is durable; raise if one failed."""
         self.worker.flush()
+
+    @property
+    def write_seconds(self) -> tuple[float, float]:
+        """(wall, CPU) seconds this writer's thread spent converting, writing and compacting."""
+        return self.worker.seconds, self.worker.cpu_seconds
 
     def close(self) -> None:
         """Flush, release every stage this writer opened and stop its thread."""
