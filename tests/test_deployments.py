@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -77,34 +78,42 @@ def test_a_run_started_through_the_api_completes_and_lands_in_the_store(tmp_path
     prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
     log_path = tmp_path / "services.log"
     with open(log_path, "w") as log, \
-            started([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, log), \
-            started([sys.executable, os.path.join(ROOT, "deployments", "serve.py")], env, log):
-        os.environ["PREFECT_API_URL"] = api
-        try:
-            from prefect.client.orchestration import get_client
+            started([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, log):
+        # serve.py gives up if the API does not answer yet, so it starts once the server does
+        wait_for(lambda: urllib.request.urlopen(f"{api}/health", timeout=2).status == 200, 300,
+                 "the server answering", log_path)
+        with started([sys.executable, os.path.join(ROOT, "deployments", "serve.py")], env, log):
+            os.environ["PREFECT_API_URL"] = api
+            try:
+                from prefect.client.orchestration import get_client
 
-            async def deployment_id():
-                async with get_client() as client:
-                    return (await client.read_deployment_by_name("pipeline/pipeline")).id
+                async def deployment_id():
+                    async with get_client() as client:
+                        return (await client.read_deployment_by_name("pipeline/pipeline")).id
 
-            async def start_run(deployment):
-                async with get_client() as client:
-                    run = await client.create_flow_run_from_deployment(
-                        deployment, parameters={"params": {**TINY, "root": str(tmp_path / "runs")}})
-                    return run.id
+                async def start_run(deployment):
+                    async with get_client() as client:
+                        run = await client.create_flow_run_from_deployment(
+                            deployment, parameters={"params": {**TINY, "root": str(tmp_path / "runs")}})
+                        return run.id
 
-            async def state_of(run):
-                async with get_client() as client:
-                    return (await client.read_flow_run(run)).state
+                async def state_of(run):
+                    async with get_client() as client:
+                        return (await client.read_flow_run(run)).state
 
-            deployment = wait_for(lambda: asyncio.run(deployment_id()), 300, "registering the deployments",
-                                  log_path)
-            run = asyncio.run(start_run(deployment))
-            state = wait_for(lambda: (s := asyncio.run(state_of(run))) and s.is_final() and s, 900,
-                             "finishing the flow run", log_path)
-            assert state.is_completed(), state
-        finally:
-            os.environ.pop("PREFECT_API_URL", None)
+                deployment = wait_for(lambda: asyncio.run(deployment_id()), 300, "registering the deployments",
+                                      log_path)
+                async def image_deployment():
+                    async with get_client() as client:
+                        return await client.read_deployment_by_name("flow_grpo_pipeline/flow-grpo")
+
+                assert asyncio.run(image_deployment()).entrypoint.endswith("flow_grpo.py:flow_grpo_pipeline")
+                run = asyncio.run(start_run(deployment))
+                state = wait_for(lambda: (s := asyncio.run(state_of(run))) and s.is_final() and s, 900,
+                                 "finishing the flow run", log_path)
+                assert state.is_completed(), state
+            finally:
+                os.environ.pop("PREFECT_API_URL", None)
     store = Store(str(tmp_path / "runs"))
     _, rows = store.rows("SELECT status FROM runs")
     assert rows == [("completed",)]

@@ -6,6 +6,7 @@ import re
 import numpy as np
 import pytest
 
+from dew_lib.objectives.rl.flow import FlowRolloutRecord
 from dew_lib.objectives.rl.sessions import Call, Session, Status
 from dew_lib.store import TABLES, Evaluation, Store
 
@@ -35,6 +36,14 @@ def store(tmp_path_factory):
                                     status=Status.COMPLETED if s else Status.INFRA_ERROR) for s in range(3)],
                            update=40, latencies=[0.5, 2.0, 1.0], causes="admitted")
             stage.evaluations([Evaluation(item=0, prompt="1+1=", answer="3", score=0.0)], step=40)
+        with run.stage("flow_grpo", kind="flow_grpo") as stage:
+            rewards = np.array([0.1, 0.3, 0.2, 0.2])
+            stage.samples(FlowRolloutRecord(
+                step=0, images=np.zeros((4, 2, 2, 3), np.float32), group=np.array([0, 0, 1, 1]),
+                rewards=rewards, group_mean=np.array([0.2, 0.2, 0.2, 0.2]),
+                group_std=np.array([0.1, 0.1, 0.0, 0.0]),
+                advantages=np.array([-1.0, 1.0, 0.0, 0.0], np.float32),
+                kept=np.array([True, True, False, False]), captions=("",) * 4))
     return store
 
 

@@ -330,6 +330,57 @@ def verdicts_table(session: Any, verdicts: Sequence[Verdict], *, run: str, stage
         "written_at": _stamps(when, n)})
 
 
+SAMPLE_FIELDS = ("group", "rewards", "group_mean", "group_std", "advantages", "kept", "captions")
+
+
+def sample_columns(record: Any, images: Sequence[bytes | None] | None) -> dict[str, np.ndarray]:
+    """Check and copy the per-sample fields of a rollout record (a FlowRolloutRecord or anything
+    with SAMPLE_FIELDS) on the caller's thread; `sample` numbers each row within its group."""
+    missing = [f for f in SAMPLE_FIELDS if not hasattr(record, f)]
+    if missing:
+        raise TypeError(f"samples takes a rollout record with {list(SAMPLE_FIELDS)} (a "
+                        f"FlowRolloutRecord); {type(record).__name__} lacks {missing}")
+    columns = {
+        "group_id": np.asarray(record.group).astype(np.int32).reshape(-1),
+        "reward": np.array(record.rewards, np.float64).reshape(-1),
+        "group_mean": np.array(record.group_mean, np.float64).reshape(-1),
+        "group_std": np.array(record.group_std, np.float64).reshape(-1),
+        "advantage": np.array(record.advantages, np.float32).reshape(-1),
+        "kept": np.array(record.kept, bool).reshape(-1),
+        "caption": np.array([str(c) for c in record.captions], dtype=object).reshape(-1),
+        "image": np.array([None] * len(record.rewards) if images is None else
+                          [None if i is None else bytes(i) for i in images], dtype=object).reshape(-1),
+    }
+    count = len(columns["reward"])
+    wrong = {name: len(values) for name, values in columns.items() if len(values) != count}
+    if wrong:
+        raise ValueError(f"samples: every field needs one value per sample ({count} rewards); got "
+                         f"lengths {wrong}" + (" for images (one PNG per sample, or None)"
+                                               if "image" in wrong else ""))
+    for name in ("reward", "group_mean", "group_std"):
+        bad = np.flatnonzero(~np.isfinite(columns[name]))
+        if bad.size:
+            raise ValueError(f"samples: {name} must be finite; rows {bad[:4].tolist()} hold "
+                             f"{columns[name][bad[:4]].tolist()}")
+    group = columns["group_id"]
+    order = np.argsort(group, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(group[order]) != 0])
+    rank = np.arange(count) - np.repeat(starts, np.diff(np.r_[starts, count]))
+    columns["sample"] = np.empty(count, np.int32)
+    columns["sample"][order] = rank
+    return columns
+
+
+def samples_table(columns: Mapping[str, np.ndarray], *, run: str, stage: str, update: int,
+                  when: datetime.datetime) -> pa.Table:
+    n = len(columns["reward"])
+    return _table("samples", {
+        "run": [run] * n, "stage": [stage] * n, "update": [update] * n,
+        "row": np.arange(n, dtype=np.int32), **{k: list(v) if v.dtype == object else v
+                                                for k, v in columns.items()},
+        "written_at": _stamps(when, n)})
+
+
 def checkpoint_table(step: int, path: str, kind: str, *, run: str, stage: str,
                      when: datetime.datetime) -> pa.Table:
     return _table("checkpoints", {"run": [run], "stage": [stage], "step": [step], "path": [path],

@@ -2,9 +2,10 @@
 
 `RunWriter` records a run (status, parameters, code version) and opens `StageWriter`s. A stage
 writer records what its stage produced: sessions and their calls, scheduler records, metrics,
-evaluations, verdicts and checkpoints. Each write is a unit: its rows become one Parquet part per
-table (parts.py), committed durably before the write counts as done, and keyed by its step so that
-a retried task replaces what the failed attempt wrote under the same step instead of adding to it.
+evaluations, verdicts, Flow-GRPO samples and checkpoints. Each write is a unit: its rows become
+one Parquet part per table (parts.py), committed durably before the write counts as done, and
+keyed by its step so that a retried task replaces what the failed attempt wrote under the same
+step instead of adding to it.
 
 Writes run in order on one background thread (`background=True`, the default): the caller only
 validates its arguments and queues them, so a training step does not wait for Arrow conversion,
@@ -351,6 +352,20 @@ class StageWriter:
         self._write(lambda: [("verdicts", update, rows.verdicts_table(
             session, verdicts, run=self.run, stage=self.stage, update=update, trained=trained,
             when=rows.now()))])
+
+    def samples(self, record: Any, *, update: int | None = None,
+                images: Sequence[bytes | None] | None = None) -> None:
+        """Record the image samples of one Flow-GRPO rollout: each sample's reward, its group's
+        mean and standard deviation, its advantage and whether it trained.
+
+        record: a `FlowRolloutRecord` (or anything with its group, rewards, group_mean,
+        group_std, advantages, kept and captions). update: trainer updates before the rollout
+        (default: `record.step`). images: one PNG (bytes) per sample, or None to leave them out.
+        """
+        columns = rows.sample_columns(record, images)
+        update = _step("update", getattr(record, "step", None) if update is None else update)
+        self._write(lambda: [("samples", update, rows.samples_table(
+            columns, run=self.run, stage=self.stage, update=update, when=rows.now()))])
 
     def checkpoint(self, step: int, path: str, kind: str = "checkpoint") -> None:
         """Record where the state (kind "checkpoint") or exported policy ("policy") of `step` is."""
