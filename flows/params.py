@@ -32,7 +32,8 @@ class DataParams(Params):
     eval_path: str | None = Field(None, description="files: held-out prompts with ground_truth for evaluation")
     tokenizer: str | None = Field(None, description="files: tokenizer directory (default: the model's)")
     code_path: str | None = Field(None, description="code: an MBPP (.jsonl) or HumanEval (.jsonl or "
-                                  ".jsonl.gz) file as published")
+                                  ".jsonl.gz) file as published; tokenized with `tokenizer`, or else a "
+                                  "byte-level BPE of `vocab_size` trained on its problems")
     code_layout: Literal["auto", "mbpp", "humaneval"] = Field(
         "auto", description="code: the file's layout; 'auto' tells them apart by their columns")
     code_test_problems: int = Field(50, ge=1, description="code: held-out problems for evaluation (MBPP: "
