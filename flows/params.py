@@ -20,9 +20,9 @@ class Params(BaseModel):
 
 
 class DataParams(Params):
-    source: Literal["arithmetic", "files"] = Field(
+    source: Literal["arithmetic", "files", "code"] = Field(
         "arithmetic", description="'arithmetic' generates the demo task from the seed; 'files' "
-        "reads the four paths below")
+        "reads the four paths below; 'code' turns an MBPP or HumanEval file (code_path) into prompts")
     train_problems: int = Field(20_000, ge=100, description="arithmetic: problems generated for training")
     test_problems: int = Field(200, ge=10, description="arithmetic: held-out problems for evaluation")
     vocab_size: int = Field(320, ge=260, description="arithmetic: size of the byte-level BPE tokenizer it trains")
@@ -31,13 +31,30 @@ class DataParams(Params):
     prompts_path: str | None = Field(None, description="files: GRPO prompts (.jsonl/.parquet: prompt, ground_truth)")
     eval_path: str | None = Field(None, description="files: held-out prompts with ground_truth for evaluation")
     tokenizer: str | None = Field(None, description="files: tokenizer directory (default: the model's)")
+    code_path: str | None = Field(None, description="code: an MBPP (.jsonl) or HumanEval (.jsonl or "
+                                  ".jsonl.gz) file as published; tokenized with `tokenizer`, or else a "
+                                  "byte-level BPE of `vocab_size` trained on its problems")
+    code_layout: Literal["auto", "mbpp", "humaneval"] = Field(
+        "auto", description="code: the file's layout; 'auto' tells them apart by their columns")
+    code_test_problems: int = Field(50, ge=1, description="code: held-out problems for evaluation (MBPP: "
+                                    "the first of its test split, task_id 11-510; HumanEval: the first rows)")
+    code_train_problems: int | None = Field(None, ge=1, description="code: GRPO prompts (MBPP: from its "
+                                            "train split, task_id 601-974; HumanEval: the rows after the "
+                                            "held-out ones); empty: all of them")
 
-    @field_validator("chat_path", "pairs_path", "prompts_path", "eval_path", "tokenizer")
+    @field_validator("chat_path", "pairs_path", "prompts_path", "eval_path", "tokenizer", "code_path")
     @classmethod
     def _exists(cls, value: str | None) -> str | None:
         if value is not None and not os.path.exists(value):
             raise ValueError(f"{value!r} does not exist; give a path readable from where the flow runs")
         return value
+
+    @model_validator(mode="after")
+    def _code_needs_a_file(self) -> DataParams:
+        if self.source == "code" and self.code_path is None:
+            raise ValueError("DataParams(source='code') needs code_path: an MBPP or HumanEval file, "
+                             "e.g. shared/data/mbpp/mbpp.jsonl")
+        return self
 
 
 class ModelParams(Params):
@@ -96,6 +113,20 @@ class GRPOParams(StageParams):
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
 
 
+class RewardParams(Params):
+    """How answers are graded, in GRPO and in evaluation: each row's `data_source` picks the
+    reward (tasks/rewards.py); code is run in a sandbox chosen here."""
+
+    runner: Literal["namespace", "process", "container"] = Field(
+        "namespace", description="code: 'namespace' (bubblewrap: no network, read-only system), "
+        "'process' (rlimits only: trusted code), 'container' (a Docker container per program)")
+    workers: int | None = Field(None, ge=1, description="code: programs run at once (empty: CPU count)")
+    wall_seconds: float = Field(10.0, gt=0, description="code: each program's wall-clock deadline")
+    memory_mb: int = Field(1024, ge=16, description="code: each program's memory limit in MiB")
+    image: str = Field("python:3.12-slim", min_length=1, description="code, container runner: the image")
+    all_or_nothing: bool = Field(False, description="code: 1.0 only when every test passes, else 0.0")
+
+
 class EvalParams(Params):
     max_new_tokens: int = Field(16, ge=1, description="answer budget")
     batch: int = Field(100, ge=1, description="prompts generated at once")
@@ -113,9 +144,15 @@ class PipelineParams(Params):
     dpo: DPOParams = DPOParams()
     grpo: GRPOParams = GRPOParams()
     evaluation: EvalParams = EvalParams()
+    reward: RewardParams = RewardParams()
     stages: tuple[Literal["sft", "dpo", "grpo"], ...] = Field(
         ("sft", "dpo", "grpo"), description="stages to run, in order")
 
+    @model_validator(mode="after")
+    def _code_has_no_pairs(self) -> PipelineParams:
+        if self.data.source == "code" and "dpo" in self.stages:
+            raise ValueError("data.source='code' has no preference pairs for DPO; choose stages "
+                             "without 'dpo', e.g. stages=['sft', 'grpo']")
 
 # ----- rectified-flow image models: flow-matching pre-training and Flow-GRPO --------------------
 
