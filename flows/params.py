@@ -153,6 +153,8 @@ class PipelineParams(Params):
         if self.data.source == "code" and "dpo" in self.stages:
             raise ValueError("data.source='code' has no preference pairs for DPO; choose stages "
                              "without 'dpo', e.g. stages=['sft', 'grpo']")
+        return self
+
 
 # ----- rectified-flow image models: flow-matching pre-training and Flow-GRPO --------------------
 
