@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew_lib.models import rotary
+from dew_lib.models import head, rotary
 
 _INIT = nn.initializers.normal(stddev=0.02)
 _NEG = -1e30  # finite, so a row with nothing to attend to gives no NaN
@@ -201,6 +201,7 @@ class CausalTransformer(nn.Module):
     norm_eps: float = 1e-6
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    head_chunk: int | None = None  # tokens per chunk of the loss head; None: from the vocabulary
 
     @property
     def kv_heads(self) -> int:
@@ -249,28 +250,28 @@ class CausalTransformer(nn.Module):
         return out.astype(jnp.float32)
 
     def target_scores(self, hidden, targets, temperature: float = 1.0):
-        """Scores of `targets` `[B, S]` under the output head without a vocabulary-wide gather.
+        """Scores of `targets` `[B, S]` under the output head, chunk by chunk (models/head.py).
 
         Returns `(log_probs, is_top)`, both `[B, S]`: log p(target) under
         `softmax(logits / temperature)` in float32 and whether the target has the highest logit.
-        The target's logit comes from its own output row, so the backward pass never scatters
-        into the `[B, S, V]` logits gradient.
+        Neither the `[B, S, V]` logits nor their gradient exist whole: the head runs over chunks
+        of `head_chunk` tokens (default: sized from the vocabulary) under a custom VJP.
         """
-        logits = self.logits(hidden)  # [B, S, V]
+        return self._head(hidden, targets, temperature, entropy=False)
+
+    def target_scores_with_entropy(self, hidden, targets, temperature: float = 1.0):
+        """`target_scores` plus the entropy of each position's distribution `[B, S]` (nats),
+        from the same chunks; differentiable like the log-probs."""
+        return self._head(hidden, targets, temperature, entropy=True)
+
+    def _head(self, hidden, targets, temperature, *, entropy):
         if self.tie_embeddings:
-            rows = self.embed_tokens.embedding[targets]  # [B, S, E]
+            weight, vocab_major = self.embed_tokens.embedding, True
         else:
-            rows = jnp.take(self.lm_head.kernel, targets, axis=1)  # [E, B, S]
-            rows = jnp.moveaxis(rows, 0, -1)
-        picked = jnp.einsum("bse,bse->bs", hidden.astype(jnp.float32), rows.astype(jnp.float32))
-        if temperature != 1.0:
-            picked, logits = picked / temperature, logits / temperature
-        log_probs = picked - jax.nn.logsumexp(logits, axis=-1)
-        # The top-1 test reads the target from the same logits as the max (a forward-only
-        # gather): the row product above can differ from the matmul in the last bit.
-        fixed = jax.lax.stop_gradient(logits)
-        is_top = jnp.take_along_axis(fixed, targets[..., None], axis=-1)[..., 0] >= fixed.max(-1)
-        return log_probs, is_top
+            weight, vocab_major = self.lm_head.kernel, False
+        return head.target_scores(hidden, weight, targets, temperature=temperature,
+                                  vocab_major=vocab_major, chunk=self.head_chunk,
+                                  compute_dtype=self.dtype, entropy=entropy)
 
     def hidden(self, tokens, segment_ids=None, positions=None, *, return_kv=False):
         """Final normed hidden states `[B, S, E]` (and each layer's keys and values if asked)."""
