@@ -15,6 +15,7 @@ Not here: pipeline or tensor parallelism (parameters are replicated), learning-r
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -269,20 +270,24 @@ class _Run:
                     f"{info.get('accumulate')} but this Trainer has accumulate={trainer.accumulate}"
                 )
             self.last_checkpoint = f"{self.store.directory}/{latest}"
-            return restored, int(info["position"])
+            streams = info.get("streams")  # one per process, when the stream could say where it was
+            stream_state = None
+            if streams is not None and len(streams) == self.partition.count:
+                stream_state = streams[self.partition.index]
+            return restored, int(info["position"]), stream_state
         if state is None:
-            return trainer._init(trainer.init_key), 0
-        return state, int(state.step)
+            return trainer._init(trainer.init_key), 0, None
+        return state, int(state.step), None
 
     def execute(self, state):
         trainer = self.trainer
-        state, position = self._start_state(state)
+        state, position, stream_state = self._start_state(state)
         for sink in self.sinks:
             if hasattr(sink, "begin"):
                 sink.begin(position, self.steps)
         if position >= self.steps:
             return state
-        stream = self.data.stream(self.partition, position)
+        stream = self.data.stream(self.partition, position, stream_state)
         for step in range(position, self.steps):
             batch = self._next(stream, step)
             if trainer.rollout is not None:
@@ -305,7 +310,10 @@ class _Run:
                 done == self.steps or (self.checkpoint_every and done % self.checkpoint_every == 0)
             ):
                 self._deliver(include_open=True)  # a diverged step must never be checkpointed
-                self.store.save(done, state, {"position": done, "accumulate": trainer.accumulate})
+                info = {"position": done, "accumulate": trainer.accumulate}
+                if hasattr(stream, "state"):
+                    info["streams"] = _every_process(stream.state())
+                self.store.save(done, state, info)
                 self.last_checkpoint = f"{self.store.directory}/{done}"
                 self.clock = time.perf_counter()
         self._deliver(include_open=True)
@@ -365,6 +373,21 @@ class _Run:
             means = derive(means)
         for sink in self.sinks:
             sink.write(step, {f"val/{k}": v for k, v in means.items()})
+
+
+def _every_process(value: Any) -> list:
+    """A JSON-able value from every process, in process order (the checkpoint record is
+    written by one process, and each process's data stream stands at its own record)."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size]))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [json.loads(bytes(row[:size]).decode()) for row, size in zip(rows, sizes, strict=True)]
 
 
 def _window_means(values: list[Metrics]) -> dict[str, float]:
