@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import itertools
+import json
 import os
 import re
 import sys
@@ -63,7 +63,15 @@ def hlo_kinds(text: str) -> dict[str, str]:
             return "transpose/copy"
         return opcode
 
-    return {name: kind(name) for name in opcodes}
+    return {name: kind(name) for name in opcodes}, {name: _brief(v[2]) for name, v in opcodes.items()}
+
+
+def _brief(line: str) -> str:
+    """The result type and the operands' types of one instruction line, shortened."""
+    text = line.split("=", 1)[1].strip()
+    text = re.sub(r"\{[0-9,]*\}", "", text)  # layouts
+    text = text.split(", metadata=")[0].split(", backend_config=")[0]
+    return text[:150]
 
 
 def build_step(config, batch, seq, **objective_options):
@@ -92,13 +100,15 @@ def main():
     parser.add_argument("--vocab", type=int, default=None)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--options", default="{}", help="model options as JSON, e.g. '{\"scan_layers\": false}'")
     args = parser.parse_args()
     config = dict(LLAMA_8M, max_seq_len=max(LLAMA_8M["max_seq_len"], args.seq))
     if args.vocab:
         config["vocab_size"] = args.vocab
+    config.update(json.loads(args.options))
     step, state, batch = build_step(config, args.batch, args.seq)
     compiled = step.lower(state, batch).compile()
-    kinds = hlo_kinds(compiled.as_text())
+    kinds, briefs = hlo_kinds(compiled.as_text())
     state, _ = step(state, batch)
     jax.block_until_ready(state)
     start = time.perf_counter()
@@ -131,7 +141,7 @@ def main():
         print(f"  {name:<24} {ms:8.1f} ms  {ms / total:5.1%}")
     print("largest instructions:")
     for name, ms in per_op.most_common(args.top):
-        print(f"  {name:<40} {kinds.get(name, '?'):<22} {ms:8.1f} ms  {ms / total:5.1%}")
+        print(f"  {name:<28} {kinds.get(name, '?'):<22} {ms:8.1f} ms  {ms / total:5.1%}  {briefs.get(name, '')}")
 
 
 if __name__ == "__main__":

@@ -237,7 +237,7 @@ class CausalTransformer(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     head_chunk: int | None = None  # tokens per chunk of the loss head; None: from the vocabulary
-    attention_block: int = 128  # queries per block of causal attention (attend_causal)
+    attention_block: int = 256  # queries per block of causal attention (attend_causal)
     scan_layers: bool = True  # run the layers as one lax.scan: compiles once however deep
     remat: bool = False  # recompute each layer's activations in the backward pass
 
