@@ -16,7 +16,6 @@ import pytest
 
 pytest.importorskip("prefect")
 
-from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
 from dew_lib.store import Store  # noqa: E402
@@ -41,13 +40,7 @@ def query(root, sql):
 
 
 @pytest.fixture(scope="module")
-def harness():
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
-@pytest.fixture(scope="module")
-def finished(harness, tmp_path_factory):
+def finished(prefect_harness, tmp_path_factory):
     """The pipeline, with flow_grpo's first attempt failing after its step-1 checkpoint."""
     from dew_lib import trainer
     from flows.flow_grpo import flow_grpo_pipeline
@@ -57,9 +50,9 @@ def finished(harness, tmp_path_factory):
     original_start, original_write = trainer._Run._start_state, ui.Deadline.write
 
     def recording_start(self, state):
-        restored, position = original_start(self, state)
-        starts.append((self.trainer.objective.__class__.__name__, position))
-        return restored, position
+        started = original_start(self, state)  # (state, position, ...)
+        starts.append((self.trainer.objective.__class__.__name__, started[1]))
+        return started
 
     def failing_write(self, step, metrics):
         original_write(self, step, metrics)

@@ -103,9 +103,9 @@ def test_a_failed_training_task_is_retried_and_resumes_from_its_checkpoint(harne
     original_start = trainer._Run._start_state
 
     def recording_start(self, state):
-        restored, position = original_start(self, state)
-        starts.append(position)
-        return restored, position
+        started = original_start(self, state)  # (state, position, ...)
+        starts.append(started[1])
+        return started
 
     failed = []
     original_write = ui.Deadline.write
