@@ -123,7 +123,8 @@ def test_a_run_started_through_the_api_completes_and_lands_in_the_store(tmp_path
 
         pipeline = wait_for(lambda: asyncio.run(deployment("pipeline/pipeline")), 300,
                             "registering the deployments", log_path)
-        images = asyncio.run(deployment("flow_grpo_pipeline/flow-grpo"))
+        images = wait_for(lambda: asyncio.run(deployment("flow_grpo_pipeline/flow-grpo")), 120,
+                          "registering the image deployment", log_path)
         assert images.entrypoint.endswith("flow_grpo.py:flow_grpo_pipeline")
         run = asyncio.run(start_run(pipeline.id))
         state = wait_for(lambda: (s := asyncio.run(state_of(run))) and s.is_final() and s, 900,
