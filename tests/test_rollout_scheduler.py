@@ -435,3 +435,114 @@ def test_task_ids_and_prompt_tasks():
     assert len(first.id) == 16 and first.id != second.id
     assert prompt_tasks(batch)[0].id == first.id  # the same prompt is the same task every time
     assert [t.id for t in prompt_tasks({**batch, "task_id": np.array([3, 4])})] == ["3", "4"]
+
+
+# ----- integration ------------------------------------------------------------------------------
+
+class CountingTool:
+    """Two turns: the model acts, the tool appends [10, 11]; the model answers, the episode ends."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def reset(self):
+        from dew_lib.objectives.rl import Observation
+
+        return Observation([1, 3 + int(self.task.id) % 4])
+
+    def step(self, action):
+        from dew_lib.objectives.rl import EpisodeStatus, Observation
+
+        if action.step == 0:
+            return Observation([*action.context, *action.tokens, 10, 11])
+        return Observation(status=EpisodeStatus.COMPLETED)
+
+
+def answer_is_even(task, episode):
+    return float(episode.transitions[-1].action.tokens[0] % 2 == 0)
+
+
+@pytest.mark.slow
+def test_a_trainer_runs_through_multi_turn_environments_on_the_native_server():
+    import itertools
+
+    import optax
+
+    from conftest import tiny_model
+    from dew_lib import Trainer
+    from dew_lib.inference import NativeRolloutServer, ServeTask, Server
+    from dew_lib.objectives.rl import EnvironmentSource, GRPOObjective
+    from dew_lib.sampling import Sampling
+
+    model = tiny_model(vocab_size=16)
+    objective = GRPOObjective(model, seq_len=15, behavior_importance=2.0)
+    variables = objective.init(jax.random.key(0))
+    before = jax.tree.map(np.array, variables)
+    task = ServeTask(model=model, variables=variables, sampling=Sampling(temperature=1.0, eos_id=2))
+    records = []
+    data = Dataset(train=lambda p: ({"task_id": np.array([2 * i, 2 * i + 1])} for i in itertools.count()),
+                   batch=2)
+    with NativeRolloutServer(Server.from_task(task, slots=8, capacity=16, steps=4)) as server, \
+            EnvironmentSource(server, lambda task, identity: CountingTool(task), answer_is_even,
+                              max_prompt_tokens=10, max_new_tokens=6, max_turns=2, workers=8) as source:
+        scheduler = RolloutScheduler(objective, source, server, width=16, rows=8, groups=4,
+                                     truncation="score", log=records.append)
+        trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(1), rollout=scheduler)
+        state = trainer.fit(scheduler.tasks(data), steps=3, log_every=1, sinks=[])
+        scheduler.close()
+        assert server.version == 2  # pushed before each of the three calls
+    assert [r.updates for r in records] == [0, 1, 2] and all(r.groups == 2 for r in records)
+    assert all(0 <= r.lag <= 1 for r in records) and records[1].version == 0  # drawn one batch ahead
+    merged = [r.metrics["calls_per_chain"] for r in records]
+    assert max(merged) > 1.0, merged  # completed two-turn episodes merge into one chain
+    changed = jax.tree.map(lambda a, b: not np.allclose(a, b), before, jax.device_get(state.params))
+    assert any(jax.tree.leaves(changed))
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_reuses_finished_sessions_and_loses_or_repeats_none(tmp_path):
+    import json
+    import time
+
+    from dew_lib.store import Store
+
+    worker = os.path.join(os.path.dirname(__file__), "scheduler_worker.py")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    first = subprocess.Popen([sys.executable, worker, str(tmp_path), "--run", "1", "--hang-at", "3"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    marker = tmp_path / "hanging"
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert first.poll() is None, first.stdout.read()
+        assert time.monotonic() < deadline, "the worker never reached step 3"
+        time.sleep(0.1)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    second = subprocess.run([sys.executable, worker, str(tmp_path), "--run", "2"], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout + second.stderr
+    lines = second.stdout.splitlines()
+    # Batch 3 was admitted and batch 4 finished before the kill; neither is drawn again.
+    assert "offered 8" in lines and "step 3 reused 4" in lines and "step 4 reused 4" in lines
+    assert "step 5 reused 0" in lines
+
+    draws = [json.loads(line) for line in (tmp_path / "draws.jsonl").read_text().splitlines()]
+    by_run = {run: {(d["group"], d["sample"]) for d in draws if d["run"] == run} for run in (1, 2)}
+    assert {g for g, _ in by_run[1]} == set(range(10))       # batches 0-4, two tasks each
+    assert {g for g, _ in by_run[2]} == set(range(10, 14))   # batches 5-6 only
+    assert len(draws) == len(by_run[1]) + len(by_run[2])     # nothing drawn twice
+
+    store = Store(tmp_path / "project")
+    _, trained = store.rows("SELECT s.group_id, s.sample, count(*), any_value(c.sampled_ids[1]) "
+                            "FROM sessions s JOIN calls c USING (session_uid) WHERE s.trained "
+                            "GROUP BY ALL ORDER BY ALL")
+    assert [(g, s) for g, s, *_ in trained] == [(g, s) for g in range(12) for s in range(2)]
+    assert all(count == 1 for _, _, count, _ in trained)     # trained once each, none lost
+    drawn_by = {g: 10 + (1 if g < 10 else 2) for g in range(12)}
+    assert all(first_id == drawn_by[g] for g, _, _, first_id in trained)
