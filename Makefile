@@ -20,7 +20,7 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python -m flows
 
-# A local Prefect server (http://127.0.0.1:4200) with the pipeline and retraining deployments.
+# A local Prefect server (http://127.0.0.1:4200) with the pipeline, image pipeline and retraining deployments.
 ui: $(STAMP)
 	$(BIN)/python deployments/ui.py
 

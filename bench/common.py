@@ -41,7 +41,7 @@ def jax_matmul_peak(size: int = 1024, repeats: int = 7) -> float:
 
 
 def torch_llama(config: dict, torch_threads: int):
-    """The same decoder as transformers' LlamaForCausalLM, float32, eager attention."""
+    """The same decoder as transformers' LlamaForCausalLM, float32, its default (SDPA) attention."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -64,14 +64,17 @@ def report(title: str, rows: list[tuple[str, str]]) -> None:
         print(f"{key:<{width}}  {value}")
 
 
-def in_subprocess(script: str, *args: str, host_devices: int = 1) -> dict:
+def in_subprocess(script: str, *args: str, host_devices: int = 1, pythonpath: str | None = None) -> dict:
     """Run `script --child ARGS` in a fresh interpreter and return the JSON it prints last.
 
     Each side of a comparison gets its own process, so one framework's thread pool never
     competes with the other's measurement. `host_devices` > 1 splits the CPU into that many
-    XLA devices, which the Trainer then uses data parallel.
+    XLA devices, which the Trainer then uses data parallel. `pythonpath` puts another checkout's
+    dew_lib first.
     """
     env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
     if host_devices > 1:  # one XLA CPU device per core: data parallel inside one process
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={host_devices}"
     out = subprocess.run([sys.executable, script, "--child", *args], capture_output=True,

@@ -2,7 +2,9 @@
 
 Prints tokens/s for both (Dew on one XLA device, and on one host device per core), Dew's model
 FLOP/s and its share of the float32 matmul peak that JAX measures on this machine in the same
-run, and the Dew / PyTorch ratio.
+run, and the Dew / PyTorch ratios, at sequence 256, 1,024 and 2,048 with 4,096 tokens per batch,
+and again with a 151,936-token (Qwen) vocabulary. `--baseline DIR` adds another Dew checkout
+(say, the commit before a change) on one device to the same alternating rounds.
 Run: `make bench` (installs the bench extra) or `python bench/train_lm.py [--steps N]`.
 """
 
@@ -67,17 +69,41 @@ def torch_tokens_per_second(config, batch, seq, steps):
     return batch * seq / median_seconds(step, steps)
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in shape.split("x")) for shape in text.split(",")]
+
+
+def measure(shape_args, rounds, use_torch, baseline, vocab):
+    """Alternating rounds of every side for one shape; returns per-round rates."""
+    common = (*shape_args, "--vocab", str(vocab))
+    out = {"one": [], "per_core": [], "torch": [], "baseline": []}
+    for _ in range(rounds):  # alternate the sides so drift in machine load hits both
+        out["one"].append(in_subprocess(__file__, "dew", *common)["rate"])
+        out["per_core"].append(in_subprocess(__file__, "dew", *common, host_devices=threads())["rate"])
+        if baseline:
+            out["baseline"].append(in_subprocess(__file__, "dew", *common, pythonpath=baseline)["rate"])
+        if use_torch:
+            out["torch"].append(in_subprocess(__file__, "torch", *common)["rate"])
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--shapes", default="16x256,4x1024,2x2048",
+                        help="batch x sequence pairs (default: 4,096 tokens per batch each)")
+    parser.add_argument("--large-vocab", default="1x1024",
+                        help="shapes run again with a 151,936-token vocabulary ('' to skip)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="alternating measurement rounds")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    parser.add_argument("--baseline", help="another Dew checkout to measure on one device beside this one")
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--seq", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--vocab", type=int, default=LLAMA_8M["vocab_size"], help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=("peak", "dew", "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    config = dict(LLAMA_8M)
     if args.child:
+        config = dict(LLAMA_8M, vocab_size=args.vocab, max_seq_len=max(LLAMA_8M["max_seq_len"], args.seq or 0))
         if args.child == "peak":
             print(json.dumps({"flops": jax_matmul_peak()}))
         elif args.child == "dew":
@@ -88,39 +114,46 @@ def main():
         else:
             print(json.dumps({"rate": torch_tokens_per_second(config, args.batch, args.seq, args.steps)}))
         return
-    shape = ("--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps))
+    use_torch = not args.no_torch
+    if use_torch:
+        try:
+            in_subprocess(__file__, "torch", "--batch", "1", "--seq", "8", "--steps", "1")
+        except RuntimeError as error:
+            print(f"torch failed: {str(error).splitlines()[-1]}; `pip install -e '.[bench]'`")
+            use_torch = False
     peak = in_subprocess(__file__, "peak")["flops"]
-    ratios, rounds = [], []
-    for _ in range(args.rounds):  # alternate the sides so drift in machine load hits both
-        one = in_subprocess(__file__, "dew", *shape)
-        per_core = in_subprocess(__file__, "dew", *shape, host_devices=threads())
-        dew = max(one, per_core, key=lambda result: result["rate"])
-        torch_rate = None
-        if not args.no_torch:
-            try:
-                torch_rate = in_subprocess(__file__, "torch", *shape)["rate"]
-            except RuntimeError as error:
-                print(f"torch failed: {str(error).splitlines()[-1]}; `pip install -e '.[bench]'`")
-                args.no_torch = True
-        rounds.append((one["rate"], per_core["rate"], torch_rate))
-        if torch_rate:
-            ratios.append(dew["rate"] / torch_rate)
-    best = float(np.median([max(a, b) for a, b, _ in rounds]))
-    flops = best * model_flops_per_token(config, args.seq)
-    rows = [
-        ("machine f32 matmul peak (JAX)", f"{peak / 1e9:.1f} GFLOP/s"),
-        ("dew tokens/s, 1 device (median)", f"{np.median([r[0] for r in rounds]):,.0f}"),
-        (f"dew tokens/s, {threads()} host devices (median)", f"{np.median([r[1] for r in rounds]):,.0f}"),
-        ("dew model FLOP/s (faster setting)", f"{flops / 1e9:.1f} GFLOP/s"),
-        ("dew MFU vs measured peak", f"{flops / peak:.2f}"),
-        ("dew train-step compilations", str(dew["compilations"])),
-    ]
-    if ratios:
-        rows += [("torch tokens/s (median)", f"{np.median([r[2] for r in rounds]):,.0f}"),
-                 ("dew / torch per round", " ".join(f"{r:.2f}" for r in ratios)),
-                 ("dew / torch (median)", f"{np.median(ratios):.2f}x")]
-    report(f"train_lm: Llama 8M, batch {args.batch} x {args.seq}, float32, {threads()} threads, "
-           "each side in its own process", rows)
+    cases = [(b, s, LLAMA_8M["vocab_size"]) for b, s in parse_shapes(args.shapes)]
+    if args.large_vocab:
+        cases += [(b, s, 151_936) for b, s in parse_shapes(args.large_vocab)]
+    rows = [("machine f32 matmul peak (JAX)", f"{peak / 1e9:.1f} GFLOP/s")]
+    for batch, seq, vocab in cases:
+        shape = ("--batch", str(batch), "--seq", str(seq), "--steps", str(args.steps))
+        got = measure(shape, args.rounds, use_torch, args.baseline, vocab)
+        med = {k: float(np.median(v)) for k, v in got.items() if v}
+        best = float(np.median([max(a, b) for a, b in zip(got["one"], got["per_core"])]))
+        config = dict(LLAMA_8M, vocab_size=vocab)
+        flops = best * model_flops_per_token(config, seq)
+        name = f"{batch}x{seq} vocab {vocab}"
+        rows += [
+            (f"{name}: dew tokens/s, 1 device / {threads()} host devices",
+             f"{med['one']:,.0f} / {med['per_core']:,.0f}"),
+            (f"{name}: dew model FLOP/s, share of peak", f"{flops / 1e9:.1f} GFLOP/s, {flops / peak:.2f}"),
+        ]
+        if "baseline" in med:
+            ratios = [a / b for a, b in zip(got["one"], got["baseline"])]
+            rows.append((f"{name}: baseline tree tokens/s (1 device); this / baseline",
+                         f"{med['baseline']:,.0f}; {np.median(ratios):.2f}x "
+                         f"({' '.join(f'{r:.2f}' for r in ratios)})"))
+        if "torch" in med:
+            one = [a / t for a, t in zip(got["one"], got["torch"])]
+            per_core = [a / t for a, t in zip(got["per_core"], got["torch"])]
+            rows += [(f"{name}: torch tokens/s", f"{med['torch']:,.0f}"),
+                     (f"{name}: dew / torch, 1 device (per round)",
+                      f"{np.median(one):.2f}x ({' '.join(f'{r:.2f}' for r in one)})"),
+                     (f"{name}: dew / torch, {threads()} host devices (per round)",
+                      f"{np.median(per_core):.2f}x ({' '.join(f'{r:.2f}' for r in per_core)})")]
+    report(f"train_lm: Llama 8M body, {threads()} threads, float32, each side in its own process, "
+           f"median of {args.rounds} alternating rounds", rows)
 
 
 if __name__ == "__main__":

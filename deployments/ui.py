@@ -40,7 +40,7 @@ def main() -> int:
     served = None
     try:
         wait_until_healthy(url, server)
-        print(f"Prefect UI: {url}  (deployments: pipeline, retrain-nightly; Ctrl-C stops)", flush=True)
+        print(f"Prefect UI: {url}  (deployments: pipeline, flow-grpo, retrain-nightly; Ctrl-C stops)", flush=True)
         served = subprocess.Popen([sys.executable, os.path.join(ROOT, "deployments", "serve.py")],
                                   env=env, cwd=ROOT)
         served.wait()

@@ -15,6 +15,7 @@ Not here: pipeline or tensor parallelism (parameters are replicated), learning-r
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -272,10 +273,14 @@ class _Run:
                     f"{info.get('accumulate')} but this Trainer has accumulate={trainer.accumulate}"
                 )
             self.last_checkpoint = f"{self.store.directory}/{latest}"
-            return restored, int(info["position"])
+            streams = info.get("streams")  # one per process, when the stream could say where it was
+            stream_state = None
+            if streams is not None and len(streams) == self.partition.count:
+                stream_state = streams[self.partition.index]
+            return restored, int(info["position"]), stream_state
         if state is None:
-            return None, 0  # built by execute once the first batch has been checked
-        return state, int(state.step)
+            return None, 0, None  # built by execute once the first batch has been checked
+        return state, int(state.step), None
 
     def _note(self, step: int, text: str) -> None:
         """Tell the sinks (those with a `note` method) and the log what fit is doing."""
@@ -286,7 +291,7 @@ class _Run:
 
     def execute(self, state):
         trainer = self.trainer
-        state, position = self._start_state(state)
+        state, position, stream_state = self._start_state(state)
         for sink in self.sinks:
             if hasattr(sink, "begin"):
                 sink.begin(position, self.steps)
@@ -302,7 +307,7 @@ class _Run:
         if self.last_checkpoint is not None:
             self._note(position, f"resuming from the checkpoint {self.last_checkpoint}: steps "
                                  f"{position + 1}..{self.steps} remain")
-        stream = self.data.stream(self.partition, position)
+        stream = self.data.stream(self.partition, position, stream_state)
         first = self._next(stream, position)
         if trainer.rollout is None:
             self._check(first)  # a batch this objective cannot read fails before anything compiles
@@ -330,7 +335,10 @@ class _Run:
                 done == self.steps or (self.checkpoint_every and done % self.checkpoint_every == 0)
             ):
                 self._deliver(include_open=True)  # a diverged step must never be checkpointed
-                self.store.save(done, state, {"position": done, "accumulate": trainer.accumulate})
+                info = {"position": done, "accumulate": trainer.accumulate}
+                if hasattr(stream, "state"):
+                    info["streams"] = _every_process(stream.state())
+                self.store.save(done, state, info)
                 self.last_checkpoint = f"{self.store.directory}/{done}"
                 for sink in self.sinks:  # e.g. the run store records where the checkpoint is
                     if hasattr(sink, "checkpoint"):
@@ -393,6 +401,21 @@ class _Run:
             means = derive(means)
         for sink in self.sinks:
             sink.write(step, {f"val/{k}": v for k, v in means.items()})
+
+
+def _every_process(value: Any) -> list:
+    """A JSON-able value from every process, in process order (the checkpoint record is
+    written by one process, and each process's data stream stands at its own record)."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size]))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [json.loads(bytes(row[:size]).decode()) for row, size in zip(rows, sizes, strict=True)]
 
 
 def _window_means(values: list[Metrics]) -> dict[str, float]:

@@ -47,13 +47,15 @@ def pipeline(params: PipelineParams = PipelineParams()) -> dict:
         data = data_prep(params.data, os.path.join(directory, "data"), params.seed)
         policy = initial_policy(params.model, data, os.path.join(directory, "init"), params.seed)
         table = [_row("start", evaluate("start", policy, data, params.evaluation, directory,
-                                        store_root, run))]
+                                        store_root, run, reward=params.reward))]
         for stage in params.stages:
+            graded = {"reward": params.reward} if stage == "grpo" else {}
             result = STAGES[stage](getattr(params, stage), data, policy,
-                                   os.path.join(directory, stage), store_root, run, params.seed)
+                                   os.path.join(directory, stage), store_root, run, params.seed,
+                                   **graded)
             policy = result.policy
             accuracy = evaluate(stage, policy, data, params.evaluation, directory, store_root,
-                                run, getattr(params, stage).steps)
+                                run, getattr(params, stage).steps, reward=params.reward)
             table.append(_row(stage, accuracy, result.cached))
     except BaseException as error:
         mark_run(store_root, run, "failed", error=f"{type(error).__name__}: {error}")

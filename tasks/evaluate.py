@@ -1,4 +1,9 @@
-"""Evaluation: greedy answers to held-out prompts, scored by the task's reward, into the store."""
+"""Evaluation: greedy answers to held-out prompts, scored by each row's reward, into the store.
+
+Each row's `data_source` picks its reward (tasks/rewards.py); answers are scored on several
+threads, and the programs a code reward ran land in the store's `verdicts` table beside the
+answer's `evaluations` row (`update` = step, `group_id` = item).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +13,14 @@ import jax
 import numpy as np
 from prefect import get_run_logger, task
 
-from dew_lib.rewards import MathReward
 from dew_lib.sampling import Sampling, generate
 from dew_lib.store import Evaluation
-from flows.params import EvalParams
+from flows.params import EvalParams, RewardParams
 from tasks.data import read_eval
 from tasks.manifests import DataManifest, EvalResult, PolicyRef, fingerprint
 from tasks.policy import load_policy
 from tasks.records import open_stage
+from tasks.rewards import TaskReward, score_all, verdicts
 from tasks.storage import read_json, write_json
 
 
@@ -57,14 +62,18 @@ def draw_answers(model, variables, tokenizer, prompts: list[list[int]], params: 
 
 @task(retries=1, retry_delay_seconds=1, task_run_name="evaluate-{stage}")
 def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: EvalParams,
-                    directory: str, store_root: str, run: str, step: int = 0) -> EvalResult:
-    """Held-out accuracy of `policy`; every answer and its score land in the store."""
+                    directory: str, store_root: str, run: str, step: int = 0,
+                    reward: RewardParams | None = None) -> EvalResult:
+    """Held-out accuracy of `policy`; every answer, its score and its programs land in the store.
+
+    reward: how answers are graded (tasks/rewards.py). Saved answers are graded again, so it is
+    not part of the fingerprint that reuses them.
+    """
     logger = get_run_logger()
     key = fingerprint("evaluate", policy.fingerprint, data.fingerprint, params)
     saved_path = os.path.join(directory, f"evaluation-{stage}.json")
     saved = read_json(saved_path)
     rows = read_eval(data.eval_path)
-    reward = MathReward()
     if saved is not None and saved.get("fingerprint") == key:
         answers, cached = saved["answers"], True
     else:
@@ -72,14 +81,15 @@ def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: E
         tokenizer = pretrained.tokenizer
         prompts = [prompt_ids(tokenizer, row["prompt"]) for row in rows]
         answers, cached = answer_all(pretrained.model, variables, tokenizer, prompts, params), False
-    scores = [reward(row.get("data_source", ""), answer, str(row["ground_truth"]),
-                     str(row.get("extra_info", ""))) for row, answer in zip(rows, answers, strict=True)]
+    with TaskReward(reward or RewardParams()) as grader:
+        scores, runs = score_all(grader, rows, answers)
     results = [Evaluation(item=i, prompt=str(row["prompt"]), answer=answer, score=score,
-                          reference=str(row["ground_truth"]), correct=score >= 1.0)
+                          reference=str(row["ground_truth"]), task=str(row.get("task_id", "")),
+                          correct=score >= 1.0)
                for i, (row, answer, score) in enumerate(zip(rows, answers, scores, strict=True))]
     accuracy = float(np.mean([r.correct for r in results]))
     with open_stage(store_root, run, f"eval-{stage}", "evaluate") as writer:
-        writer.evaluations(results, step=step)
+        writer.evaluations(results, step=step, verdicts=[verdicts(r) for r in runs])
         writer.finish("completed", {"accuracy": accuracy})
     if not cached:
         write_json(saved_path, {"fingerprint": key, "answers": answers})

@@ -51,6 +51,34 @@ class EvalResult(Manifest):
     cached: bool = False
 
 
+class ImageManifest(Manifest):
+    """Training images as one .npz (`images`: uint8 [N, H, W, C]) and what they are."""
+
+    path: str
+    shape: tuple[int, int, int]
+    count: int
+    fingerprint: str
+
+
+class DiTRef(Manifest):
+    """A SimpleDiT saved by `tasks.images.save_dit` (config.json + model.safetensors)."""
+
+    path: str
+    fingerprint: str
+
+
+class ImageStageResult(Manifest):
+    """A finished image stage: its saved model, metrics, preview PNGs and whether this run trained it."""
+
+    stage: str
+    kind: str
+    model: DiTRef
+    metrics: dict[str, float]
+    directory: str
+    previews: list[str]
+    cached: bool = False
+
+
 def fingerprint(*parts: Any) -> str:
     """A short stable hash of JSON-able parts (pydantic models are dumped first)."""
     def plain(value):

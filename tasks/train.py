@@ -24,14 +24,14 @@ from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts
 from dew_lib.data.chat import Role
 from dew_lib.objectives import LMObjective
 from dew_lib.objectives.rl import DPOObjective, GRPOObjective, SampledRollout
-from dew_lib.rewards import MathReward
 from dew_lib.sampling import Sampling
 from dew_lib.sinks import JsonlSink
 from dew_lib.trainer import Trainer
-from flows.params import DPOParams, GRPOParams, SFTParams, StageParams
+from flows.params import DPOParams, GRPOParams, RewardParams, SFTParams, StageParams
 from tasks.manifests import DataManifest, PolicyRef, StageResult, fingerprint
 from tasks.policy import load_policy, save_policy
 from tasks.records import open_stage
+from tasks.rewards import TaskReward, verdicts
 from tasks.storage import read_json, write_json
 from tasks.ui import Deadline, LogSink, ProgressSink, plot_curves, publish_stage
 
@@ -40,7 +40,8 @@ SHOWN = ("loss", "reward", "rewards/accuracy", "rewards/margin", "kl", "accuracy
 
 
 class RecordedRollout:
-    """Runs a SampledRollout and writes every session it drew to the run store."""
+    """Runs a SampledRollout and writes every session it drew to the run store, with the verdict
+    of every program a code reward ran for it (the rollout's `last_reward_details`)."""
 
     def __init__(self, rollout: SampledRollout, stage):
         self.rollout, self.stage = rollout, stage
@@ -50,9 +51,11 @@ class RecordedRollout:
         packed = self.rollout(state, batch, key)
         seconds = time.perf_counter() - started
         sessions = self.rollout.last_sessions
+        runs = self.rollout.last_reward_details
         update = int(jax.device_get(state.updates))
         self.stage.sessions(sessions, update=update, latencies=[seconds] * len(sessions),
-                            causes="admitted", truncation="score")
+                            causes="admitted", truncation="score",
+                            verdicts=[verdicts(r or ()) for r in runs] if runs else None)
         return packed
 
 
@@ -60,13 +63,29 @@ def _loading(seed: int) -> Loading:
     return Loading(workers=0, seed=seed)
 
 
+def completion_text(tokenizer):
+    """How a GRPO completion's ids become the text its reward reads."""
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _needs(path: str | None, kind: str, what: str) -> str:
+    if path is None:
+        raise ValueError(f"the {kind} stage needs {what}, and this run's data has none; give it in "
+                         "DataParams or leave the stage out of PipelineParams.stages")
+    return path
+
+
 def build(kind: str, params: StageParams, pretrained, variables, data: DataManifest, tokenizer_dir: str,
-          seed: int, stage_writer):
-    """(objective, dataset, rollout, eval_every) of one stage, starting from `variables`."""
+          seed: int, stage_writer, reward: TaskReward | None = None):
+    """(objective, dataset, rollout, eval_every) of one stage, starting from `variables`.
+
+    reward: what grades GRPO's completions (default: TaskReward with default RewardParams).
+    """
     model, tokenizer = pretrained.model, pretrained.tokenizer
     if kind == "sft":
         assert isinstance(params, SFTParams)
-        spec = ChatMessages(path=data.chat_path, tokenizer=tokenizer_dir, seq_len=params.seq_len,
+        spec = ChatMessages(path=_needs(data.chat_path, kind, "conversations (chat_path)"),
+                            tokenizer=tokenizer_dir, seq_len=params.seq_len,
                             val_path=data.chat_val_path, loading=_loading(seed))
         objective = LMObjective(model, params.seq_len, pretrained=variables,
                                 loss_role=Role.ASSISTANT, ema_decay=None)
@@ -74,21 +93,24 @@ def build(kind: str, params: StageParams, pretrained, variables, data: DataManif
             max(params.steps // 2, 1) if data.chat_val_path else None)
     if kind == "dpo":
         assert isinstance(params, DPOParams)
-        spec = PreferencePairs(path=data.pairs_path, seq_len=params.seq_len,
+        spec = PreferencePairs(path=_needs(data.pairs_path, kind, "preference pairs (pairs_path)"),
+                               seq_len=params.seq_len,
                                pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
         objective = DPOObjective(model, params.seq_len - 1, beta=params.beta, pretrained=variables,
                                  nll_weight=params.nll_weight)
         return objective, spec.load(batch=params.batch), None, None
     assert isinstance(params, GRPOParams)
-    spec = Prompts(path=data.prompts_path, max_prompt_len=params.max_prompt_len,
+    spec = Prompts(path=_needs(data.prompts_path, kind, "prompts (prompts_path)"),
+                   max_prompt_len=params.max_prompt_len,
                    tokenizer=tokenizer_dir, pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
     objective = GRPOObjective(model, params.max_prompt_len + params.max_new_tokens - 1,
                               beta=params.beta, pretrained=variables,
                               sampling_temperature=params.temperature)
+    reward = TaskReward() if reward is None else reward
     rollout = SampledRollout(
-        objective, reward=MathReward(), groups=params.groups, max_new_tokens=params.max_new_tokens,
+        objective, reward=reward, groups=params.groups, max_new_tokens=params.max_new_tokens,
         sampling=Sampling(temperature=params.temperature, eos_id=tokenizer.eos_token_id),
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        decode=completion_text(tokenizer), reward_details=reward.last_runs)
     return objective, spec.load(batch=params.batch), RecordedRollout(rollout, stage_writer), None
 
 
@@ -122,13 +144,19 @@ def final_metrics(history) -> dict[str, float]:
 
 @task(retries=2, retry_delay_seconds=1, task_run_name="train-{stage}")
 def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, start: PolicyRef,
-                directory: str, store_root: str, run: str, seed: int) -> StageResult:
-    """Train one stage from `start` and save its final policy under `directory`/policy."""
+                directory: str, store_root: str, run: str, seed: int,
+                reward: RewardParams | None = None) -> StageResult:
+    """Train one stage from `start` and save its final policy under `directory`/policy.
+
+    reward: how GRPO grades its completions (tasks/rewards.py); part of a GRPO stage's fingerprint.
+    """
     logger = get_run_logger()
     relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
-    key = fingerprint(kind, relevant, data.fingerprint, start.fingerprint, seed)
+    graded = [reward or RewardParams()] if kind == "grpo" else []
+    key = fingerprint(kind, relevant, data.fingerprint, start.fingerprint, seed, *graded)
     done = read_json(os.path.join(directory, "result.json"))
-    with open_stage(store_root, run, stage, kind, params.model_dump(mode="json")) as writer:
+    with (open_stage(store_root, run, stage, kind, params.model_dump(mode="json")) as writer,
+          TaskReward(reward or RewardParams()) as grader):
         if done is not None and done.get("fingerprint") == key:
             result = StageResult(**done["result"]).model_copy(update={"cached": True})
             logger.info("%s already finished with these inputs; reusing %s", stage, result.policy.path)
@@ -137,7 +165,7 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
         pretrained, variables = load_policy(start, data.tokenizer)
         tokenizer_dir = data.tokenizer or start.path
         objective, dataset, rollout, eval_every = build(kind, params, pretrained, variables, data,
-                                                        tokenizer_dir, seed, writer)
+                                                        tokenizer_dir, seed, writer, grader)
         trainer = Trainer(objective, optimizer_for(kind, params), key=jax.random.key(seed),
                           rollout=rollout)
         checkpoints = os.path.join(directory, "checkpoints")

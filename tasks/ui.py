@@ -1,9 +1,10 @@
 """What a training stage shows in the Prefect UI: logs, a moving progress bar, a table of final
-metrics and a PNG of its curves. All of it comes from Trainer sinks, so the library stays
-unaware of Prefect."""
+metrics, a PNG of its curves and, for image stages, preview grids. All of it comes from Trainer
+sinks and hooks, so the library stays unaware of Prefect."""
 
 from __future__ import annotations
 
+import base64
 import math
 import os
 import time
@@ -104,3 +105,18 @@ def publish_stage(stage: str, metrics: Mapping[str, float], plot: str | None) ->
         create_markdown_artifact(
             f"### {stage} curves\n\nSaved at `{plot}`.\n\n![{stage} curves](file://{plot})\n",
             key=artifact_key(stage, "curves"), description=f"{stage}: loss and reward curves")
+
+
+def publish_images(stage: str, step: int, images: list[tuple[str, str]], lines: list[str]) -> None:
+    """A markdown artifact `<stage>-preview` (a new version at every call) showing PNG files.
+
+    Each PNG is embedded as a `data:image/png` URL, which the Prefect 3.9 UI's markdown renderer
+    displays (it refuses `file://` sources), and its path is listed beside it.
+    """
+    parts = [f"### {stage} at step {step}", "", *lines, ""]
+    for title, path in images:
+        with open(path, "rb") as handle:
+            encoded = base64.b64encode(handle.read()).decode("ascii")
+        parts += [f"**{title}** (`{path}`)", "", f"![{title}](data:image/png;base64,{encoded})", ""]
+    create_markdown_artifact("\n".join(parts), key=artifact_key(stage, "preview"),
+                             description=f"{stage}: samples at step {step}")

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -67,44 +68,67 @@ def wait_for(predicate, seconds, what, log_path):
     raise TimeoutError(f"{what} did not happen within {seconds} s; log:\n{tail}")
 
 
+def healthy(api: str) -> bool:
+    with urllib.request.urlopen(f"{api}/health", timeout=2) as reply:
+        return reply.status == 200
+
+
+@contextlib.contextmanager
+def prefect_server(tmp_path, log, log_path):
+    """A real server on a free port that answers; another port is tried if one is taken first."""
+    prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
+    for _ in range(3):
+        port = free_port()
+        api = f"http://127.0.0.1:{port}/api"
+        env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api,
+               "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+               "PYTHONPATH": ROOT, "DEW_RETRAIN_CRON": "0 3 1 1 *"}
+        with started([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env,
+                     log) as server:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and server.poll() is None:
+                with contextlib.suppress(OSError):
+                    if healthy(api):
+                        yield api, env
+                        return
+                time.sleep(1)
+    wait_for(lambda: False, 0, "starting the Prefect server", log_path)
+
+
 @pytest.mark.slow
 def test_a_run_started_through_the_api_completes_and_lands_in_the_store(tmp_path):
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api,
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_RUNNER_POLL_FREQUENCY": "2",
-           "PYTHONPATH": ROOT, "DEW_RETRAIN_CRON": "0 3 1 1 *"}
-    prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     log_path = tmp_path / "services.log"
-    with open(log_path, "w") as log, \
-            started([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, log), \
-            started([sys.executable, os.path.join(ROOT, "deployments", "serve.py")], env, log):
-        os.environ["PREFECT_API_URL"] = api
-        try:
-            from prefect.client.orchestration import get_client
+    # serve.py gives up when the API does not answer, so it starts once the server does
+    with open(log_path, "w") as log, prefect_server(tmp_path, log, log_path) as (api, env), \
+            started([sys.executable, os.path.join(ROOT, "deployments", "serve.py")], env, log), \
+            temporary_settings(updates={PREFECT_API_URL: api}):
+        # settings, not os.environ: Prefect reads the environment once, when it is first imported
 
-            async def deployment_id():
-                async with get_client() as client:
-                    return (await client.read_deployment_by_name("pipeline/pipeline")).id
+        async def deployment(name):
+            async with get_client() as client:
+                return await client.read_deployment_by_name(name)
 
-            async def start_run(deployment):
-                async with get_client() as client:
-                    run = await client.create_flow_run_from_deployment(
-                        deployment, parameters={"params": {**TINY, "root": str(tmp_path / "runs")}})
-                    return run.id
+        async def start_run(deployment):
+            async with get_client() as client:
+                run = await client.create_flow_run_from_deployment(
+                    deployment, parameters={"params": {**TINY, "root": str(tmp_path / "runs")}})
+                return run.id
 
-            async def state_of(run):
-                async with get_client() as client:
-                    return (await client.read_flow_run(run)).state
+        async def state_of(run):
+            async with get_client() as client:
+                return (await client.read_flow_run(run)).state
 
-            deployment = wait_for(lambda: asyncio.run(deployment_id()), 300, "registering the deployments",
-                                  log_path)
-            run = asyncio.run(start_run(deployment))
-            state = wait_for(lambda: (s := asyncio.run(state_of(run))) and s.is_final() and s, 900,
-                             "finishing the flow run", log_path)
-            assert state.is_completed(), state
-        finally:
-            os.environ.pop("PREFECT_API_URL", None)
+        pipeline = wait_for(lambda: asyncio.run(deployment("pipeline/pipeline")), 300,
+                            "registering the deployments", log_path)
+        images = asyncio.run(deployment("flow_grpo_pipeline/flow-grpo"))
+        assert images.entrypoint.endswith("flow_grpo.py:flow_grpo_pipeline")
+        run = asyncio.run(start_run(pipeline.id))
+        state = wait_for(lambda: (s := asyncio.run(state_of(run))) and s.is_final() and s, 900,
+                         "finishing the flow run", log_path)
+        assert state.is_completed(), state
     store = Store(str(tmp_path / "runs"))
     _, rows = store.rows("SELECT status FROM runs")
     assert rows == [("completed",)]

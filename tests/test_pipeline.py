@@ -14,7 +14,6 @@ import pytest
 
 pytest.importorskip("prefect")
 
-from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
 from dew_lib.store import Store  # noqa: E402
@@ -37,9 +36,8 @@ def tiny(root, **changes) -> PipelineParams:
 
 
 @pytest.fixture(scope="module")
-def harness():
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+def harness(prefect_harness):
+    yield
 
 
 @pytest.fixture(scope="module")

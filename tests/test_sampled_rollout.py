@@ -101,3 +101,28 @@ def test_bad_settings_and_failing_rewards_name_the_cause():
     with pytest.raises(RewardFailed, match="returned nan on prompt row 0"):
         SampledRollout(objective, reward=lambda *a: float("nan"), max_new_tokens=6, workers=1)(
             state, prompts(), jax.random.key(0))
+
+
+def test_reward_details_are_kept_beside_the_session_they_describe():
+    import threading
+
+    local = threading.local()
+
+    def reward(data_source, completion, ground_truth, extra_info):
+        local.seen = completion  # what a reward like CodeReward keeps per thread
+        return float(len(completion.split()))
+
+    objective = GRPOObjective(MODEL, seq_len=9)
+    rollout = SampledRollout(objective, reward=reward, groups=3, max_new_tokens=6, workers=4,
+                             sampling=Sampling(temperature=1.0, eos_id=EOS),
+                             reward_details=lambda: local.seen)
+    state = Trainer(objective, optax.sgd(0.0), key=jax.random.key(0)).initial_state()
+    rollout(state, prompts(4), jax.random.key(1))
+    assert len(rollout.last_reward_details) == len(rollout.last_sessions) == 12
+    for session, text in zip(rollout.last_sessions, rollout.last_reward_details, strict=True):
+        call = session.calls[0]
+        ids = call.sampled_ids.tolist()
+        assert text == " ".join(map(str, ids[:-1] if call.finish_reason == "stop" else ids))
+        assert session.reward == len(text.split())
+    with pytest.raises(TypeError, match="reward_details must be callable"):
+        SampledRollout(objective, reward=reward, max_new_tokens=6, reward_details="last_runs")

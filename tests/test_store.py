@@ -16,6 +16,7 @@ import pytest
 
 from conftest import lm_batches, tiny_model
 from dew_lib import Dataset, LMObjective, Trainer
+from dew_lib.objectives.rl.flow import FlowRolloutRecord
 from dew_lib.objectives.rl.sessions import Call, Session, Status
 from dew_lib.store import (Evaluation, Store, StoreBusy, StoreError, StoreNotFound, Verdict,
                            session_uid)
@@ -111,13 +112,19 @@ def test_every_table_lands_and_dew_duckdb_opens_in_the_duckdb_client(tmp_path):
                           "cancelled": 1, "abandoned": 0, "cut": 0, "waited": 0.5, "metrics": {"reward/mean": 0.5}})
             stage.verdicts(sessions[0], [Verdict(program=0, name="test_add", status="passed", passed=True,
                                                  seconds=0.01, exit_code=0)], update=5)
+        with run.stage("flow_grpo", kind="flow_grpo") as stage:
+            stage.samples(FlowRolloutRecord(
+                step=2, images=np.zeros((2, 1, 1, 3), np.float32), group=np.zeros(2, int),
+                rewards=np.array([0.0, 1.0]), group_mean=np.full(2, 0.5), group_std=np.full(2, 0.5),
+                advantages=np.array([-1.0, 1.0], np.float32), kept=np.ones(2, bool), captions=("", "")))
         run.finish("completed")
     database = duckdb.connect(str(tmp_path / "dew.duckdb"), read_only=True)
     views = {row[0] for row in database.sql("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
     assert views == {"runs", "stages", "sessions", "calls", "verdicts", "scheduler_records", "metrics",
-                     "evaluations", "checkpoints"}
+                     "evaluations", "samples", "checkpoints"}
     counts = {v: database.sql(f"SELECT count(*) FROM {v}").fetchall()[0][0] for v in sorted(views)}
-    assert counts["runs"] == 1 and counts["stages"] == 2 and counts["sessions"] == 4 and counts["calls"] == 4
+    assert counts["runs"] == 1 and counts["stages"] == 3 and counts["sessions"] == 4 and counts["calls"] == 4
+    assert counts["samples"] == 2
     assert counts["verdicts"] == 1 and counts["scheduler_records"] == 1 and counts["evaluations"] == 4
     assert database.sql("SELECT DISTINCT step FROM metrics ORDER BY step").fetchall() == [(2,), (4,)]
     assert database.sql("SELECT step, path FROM checkpoints ORDER BY step").fetchall() == [

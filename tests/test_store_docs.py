@@ -6,8 +6,9 @@ import re
 import numpy as np
 import pytest
 
+from dew_lib.objectives.rl.flow import FlowRolloutRecord
 from dew_lib.objectives.rl.sessions import Call, Session, Status
-from dew_lib.store import TABLES, Evaluation, Store
+from dew_lib.store import TABLES, Evaluation, Store, Verdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "docs", "store.md")]
@@ -33,8 +34,20 @@ def store(tmp_path_factory):
             call = Call(prompt_ids=[5, 6], sampled_ids=[7, 8], behavior_log_probs=[-0.5, -0.5], version=39)
             stage.sessions([Session(task="17", sample=s, calls=(call,), reward=float(s),
                                     status=Status.COMPLETED if s else Status.INFRA_ERROR) for s in range(3)],
-                           update=40, latencies=[0.5, 2.0, 1.0], causes="admitted")
-            stage.evaluations([Evaluation(item=0, prompt="1+1=", answer="3", score=0.0)], step=40)
+                           update=40, latencies=[0.5, 2.0, 1.0], causes="admitted",
+                           verdicts=[[], [Verdict(program=0, name="case 0", status="completed", passed=True,
+                                                  score=1.0, seconds=0.05, exit_code=0)], []])
+            stage.evaluations([Evaluation(item=0, prompt="1+1=", answer="3", score=0.0)], step=40,
+                              verdicts=[[Verdict(program=0, name="tests", status="failed", exit_code=1,
+                                                 detail="exit 1; passed 0 of 3")]])
+        with run.stage("flow_grpo", kind="flow_grpo") as stage:
+            rewards = np.array([0.1, 0.3, 0.2, 0.2])
+            stage.samples(FlowRolloutRecord(
+                step=0, images=np.zeros((4, 2, 2, 3), np.float32), group=np.array([0, 0, 1, 1]),
+                rewards=rewards, group_mean=np.array([0.2, 0.2, 0.2, 0.2]),
+                group_std=np.array([0.1, 0.1, 0.0, 0.0]),
+                advantages=np.array([-1.0, 1.0, 0.0, 0.0], np.float32),
+                kept=np.array([True, True, False, False]), captions=("",) * 4))
     return store
 
 

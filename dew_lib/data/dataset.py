@@ -2,9 +2,11 @@
 
 A Dataset wraps a `train(partition)` callable that returns an iterator of batches (dicts of
 fixed-shape NumPy arrays). The Trainer counts the batches it consumes; that count is the data
-position stored in checkpoints. On resume the stream is reopened and moved forward to the
-position: through the iterator's own `seek(n)` when it has one (the loaders do), otherwise by
-drawing and discarding n batches, which is exact for any deterministic stream.
+position stored in checkpoints, together with the iterator's `state()` when it has one. On resume
+the stream is reopened and moved forward to the position: through the iterator's own
+`seek(n, state)` when it has one (the loaders do, and with the saved state they start at the
+right record without replaying anything), otherwise by drawing and discarding n batches, which
+is exact for any deterministic stream.
 """
 
 from __future__ import annotations
@@ -55,13 +57,18 @@ class Dataset:
         if self.batch <= 0:
             raise ValueError(f"Dataset.batch must be positive, got {self.batch}")
 
-    def stream(self, partition: Partition, position: int = 0) -> Iterator[Batch]:
-        """The training stream moved forward past `position` batches."""
+    def stream(self, partition: Partition, position: int = 0, state: Mapping | None = None
+               ) -> Iterator[Batch]:
+        """The training stream moved forward past `position` batches.
+
+        state: what the stream's `state()` returned at that position (saved in checkpoints), for
+        iterators whose `seek` takes it; it lets them resume without replaying earlier records.
+        """
         iterator = iter(self.train(partition))
         if position:
             seek = getattr(iterator, "seek", None)
             if seek is not None:
-                seek(position)
+                seek(position, state) if state is not None else seek(position)
             else:
                 skipped = sum(1 for _ in itertools.islice(iterator, position))
                 if skipped < position:

@@ -16,6 +16,8 @@ A loader hands this module its records (plain Python objects, already validated)
 - seeks: `stream.seek(n)` finds the record that batch n starts at from item lengths alone
   (arithmetic when every item has the same length, otherwise the lengths of the records before
   it, computed once and cached) and restarts the producer there. Resumed == uninterrupted.
+  `stream.state()` names that record for the batch the stream stands at; the Trainer saves it
+  with each checkpoint and `seek(n, state)` starts there without tokenizing anything before it.
 
 Not here: reading files (readers.py) or anything format-specific (the loaders' own modules).
 """
@@ -258,22 +260,23 @@ class _Producer:
     def _run(self) -> None:
         pipeline, layout = self.pipeline, self.pipeline.layout
         try:
-            planner, placed = Planner(self.rows, layout.width), []
+            planner, placed, position = Planner(self.rows, layout.width), [], self.start
             for records, items in pipeline.map_chunks(pipeline.encoder, self._chunks(), self.stop):
                 for record, item in zip(records, items, strict=True):
                     length = layout.length(item)
                     pipeline.lengths[record] = length
                     spot = planner.place(length)
-                    if spot is None:
-                        if not self._put(layout.build(self.rows, placed)):
+                    if spot is None:  # this record starts the next batch
+                        if not self._put((layout.build(self.rows, placed), position)):
                             return
                         planner.reset()
                         placed = []
                         spot = planner.place(length)
                     placed.append((*spot, item))
+                    position += 1
                 if self.stop.is_set():
                     return
-            if placed and not self._put(layout.build(self.rows, placed)):
+            if placed and not self._put((layout.build(self.rows, placed), position)):
                 return
             self._put(_END)
         except BaseException as error:  # handed to the consumer, which re-raises it
@@ -313,12 +316,24 @@ class BatchStream(Iterator[Batch]):
         self._start = 0  # stream record at which the next batch starts
         self._producer: _Producer | None = None
 
-    def seek(self, n: int) -> None:
-        """Move so that the next batch is batch n of this stream (n counts from 0)."""
+    def state(self) -> dict[str, int]:
+        """Where the stream stands: batches handed out and the stream record the next one starts
+        at. Saved with a checkpoint, it lets `seek` resume without tokenizing what came before."""
+        return {"batch": self.position, "record": self._start}
+
+    def seek(self, n: int, state: dict | None = None) -> None:
+        """Move so that the next batch is batch n of this stream (n counts from 0).
+
+        state: what `state()` returned when the stream stood at batch n; the stream then starts
+        at its record directly. Without it, the record is found from the lengths of the records
+        before it (tokenizing them once unless every item has a fixed length).
+        """
         if n < 0:
             raise ValueError(f"seek position must be >= 0, got {n}")
+        if state is not None and int(state.get("batch", -1)) != n:
+            raise ValueError(f"the stream state {state} was saved at another batch than {n}")
         self.close()
-        self._start = self._record_of_batch(n)
+        self._start = int(state["record"]) if state is not None else self._record_of_batch(n)
         self.position = n
 
     def _record_of_batch(self, n: int) -> int:
@@ -351,15 +366,15 @@ class BatchStream(Iterator[Batch]):
             raise StopIteration
         if isinstance(item, _Failure):
             raise item.error
+        batch, self._start = item
         self.position += 1
-        return item
+        return batch
 
     def close(self) -> None:
         """Stop the producer; a later next() or seek() starts it again where the stream is."""
         if self._producer is not None:
             self._producer.halt()
             self._producer = None
-            self._start = self._record_of_batch(self.position)
 
 
 __all__ = ["BatchStream", "CHUNK", "Encoder", "Layout", "Order", "Pipeline", "Planner", "as_dataset",

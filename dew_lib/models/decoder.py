@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew_lib.models import rotary
+from dew_lib.models import head, rotary
 
 _INIT = nn.initializers.normal(stddev=0.02)
 _NEG = -1e30  # finite, so a row with nothing to attend to gives no NaN
@@ -96,7 +96,8 @@ def attend(q, k, v, mask):
     """Grouped-query attention: q `[B, Q, H, D]`, k/v `[B, T, KV, D]`, mask `[B, Q, T]`.
 
     Computed heads-first with batch and kv-head merged into one batch axis (`[B*KV, G*Q, D]`):
-    XLA:CPU runs a single-batch-axis product much faster than one with two batch axes.
+    XLA:CPU runs a single-batch-axis product much faster than one with two batch axes. The
+    dense reference for `attend_causal`, and what any other mask uses.
     """
     b, sq, h, d = q.shape
     kv = k.shape[2]
@@ -105,12 +106,46 @@ def attend(q, k, v, mask):
     qh = q.reshape(b, sq, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * sq, d)
     kh = k.transpose(0, 2, 1, 3).reshape(b * kv, t, d)
     vh = v.transpose(0, 2, 1, 3).reshape(b * kv, t, d)
+    return _attend_heads(qh, kh, vh, mask, b, g).reshape(b, kv, g, sq, d).transpose(
+        0, 3, 1, 2, 4).reshape(b, sq, h * d)
+
+
+def _attend_heads(qh, kh, vh, mask, b, g):
+    """Softmax attention of merged-head queries `[B*KV, G*Q, D]` over keys `[B*KV, T, D]`."""
+    n, gq, d = qh.shape
+    kv, sq, t = n // b, gq // g, kh.shape[1]
     scores = jnp.einsum("nqd,ntd->nqt", qh, kh, preferred_element_type=jnp.float32)
     scores = scores.reshape(b, kv, g, sq, t) * (d**-0.5)
     scores = jnp.where(mask[:, None, None], scores, _NEG)  # [B, KV, G, Q, T]
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b * kv, g * sq, t)
-    out = jnp.einsum("nqt,ntd->nqd", weights, vh)  # [B*KV, G*Q, D]
-    return out.reshape(b, kv, g, sq, d).transpose(0, 3, 1, 2, 4).reshape(b, sq, h * d)
+    weights = jax.nn.softmax(scores, axis=-1).astype(vh.dtype).reshape(n, gq, t)
+    return jnp.einsum("nqt,ntd->nqd", weights, vh)  # [B*KV, G*Q, D]
+
+
+def attend_causal(q, k, v, segment_ids, block: int):
+    """Causal self-attention within segments, by blocks of `block` queries.
+
+    q `[B, S, H, D]`, k/v `[B, S, KV, D]`, segment_ids `[B, S]` (a query sees earlier keys of
+    its own segment; padding, segment 0, sees padding). Query block i reads only keys
+    `[0, (i + 1) * block)`: the blocks above the diagonal, always fully masked, are never
+    computed, which halves the score and softmax work of long sequences. Each block's softmax
+    runs over every key it may see, so the result equals `attend` with the dense mask.
+    """
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    g = h // kv
+    qh = q.reshape(b, s, kv, g, d).transpose(0, 2, 3, 1, 4)  # [B, KV, G, S, D]
+    kh = k.transpose(0, 2, 1, 3).reshape(b * kv, s, d)
+    vh = v.transpose(0, 2, 1, 3).reshape(b * kv, s, d)
+    outs = []
+    for lo in range(0, s, block):
+        hi = min(lo + block, s)
+        rows = jnp.arange(lo, hi)[:, None] >= jnp.arange(hi)[None, :]  # [Q, T] causal
+        mask = rows[None] & (segment_ids[:, lo:hi, None] == segment_ids[:, None, :hi])
+        query = qh[:, :, :, lo:hi].reshape(b * kv, g * (hi - lo), d)
+        out = _attend_heads(query, kh[:, :hi], vh[:, :hi], mask, b, g)
+        outs.append(out.reshape(b, kv, g, hi - lo, d))
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, s, h * d)
 
 
 def attend_cached(q, k, v, visible):
@@ -177,9 +212,9 @@ class Block(nn.Module):
         gate, up = fused(h, [self.gate_proj, self.up_proj])
         return x + self.down_proj(nn.silu(gate) * up)
 
-    def __call__(self, x, positions, mask):
+    def __call__(self, x, positions, segment_ids, block):
         q, k, v = self.qkv(x, positions)
-        return self.finish(x, attend(q, k, v, mask)), (k, v)
+        return self.finish(x, attend_causal(q, k, v, segment_ids, block)), (k, v)
 
 
 class CausalTransformer(nn.Module):
@@ -201,6 +236,10 @@ class CausalTransformer(nn.Module):
     norm_eps: float = 1e-6
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    head_chunk: int | None = None  # tokens per chunk of the loss head; None: from the vocabulary
+    attention_block: int = 256  # queries per block of causal attention (attend_causal)
+    scan_layers: bool = True  # run the layers as one lax.scan: compiles once however deep
+    remat: bool = False  # recompute each layer's activations in the backward pass
 
     @property
     def kv_heads(self) -> int:
@@ -211,6 +250,8 @@ class CausalTransformer(nn.Module):
         return self.head_dim or self.emb_features // self.num_heads
 
     def setup(self):
+        if self.attention_block < 1:
+            raise ValueError(f"attention_block must be >= 1 query per block, got {self.attention_block}")
         if self.num_heads % self.kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.kv_heads}"
@@ -227,18 +268,41 @@ class CausalTransformer(nn.Module):
             self.vocab_size, self.emb_features, embedding_init=_INIT,
             dtype=self.dtype, param_dtype=self.param_dtype,
         )
-        self.layers = [
-            Block(
-                self.emb_features, self.num_heads, self.kv_heads, self.head_features,
-                self.mlp_features, tuple(inv_freq.tolist()), self.qk_norm, self.attention_bias,
-                self.norm_eps, self.dtype, self.param_dtype, name=f"layers_{i}",
-            )
-            for i in range(self.num_layers)
-        ]
+        block = nn.remat(Block, static_argnums=(4,)) if self.remat else Block
+        self.layers = [block(**self._block_options(inv_freq), name=f"layers_{i}")
+                       for i in range(self.num_layers)]
+        self.inv_freq = inv_freq
         self.norm = RMSNorm(self.norm_eps, self.dtype, self.param_dtype)
         if not self.tie_embeddings:
             self.lm_head = _dense(self.emb_features, self.vocab_size, "lm_head", self.dtype,
                                   self.param_dtype)
+
+    def _block_options(self, inv_freq):
+        return dict(features=self.emb_features, num_heads=self.num_heads,
+                    num_kv_heads=self.kv_heads, head_dim=self.head_features,
+                    mlp_features=self.mlp_features, inv_freq=tuple(inv_freq.tolist()),
+                    qk_norm=self.qk_norm, attention_bias=self.attention_bias,
+                    norm_eps=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
+
+    def _scanned_layers(self, x, positions, segment_ids):
+        """All layers as one `lax.scan` over their parameters stacked on a leading axis.
+
+        The parameters stay one `layers_i` subtree per layer (Hugging Face names, checkpoint
+        layout); the stack is built inside the step, a copy of the layer weights that the
+        backward pass slices back apart. Returns the output and stacked keys and values.
+        """
+        params = self.variables["params"]
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
+                               *[params[f"layers_{i}"] for i in range(self.num_layers)])
+        block = Block(**self._block_options(self.inv_freq), parent=None)
+
+        def body(x, layer_params):
+            return block.apply({"params": layer_params}, x, positions, segment_ids,
+                               self.attention_block)
+
+        if self.remat:
+            body = jax.checkpoint(body)
+        return jax.lax.scan(body, x, stacked)
 
     def logits(self, hidden):
         """Project final hidden states to float32 vocabulary logits."""
@@ -249,28 +313,28 @@ class CausalTransformer(nn.Module):
         return out.astype(jnp.float32)
 
     def target_scores(self, hidden, targets, temperature: float = 1.0):
-        """Scores of `targets` `[B, S]` under the output head without a vocabulary-wide gather.
+        """Scores of `targets` `[B, S]` under the output head, chunk by chunk (models/head.py).
 
         Returns `(log_probs, is_top)`, both `[B, S]`: log p(target) under
         `softmax(logits / temperature)` in float32 and whether the target has the highest logit.
-        The target's logit comes from its own output row, so the backward pass never scatters
-        into the `[B, S, V]` logits gradient.
+        Neither the `[B, S, V]` logits nor their gradient exist whole: the head runs over chunks
+        of `head_chunk` tokens (default: sized from the vocabulary) under a custom VJP.
         """
-        logits = self.logits(hidden)  # [B, S, V]
+        return self._head(hidden, targets, temperature, entropy=False)
+
+    def target_scores_with_entropy(self, hidden, targets, temperature: float = 1.0):
+        """`target_scores` plus the entropy of each position's distribution `[B, S]` (nats),
+        from the same chunks; differentiable like the log-probs."""
+        return self._head(hidden, targets, temperature, entropy=True)
+
+    def _head(self, hidden, targets, temperature, *, entropy):
         if self.tie_embeddings:
-            rows = self.embed_tokens.embedding[targets]  # [B, S, E]
+            weight, vocab_major = self.embed_tokens.embedding, True
         else:
-            rows = jnp.take(self.lm_head.kernel, targets, axis=1)  # [E, B, S]
-            rows = jnp.moveaxis(rows, 0, -1)
-        picked = jnp.einsum("bse,bse->bs", hidden.astype(jnp.float32), rows.astype(jnp.float32))
-        if temperature != 1.0:
-            picked, logits = picked / temperature, logits / temperature
-        log_probs = picked - jax.nn.logsumexp(logits, axis=-1)
-        # The top-1 test reads the target from the same logits as the max (a forward-only
-        # gather): the row product above can differ from the matmul in the last bit.
-        fixed = jax.lax.stop_gradient(logits)
-        is_top = jnp.take_along_axis(fixed, targets[..., None], axis=-1)[..., 0] >= fixed.max(-1)
-        return log_probs, is_top
+            weight, vocab_major = self.lm_head.kernel, False
+        return head.target_scores(hidden, weight, targets, temperature=temperature,
+                                  vocab_major=vocab_major, chunk=self.head_chunk,
+                                  compute_dtype=self.dtype, entropy=entropy)
 
     def id_logits(self, hidden, ids):
         """Logits of the given ids only: hidden `[..., E]`, ids `[...]` -> float32 `[...]`.
@@ -296,14 +360,16 @@ class CausalTransformer(nn.Module):
             segment_ids = jnp.ones((b, s), jnp.int32)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        causal = jnp.tril(jnp.ones((s, s), bool))
         # Padding (segment 0) attends to padding: never read, but keeps every row finite.
-        mask = causal[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
         x = self.embed_tokens(tokens)
-        kvs = []
-        for layer in self.layers:
-            x, kv = layer(x, positions, mask)
-            kvs.append(kv)
+        if self.scan_layers and self.num_layers > 1 and not self.is_initializing():
+            x, (keys, values) = self._scanned_layers(x, positions, segment_ids)
+            kvs = [(keys[i], values[i]) for i in range(self.num_layers)] if return_kv else []
+        else:
+            kvs = []
+            for layer in self.layers:
+                x, kv = layer(x, positions, segment_ids, self.attention_block)
+                kvs.append(kv)
         x = self.norm(x)
         return (x, kvs) if return_kv else x
 

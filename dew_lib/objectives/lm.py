@@ -37,13 +37,32 @@ def score_targets(model, params, inputs, targets, segments=None, positions=None,
 
     temperature: score under `softmax(logits / temperature)`, as a sampler at that temperature
     drew (the argmax test does not depend on it). Models with a `target_scores` method (the
-    causal transformer) skip the vocabulary-wide gather; others are scored from their full logits.
+    causal transformer) score in chunks of tokens and never hold the `[B, S, V]` logits or their
+    gradient; others are scored from their full logits.
     """
     if hasattr(model, "target_scores"):
         hidden = model.apply(params, inputs, segments, positions, method=model.hidden)
         return model.apply(params, hidden, targets, temperature, method=model.target_scores)
     logits = model.apply(params, inputs, segments, positions)
     return token_log_probs(logits, targets, temperature), jnp.argmax(logits, axis=-1) == targets
+
+
+def score_targets_with_entropy(model, params, inputs, targets, segments=None, positions=None, *,
+                               temperature: float = 1.0):
+    """`score_targets` plus each position's entropy `[B, S]` (nats, under the same temperature).
+
+    Returns `(log_probs, is_top, entropy)`; the entropy comes from the same chunks as the
+    log-probs and is differentiable, for entropy bonuses and metrics.
+    """
+    if hasattr(model, "target_scores_with_entropy"):
+        hidden = model.apply(params, inputs, segments, positions, method=model.hidden)
+        return model.apply(params, hidden, targets, temperature,
+                           method=model.target_scores_with_entropy)
+    logits = model.apply(params, inputs, segments, positions).astype(jnp.float32) / temperature
+    log_softmax = jax.nn.log_softmax(logits, axis=-1)
+    entropy = -jnp.sum(jnp.exp(log_softmax) * log_softmax, axis=-1)
+    picked = jnp.take_along_axis(log_softmax, targets[..., None], axis=-1)[..., 0]
+    return picked, jnp.argmax(logits, axis=-1) == targets, entropy
 
 
 class LMObjective:

@@ -26,6 +26,11 @@ make assert-style tests adversarially sound.
 No closed ```python (or ```py, ```python3) block: reward 0.0, nothing runs. A malformed ground
 truth raises ValueError; a sandbox failure raises; a program that fails is just a lower reward.
 
+What ran: `reward.last_runs()` returns the programs of the latest call made on the calling
+thread, as `ProgramRun`s (name, the sandbox's Outcome, cases or tests passed of total), so a
+caller that records rewards can store each program's verdict beside the score. The return type
+of the call stays a float, and threads never see each other's runs.
+
 Not here: math answers (MathReward), the sandbox itself (dew_lib.sandbox).
 """
 
@@ -35,10 +40,11 @@ import dataclasses
 import json
 import re
 import secrets
+import threading
 from collections.abc import Sequence
 from typing import Any
 
-from dew_lib.sandbox import Program, Verdict
+from dew_lib.sandbox import Outcome, Program, Verdict
 
 _BLOCK = re.compile(r"```[ \t]*(?:python3?|py)\b[^\n]*\n(.*?)\n?[ \t]*```", re.DOTALL | re.IGNORECASE)
 
@@ -74,6 +80,26 @@ def main():
 
 main()
 '''
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramRun:
+    """One program CodeReward ran for a completion.
+
+    name: "case <i>" for the i-th stdin/stdout case, "tests" for the one run of assert-style tests.
+    outcome: the sandbox's Outcome; for assert-style tests the harness's report lines are taken
+        out of its stdout, so it holds what the completion printed.
+    passed, total: the cases (0 or 1 of 1) or asserts (k of n) this program passed.
+    """
+
+    name: str
+    outcome: Outcome
+    passed: int
+    total: int
+
+    @property
+    def score(self) -> float:
+        return self.passed / self.total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,26 +183,39 @@ class CodeReward:
         self.fleet = fleet
         self.all_or_nothing = all_or_nothing
         self.python = python
+        self._local = threading.local()
 
     def __call__(self, data_source: Any, completion: str, ground_truth: Any, extra_info: Any = None) -> float:
+        self._local.runs = ()  # a call that raises or runs nothing leaves no stale runs behind
         tests = parse_tests(ground_truth)
         code = last_python_block(completion)
         if code is None:
             return 0.0
         if isinstance(tests, _Cases):
-            passed, total = self._cases(code, tests.cases), len(tests.cases)
+            runs = self._cases(code, tests.cases)
         else:
-            passed, total = self._asserts(code, tests), len(tests.tests)
+            runs = [self._asserts(code, tests)]
+        self._local.runs = tuple(runs)
+        passed, total = sum(r.passed for r in runs), sum(r.total for r in runs)
         if self.all_or_nothing:
             return float(passed == total)
         return passed / total
 
-    def _cases(self, code: str, cases: Sequence[tuple[str, str]]) -> int:
+    def last_runs(self) -> tuple[ProgramRun, ...]:
+        """The programs the latest call on this thread ran, in order (empty before any call, when
+        the completion had no python block, or when the call raised)."""
+        return getattr(self._local, "runs", ())
+
+    def _cases(self, code: str, cases: Sequence[tuple[str, str]]) -> list[ProgramRun]:
         futures = [(self.fleet.submit(Program(files={"main.py": code}, argv=(self.python, "main.py"),
                                               stdin=stdin)), expected) for stdin, expected in cases]
-        return sum(_passed(f.result(), expected) for f, expected in futures)
+        runs = []
+        for index, (future, expected) in enumerate(futures):
+            outcome = future.result()
+            runs.append(ProgramRun(f"case {index}", outcome, int(_passed(outcome, expected)), 1))
+        return runs
 
-    def _asserts(self, code: str, tests: _Asserts) -> int:
+    def _asserts(self, code: str, tests: _Asserts) -> ProgramRun:
         token = secrets.token_hex(16)
         files = {"main.py": HARNESS, "solution.py": code,
                  "tests.json": json.dumps({"setup": tests.setup, "tests": list(tests.tests)})}
@@ -187,7 +226,9 @@ class CodeReward:
             head, _, index = line.partition(" ")
             if head == token and index.isdigit():
                 reported.add(int(index))
-        return len(reported & set(range(len(tests.tests))))
+        printed = re.sub(rf"\n?{token} \d+\n", "", outcome.stdout)
+        passed = len(reported & set(range(len(tests.tests))))
+        return ProgramRun("tests", dataclasses.replace(outcome, stdout=printed), passed, len(tests.tests))
 
     def __repr__(self):
         return f"CodeReward({self.fleet!r}, all_or_nothing={self.all_or_nothing})"

@@ -316,18 +316,110 @@ def evaluations_table(results: Sequence[Evaluation], *, run: str, stage: str, st
 
 def verdicts_table(session: Any, verdicts: Sequence[Verdict], *, run: str, stage: str, update: int,
                    trained: bool, when: datetime.datetime) -> pa.Table:
-    n = len(verdicts)
-    uid = session_uid(run, stage, update, session.task, session.group, session.sample, session.attempt,
-                      trained)
+    """The `verdicts` rows of one session's programs."""
+    return owners_verdicts_table([(session.task, session.group, session.sample, session.attempt, trained)],
+                                 [verdicts], run=run, stage=stage, update=update, when=when)
+
+
+def owners_verdicts_table(owners: Sequence[tuple[Any, int, int, int, bool]],
+                          verdicts: Sequence[Sequence[Verdict]], *, run: str, stage: str, update: int,
+                          when: datetime.datetime) -> pa.Table:
+    """The `verdicts` rows of many owners at once. owners: (task, group, sample, attempt, trained)
+    of each session (or evaluated answer, see evaluation_owners); verdicts: one sequence per owner."""
+    counts = [len(v) for v in verdicts]
+    n = sum(counts)
+    tasks = [str(o[0]) for o in owners]
+    uids = session_uids(run, stage, update, tasks, [int(o[1]) for o in owners], [int(o[2]) for o in owners],
+                        [int(o[3]) for o in owners], [bool(o[4]) for o in owners])
+
+    def each(values):
+        return [value for value, count in zip(values, counts, strict=True) for _ in range(count)]
+
+    flat = [v for vs in verdicts for v in vs]
     return _table("verdicts", {
-        "run": [run] * n, "stage": [stage] * n, "update": [update] * n, "task": [str(session.task)] * n,
-        "group_id": [int(session.group)] * n, "sample": [int(session.sample)] * n,
-        "attempt": [int(session.attempt)] * n, "session_uid": [uid] * n,
-        "program": [v.program for v in verdicts], "name": [v.name for v in verdicts],
-        "status": [v.status for v in verdicts], "passed": [bool(v.passed) for v in verdicts],
-        "score": [v.score for v in verdicts], "seconds": [v.seconds for v in verdicts],
-        "exit_code": [v.exit_code for v in verdicts], "detail": [v.detail for v in verdicts],
+        "run": [run] * n, "stage": [stage] * n, "update": [update] * n, "task": each(tasks),
+        "group_id": each([int(o[1]) for o in owners]), "sample": each([int(o[2]) for o in owners]),
+        "attempt": each([int(o[3]) for o in owners]), "session_uid": each(uids.tolist()),
+        "program": [v.program for v in flat], "name": [v.name for v in flat],
+        "status": [v.status for v in flat], "passed": [bool(v.passed) for v in flat],
+        "score": [v.score for v in flat], "seconds": [v.seconds for v in flat],
+        "exit_code": [v.exit_code for v in flat], "detail": [v.detail for v in flat],
         "written_at": _stamps(when, n)})
+
+
+SAMPLE_FIELDS = ("group", "rewards", "group_mean", "group_std", "advantages", "kept", "captions")
+
+
+def sample_columns(record: Any, images: Sequence[bytes | None] | None) -> dict[str, np.ndarray]:
+    """Check and copy the per-sample fields of a rollout record (a FlowRolloutRecord or anything
+    with SAMPLE_FIELDS) on the caller's thread; `sample` numbers each row within its group."""
+    missing = [f for f in SAMPLE_FIELDS if not hasattr(record, f)]
+    if missing:
+        raise TypeError(f"samples takes a rollout record with {list(SAMPLE_FIELDS)} (a "
+                        f"FlowRolloutRecord); {type(record).__name__} lacks {missing}")
+    columns = {
+        "group_id": np.asarray(record.group).astype(np.int32).reshape(-1),
+        "reward": np.array(record.rewards, np.float64).reshape(-1),
+        "group_mean": np.array(record.group_mean, np.float64).reshape(-1),
+        "group_std": np.array(record.group_std, np.float64).reshape(-1),
+        "advantage": np.array(record.advantages, np.float32).reshape(-1),
+        "kept": np.array(record.kept, bool).reshape(-1),
+        "caption": np.array([str(c) for c in record.captions], dtype=object).reshape(-1),
+        "image": np.array([None] * len(record.rewards) if images is None else
+                          [None if i is None else bytes(i) for i in images], dtype=object).reshape(-1),
+    }
+    count = len(columns["reward"])
+    wrong = {name: len(values) for name, values in columns.items() if len(values) != count}
+    if wrong:
+        raise ValueError(f"samples: every field needs one value per sample ({count} rewards); got "
+                         f"lengths {wrong}" + (" for images (one PNG per sample, or None)"
+                                               if "image" in wrong else ""))
+    for name in ("reward", "group_mean", "group_std"):
+        bad = np.flatnonzero(~np.isfinite(columns[name]))
+        if bad.size:
+            raise ValueError(f"samples: {name} must be finite; rows {bad[:4].tolist()} hold "
+                             f"{columns[name][bad[:4]].tolist()}")
+    group = columns["group_id"]
+    order = np.argsort(group, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(group[order]) != 0])
+    rank = np.arange(count) - np.repeat(starts, np.diff(np.r_[starts, count]))
+    columns["sample"] = np.empty(count, np.int32)
+    columns["sample"][order] = rank
+    return columns
+
+
+def samples_table(columns: Mapping[str, np.ndarray], *, run: str, stage: str, update: int,
+                  when: datetime.datetime) -> pa.Table:
+    n = len(columns["reward"])
+    return _table("samples", {
+        "run": [run] * n, "stage": [stage] * n, "update": [update] * n,
+        "row": np.arange(n, dtype=np.int32), **{k: list(v) if v.dtype == object else v
+                                                for k, v in columns.items()},
+        "written_at": _stamps(when, n)})
+
+
+def evaluation_owners(results: Sequence[Evaluation]) -> list[tuple[str, int, int, int, bool]]:
+    """How an evaluated answer owns verdict rows: task = its task, group_id = its item, sample and
+    attempt 0, never trained. Join with `v.update = e.step AND v.group_id = e.item`."""
+    return [(str(r.task), int(r.item), 0, 0, False) for r in results]
+
+
+def check_verdicts(verdicts: Any, count: int, what: str) -> list[tuple[Verdict, ...]]:
+    """One tuple of Verdict records per session or evaluation, refused on the caller's thread."""
+    if isinstance(verdicts, (str, bytes)) or not isinstance(verdicts, Sequence):
+        raise TypeError(f"verdicts must be a sequence with one list of Verdict records per {what}, "
+                        f"got {type(verdicts).__name__}")
+    if len(verdicts) != count:
+        raise ValueError(f"verdicts has {len(verdicts)} entries for {count} {what}s; give one list "
+                         f"(possibly empty) per {what}")
+    out = []
+    for entry in verdicts:
+        entry = tuple(entry or ())
+        for v in entry:
+            if not isinstance(v, Verdict):
+                raise TypeError(f"verdicts takes Verdict records, got {type(v).__name__}")
+        out.append(entry)
+    return out
 
 
 def checkpoint_table(step: int, path: str, kind: str, *, run: str, stage: str,

@@ -125,7 +125,7 @@ class Store:
 
     def _views_file(self) -> None:
         marker = os.path.join(self.directory, "views.json")
-        wanted = {"format": FORMAT, "store": self.directory}
+        wanted = {"format": FORMAT, "store": self.directory, "tables": sorted(TABLES)}
         if os.path.exists(self.database) and os.path.exists(marker):
             with open(marker, encoding="utf-8") as f:
                 if json.load(f) == wanted:
@@ -181,6 +181,8 @@ class Store:
                 "stage first, or point --store at a project directory such as runs/"
             )
         self._check_format()
+        if not all(os.path.isdir(os.path.join(self.directory, t)) for t in TABLES):
+            self.create()  # a store written before a table was added gains its empty part
         config = {"memory_limit": self.memory_limit}
         if self.threads:
             config["threads"] = self.threads

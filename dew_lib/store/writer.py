@@ -2,9 +2,10 @@
 
 `RunWriter` records a run (status, parameters, code version) and opens `StageWriter`s. A stage
 writer records what its stage produced: sessions and their calls, scheduler records, metrics,
-evaluations, verdicts and checkpoints. Each write is a unit: its rows become one Parquet part per
-table (parts.py), committed durably before the write counts as done, and keyed by its step so that
-a retried task replaces what the failed attempt wrote under the same step instead of adding to it.
+evaluations, verdicts, Flow-GRPO samples and checkpoints. Each write is a unit: its rows become
+one Parquet part per table (parts.py), committed durably before the write counts as done, and
+keyed by its step so that a retried task replaces what the failed attempt wrote under the same
+step instead of adding to it.
 
 Writes run in order on one background thread (`background=True`, the default): the caller only
 validates its arguments and queues them, so a training step does not wait for Arrow conversion,
@@ -297,17 +298,20 @@ class StageWriter:
 
     # ----- records -----------------------------------------------------------------------------
     def sessions(self, sessions: Sequence[Any], *, update: int, latencies=None, causes=None,
-                 trained=None, truncation: str = "mask") -> None:
+                 trained=None, truncation: str = "mask", verdicts=None) -> None:
         """Record sessions drawn for trainer update `update`, with their calls.
 
         latencies: seconds from submission to finish, one per session (or None). causes: why
         each was or was not trained (schema.CAUSES), one for all or one per session. trained:
         True/False for all, one flag per session, or None for what `pack` trains on under
-        `truncation`. Calls are committed before their sessions, so a visible session always
-        has its calls.
+        `truncation`. verdicts: None, or one list of Verdict records per session (the programs
+        a code reward ran for it), stored with the session's `session_uid`. Calls and verdicts
+        are committed before their sessions, so a visible session always has them.
         """
         update = _step("update", update)
         sessions = tuple(sessions)
+        if verdicts is not None:
+            verdicts = rows.check_verdicts(verdicts, len(sessions), "session")
         latencies = rows.per_session(latencies, len(sessions), "latencies")
         causes = rows.per_session(causes, len(sessions), "causes")
         rows.check_latencies(latencies)
@@ -318,9 +322,15 @@ class StageWriter:
 
         def convert():
             flags = rows.trained_flags(sessions, trained, truncation)
+            when = rows.now()
             s, c = rows.session_tables(sessions, run=self.run, stage=self.stage, update=update, trained=flags,
-                                       latencies=latencies, causes=causes, when=rows.now())
-            return [("calls", update, c), ("sessions", update, s)]
+                                       latencies=latencies, causes=causes, when=when)
+            written = [("calls", update, c)]
+            if verdicts is not None and any(verdicts):
+                owners = [(x.task, x.group, x.sample, x.attempt, flag) for x, flag in zip(sessions, flags)]
+                written.append(("verdicts", update, rows.owners_verdicts_table(
+                    owners, verdicts, run=self.run, stage=self.stage, update=update, when=when)))
+            return written + [("sessions", update, s)]
 
         self._write(convert)
 
@@ -335,22 +345,55 @@ class StageWriter:
         self._write(lambda: [("metrics", step, rows.metrics_table(metrics, run=self.run, stage=self.stage,
                                                                   step=step, when=rows.now()))])
 
-    def evaluations(self, results: Sequence[rows.Evaluation], *, step: int, split: str = "test") -> None:
-        """Record evaluated answers of the policy at `step`."""
+    def evaluations(self, results: Sequence[rows.Evaluation], *, step: int, split: str = "test",
+                    verdicts=None) -> None:
+        """Record evaluated answers of the policy at `step`.
+
+        verdicts: None, or one list of Verdict records per answer (the programs a code reward
+        ran for it). They land in `verdicts` with `update` = step, `group_id` = the answer's
+        item, `task` = its task, sample and attempt 0 (rows.evaluation_owners).
+        """
         step, results = _step("step", step), tuple(results)
         for r in results:
             if not isinstance(r, rows.Evaluation):
                 raise TypeError(f"evaluations takes Evaluation records, got {type(r).__name__}")
-        self._write(lambda: [("evaluations", step, rows.evaluations_table(
-            results, run=self.run, stage=self.stage, step=step, split=split, when=rows.now()))])
+        if verdicts is not None:
+            verdicts = rows.check_verdicts(verdicts, len(results), "evaluation")
+
+        def convert():
+            when = rows.now()
+            written = []
+            if verdicts is not None and any(verdicts):
+                written.append(("verdicts", step, rows.owners_verdicts_table(
+                    rows.evaluation_owners(results), verdicts, run=self.run, stage=self.stage,
+                    update=step, when=when)))
+            return written + [("evaluations", step, rows.evaluations_table(
+                results, run=self.run, stage=self.stage, step=step, split=split, when=when))]
+
+        self._write(convert)
 
     def verdicts(self, session: Any, verdicts: Sequence[rows.Verdict], *, update: int,
                  trained: bool = True) -> None:
         """Record what a code reward's programs did for `session` (recorded at `update`)."""
-        update, verdicts = _step("update", update), tuple(verdicts)
+        update = _step("update", update)
+        verdicts, = rows.check_verdicts([verdicts], 1, "session")
         self._write(lambda: [("verdicts", update, rows.verdicts_table(
             session, verdicts, run=self.run, stage=self.stage, update=update, trained=trained,
             when=rows.now()))])
+
+    def samples(self, record: Any, *, update: int | None = None,
+                images: Sequence[bytes | None] | None = None) -> None:
+        """Record the image samples of one Flow-GRPO rollout: each sample's reward, its group's
+        mean and standard deviation, its advantage and whether it trained.
+
+        record: a `FlowRolloutRecord` (or anything with its group, rewards, group_mean,
+        group_std, advantages, kept and captions). update: trainer updates before the rollout
+        (default: `record.step`). images: one PNG (bytes) per sample, or None to leave them out.
+        """
+        columns = rows.sample_columns(record, images)
+        update = _step("update", getattr(record, "step", None) if update is None else update)
+        self._write(lambda: [("samples", update, rows.samples_table(
+            columns, run=self.run, stage=self.stage, update=update, when=rows.now()))])
 
     def checkpoint(self, step: int, path: str, kind: str = "checkpoint") -> None:
         """Record where the state (kind "checkpoint") or exported policy ("policy") of `step` is."""

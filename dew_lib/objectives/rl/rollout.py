@@ -11,6 +11,11 @@ turns every completion into a one-call `Session` and packs them with `sessions.p
 A completion that stopped on EOS is COMPLETED; one that used the whole budget is TRUNCATED and
 still scored (truncation "score"), so every draw trains.
 
+After a call, `last_sessions` holds the sessions it drew; with `reward_details` (a function
+called on the scoring thread right after each reward call, such as `CodeReward.last_runs`),
+`last_reward_details[n]` holds what it returned for `last_sessions[n]`, so a caller can record
+what the reward did (the programs a code reward ran) beside each session.
+
 Not here: multi-turn episodes, asynchronous drawing (the scheduler), remote engines.
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -48,11 +54,14 @@ class SampledRollout:
     sampling: how ids are drawn (pass eos_id so completions can stop). decode: ids -> text for
     the reward (default: ids separated by spaces; pass your tokenizer's decode for text).
     estimator: "group", "mean" (Dr.GRPO) or "rloo". workers: threads scoring completions.
+    reward_details: optional `() -> Any` called on the scoring thread right after each reward
+    call; its results land in `last_reward_details`, one per session (see the module docstring).
     """
 
     def __init__(self, objective, *, reward: Reward, groups: int = 4, max_new_tokens: int,
                  sampling: Sampling = Sampling(), decode: Callable[[Sequence[int]], str] = token_text,
-                 estimator: str = "group", workers: int = 8):
+                 estimator: str = "group", workers: int = 8,
+                 reward_details: Callable[[], Any] | None = None):
         if groups < 2:
             raise ValueError(
                 f"SampledRollout.groups must be at least 2, got {groups}; group-relative advantages "
@@ -66,6 +75,9 @@ class SampledRollout:
         algorithms.advantage_function(estimator)
         if workers < 1:
             raise ValueError(f"SampledRollout.workers must be >= 1, got {workers}")
+        if reward_details is not None and not callable(reward_details):
+            raise TypeError("SampledRollout.reward_details must be callable with no arguments "
+                            "(e.g. CodeReward.last_runs) or None")
         self.objective = objective
         self.reward = reward
         self.groups = groups
@@ -74,6 +86,9 @@ class SampledRollout:
         self.decode = decode
         self.estimator = estimator
         self.workers = workers
+        self.reward_details = reward_details
+        self.last_sessions: list[Session] = []
+        self.last_reward_details: list[Any] = []
 
     def __call__(self, state, batch, key) -> dict[str, np.ndarray]:
         prompt = np.asarray(batch["prompt"], np.int32)
@@ -99,11 +114,12 @@ class SampledRollout:
 
         texts = [completion(n) for n in range(rows * g)]
 
-        def score(n: int) -> float:
+        def score(n: int) -> tuple[float, Any]:
             b = n // g
             try:
                 value = self.reward(metadata["data_source"][b], texts[n],
                                     metadata["ground_truth"][b], metadata["extra_info"][b])
+                details = None if self.reward_details is None else self.reward_details()
                 value = float(value)
             except Exception as error:
                 raise RewardFailed(
@@ -115,10 +131,11 @@ class SampledRollout:
                     f"the reward returned {value} on prompt row {b}, sample {n % g}, completion "
                     f"{texts[n][:200]!r}; rewards must be finite numbers"
                 )
-            return value
+            return value, details
 
         with concurrent.futures.ThreadPoolExecutor(min(self.workers, rows * g)) as pool:
-            rewards = list(pool.map(score, range(rows * g)))
+            scored = list(pool.map(score, range(rows * g)))
+        rewards = [value for value, _ in scored]
         version = int(np.asarray(jax.device_get(state.updates)))
         sessions = []
         for n in range(rows * g):
@@ -137,6 +154,7 @@ class SampledRollout:
             # so the ratio compares like with like.
             packed["old_log_probs"] = np.asarray(self.objective.packed_log_probs(state.params, packed))
         self.last_sessions = sessions
+        self.last_reward_details = [details for _, details in scored]
         return packed
 
 

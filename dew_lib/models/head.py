@@ -1,0 +1,175 @@
+"""The output head scored in chunks of tokens: target log-probs without the `[N, V]` logits.
+
+`target_scores(hidden, weight, targets, ...)` returns, per token, log p(target) under
+`softmax(hidden @ weight / temperature)`, whether the target has the highest logit, and (when
+asked) the entropy of that distribution. It runs over chunks of `chunk` tokens inside a
+`lax.scan` under a custom VJP: the forward pass keeps only each token's log-normalizer, and the
+backward pass recomputes one chunk's logits at a time to form its gradient, so neither the
+logits nor their gradient ever exist for more than one chunk. Peak memory is `chunk x V` floats
+a few times over instead of `N x V`, and the weight gradient accumulates chunk by chunk.
+
+Not here: the full logits (`CausalTransformer.logits`), sampling (sampling.py), vocabulary
+sharding across devices.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# Bytes of float32 logits one chunk may hold: large enough for full-width matmuls, small enough
+# that a 150k vocabulary stays a few hundred MB however many tokens a batch holds.
+CHUNK_BYTES = 64 * 2**20
+MIN_CHUNK, MAX_CHUNK = 64, 4096
+
+
+def chunk_tokens(vocab_size: int, tokens: int, budget: int = CHUNK_BYTES) -> int:
+    """Tokens per chunk for this vocabulary: the budget's worth of float32 logits, a multiple
+    of 64 in [64, 4096], and never more than the tokens there are (rounded up to 8)."""
+    size = max(MIN_CHUNK, min(MAX_CHUNK, budget // (4 * vocab_size) // 64 * 64))
+    return max(8, min(size, -(-tokens // 8) * 8))
+
+
+def target_scores(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *,
+                  temperature: float = 1.0, vocab_major: bool = False, chunk: int | None = None,
+                  compute_dtype: Any = None, entropy: bool = False):
+    """Per-token scores of `targets` under the head `weight`, computed chunk by chunk.
+
+    hidden: `[..., E]`; targets: `[...]` ids. weight: `[E, V]`, or `[V, E]` with
+    `vocab_major=True` (a tied embedding table). compute_dtype: the matmul input dtype (default:
+    hidden's); logits and everything after them are float32. chunk: tokens per chunk (default:
+    `chunk_tokens`). Returns `(log_probs, is_top)` float32 and bool of targets' shape, plus
+    `entropy` (float32, in nats, differentiable) when `entropy=True`.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to score targets, got {temperature}")
+    shape = targets.shape
+    e = hidden.shape[-1]
+    if hidden.shape[:-1] != shape:
+        raise ValueError(f"hidden {hidden.shape} and targets {shape} disagree on the token axes")
+    vocab = weight.shape[0] if vocab_major else weight.shape[1]
+    tokens = math.prod(shape)
+    size = chunk or chunk_tokens(vocab, tokens)
+    count = -(-tokens // size)
+    flat_h = hidden.reshape(tokens, e)
+    flat_t = targets.reshape(tokens).astype(jnp.int32)
+    pad = count * size - tokens
+    if pad:
+        flat_h = jnp.pad(flat_h, ((0, pad), (0, 0)))
+        flat_t = jnp.pad(flat_t, (0, pad))
+    options = _Options(float(temperature), bool(vocab_major), size,
+                       jnp.dtype(compute_dtype or hidden.dtype), bool(entropy))
+    log_probs, is_top, ent = _scores(flat_h.reshape(count, size, e), weight,
+                                     flat_t.reshape(count, size), options)
+    out = [x.reshape(count * size)[:tokens].reshape(shape) for x in (log_probs, is_top)]
+    if entropy:
+        out.append(ent.reshape(count * size)[:tokens].reshape(shape))
+    return tuple(out)
+
+
+class _Options(tuple):
+    """Static settings of one head call (hashable, so it can be a non-differentiated argument)."""
+
+    def __new__(cls, temperature, vocab_major, chunk, dtype, entropy):
+        return super().__new__(cls, (temperature, vocab_major, chunk, dtype, entropy))
+
+    temperature = property(lambda self: self[0])
+    vocab_major = property(lambda self: self[1])
+    chunk = property(lambda self: self[2])
+    dtype = property(lambda self: self[3])
+    entropy = property(lambda self: self[4])
+
+
+def _logits(h, weight, options: _Options):
+    """float32 logits `[C, V]` of one chunk `h` `[C, E]`."""
+    h = h.astype(options.dtype)
+    w = weight.astype(options.dtype)
+    contract = ((1,), (1,)) if options.vocab_major else ((1,), (0,))
+    return jax.lax.dot_general(h, w, (contract, ((), ())), preferred_element_type=jnp.float32)
+
+
+def _chunk_forward(h, t, weight, options: _Options):
+    """log p(target), is_top, log-normalizer and entropy (zeros unless asked) of one chunk."""
+    logits = _logits(h, weight, options)
+    top = jnp.max(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+    is_top = picked >= top  # on the raw logits: temperature never changes the argmax test
+    if options.temperature != 1.0:
+        z, m, picked = logits / options.temperature, top / options.temperature, picked / options.temperature
+    else:
+        z, m = logits, top
+    e = jnp.exp(z - m[:, None])
+    total = jnp.sum(e, axis=-1)
+    lse = m + jnp.log(total)
+    if options.entropy:
+        ent = lse - jnp.sum(e * z, axis=-1) / total
+    else:
+        ent = jnp.zeros_like(lse)
+    return picked - lse, is_top, lse, ent
+
+
+def _forward_all(hidden, weight, targets, options):
+    def body(_, chunk):
+        h, t = chunk
+        return None, _chunk_forward(h, t, weight, options)
+
+    _, (log_probs, is_top, lse, ent) = jax.lax.scan(body, None, (hidden, targets))
+    return log_probs, is_top, lse, ent
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _scores(hidden, weight, targets, options):
+    log_probs, is_top, _, ent = _forward_all(hidden, weight, targets, options)
+    return log_probs, is_top, ent
+
+
+def _scores_fwd(hidden, weight, targets, options):
+    log_probs, is_top, lse, ent = _forward_all(hidden, weight, targets, options)
+    return (log_probs, is_top, ent), (hidden, weight, targets, lse, ent)
+
+
+def _scores_bwd(options, residuals, cotangents):
+    hidden, weight, targets, lse, ent = residuals
+    g_lp, _, g_ent = cotangents
+    inverse_t = 1.0 / options.temperature
+
+    def body(grad_w, chunk):
+        h, t, lse_c, ent_c, g_c, g_e = chunk
+        logits = _logits(h, weight, options)
+        z = logits * inverse_t if options.temperature != 1.0 else logits
+        p = jnp.exp(z - lse_c[:, None])
+        hit = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :] == t[:, None]
+        # d log p(t) / dz = onehot(t) - p; d H / dz = -p (log p + H) = -p (z - lse + H)
+        dz = (hit.astype(jnp.float32) - p) * g_c[:, None]
+        if options.entropy:
+            dz = dz - p * (z - (lse_c - ent_c)[:, None]) * g_e[:, None]
+        if options.temperature != 1.0:
+            dz = dz * inverse_t
+        dz = dz.astype(options.dtype)
+        hc = h.astype(options.dtype)
+        w = weight.astype(options.dtype)
+        if options.vocab_major:  # weight [V, E]
+            grad_h = jax.lax.dot_general(dz, w, (((1,), (0,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+            step = jax.lax.dot_general(dz, hc, (((0,), (0,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+        else:  # weight [E, V]
+            grad_h = jax.lax.dot_general(dz, w, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+            step = jax.lax.dot_general(hc, dz, (((0,), (0,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+        return grad_w + step, grad_h.astype(hidden.dtype)
+
+    zero = jnp.zeros(weight.shape, jnp.float32)
+    g_ent = g_ent if options.entropy else jnp.zeros_like(g_lp)
+    grad_w, grad_h = jax.lax.scan(body, zero, (hidden, targets, lse, ent, g_lp, g_ent))
+    return grad_h, grad_w.astype(weight.dtype), None
+
+
+_scores.defvjp(_scores_fwd, _scores_bwd)
+
+__all__ = ["CHUNK_BYTES", "chunk_tokens", "target_scores"]

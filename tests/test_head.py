@@ -1,0 +1,94 @@
+"""The chunked loss head equals the full-logits head: values, gradients, entropy, accuracy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_model
+from dew_lib.models import head
+from dew_lib.objectives.lm import score_targets, score_targets_with_entropy
+
+
+def full_head(hidden, weight, targets, temperature, vocab_major):
+    """The reference: whole logits, log-softmax, gathered target, entropy, argmax."""
+    logits = hidden @ (weight.T if vocab_major else weight)
+    log_softmax = jax.nn.log_softmax(logits / temperature, axis=-1)
+    picked = jnp.take_along_axis(log_softmax, targets[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(log_softmax) * log_softmax, axis=-1)
+    return picked, jnp.argmax(logits, axis=-1) == targets, entropy
+
+
+@pytest.mark.parametrize("vocab_major", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_chunked_head_equals_the_full_head_with_gradients(vocab_major, temperature):
+    keys = jax.random.split(jax.random.key(0), 4)
+    hidden = jax.random.normal(keys[0], (3, 7, 16))  # 21 tokens: chunks of 8 leave 3 of padding
+    weight = 0.5 * jax.random.normal(keys[1], (40, 16) if vocab_major else (16, 40))
+    targets = jax.random.randint(keys[2], (3, 7), 0, 40)
+    mix = jax.random.normal(keys[3], (3, 7))
+
+    def chunked(hidden, weight):
+        return head.target_scores(hidden, weight, targets, temperature=temperature,
+                                  vocab_major=vocab_major, chunk=8, entropy=True)
+
+    def reference(hidden, weight):
+        return full_head(hidden, weight, targets, temperature, vocab_major)
+
+    for got, want in zip(chunked(hidden, weight), reference(hidden, weight), strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+
+    def objective(scores):  # uses log-probs and entropy with different weights per token
+        return lambda h, w: jnp.sum(scores(h, w)[0] * mix + scores(h, w)[2] * mix**2)
+
+    got = jax.grad(objective(chunked), argnums=(0, 1))(hidden, weight)
+    want = jax.grad(objective(reference), argnums=(0, 1))(hidden, weight)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=5e-5)
+
+
+def test_without_entropy_the_head_returns_two_outputs_and_the_same_gradient():
+    hidden = jax.random.normal(jax.random.key(1), (2, 5, 8))
+    weight = jax.random.normal(jax.random.key(2), (8, 24))
+    targets = jnp.arange(10).reshape(2, 5)
+    out = head.target_scores(hidden, weight, targets, chunk=4)
+    assert len(out) == 2 and out[1].dtype == jnp.bool_
+    grad = jax.grad(lambda w: head.target_scores(hidden, w, targets, chunk=4)[0].sum())(weight)
+    want = jax.grad(lambda w: full_head(hidden, w, targets, 1.0, False)[0].sum())(weight)
+    np.testing.assert_allclose(grad, want, atol=2e-5)
+
+
+def test_chunk_sizes_follow_the_vocabulary_and_the_token_count():
+    assert head.chunk_tokens(8192, 4096) == 2048  # 64 MB of float32 logits
+    assert head.chunk_tokens(151_936, 8192) == 64  # never below 64 tokens
+    assert head.chunk_tokens(32, 10**6) == 4096  # never above 4096
+    assert head.chunk_tokens(8192, 21) == 24  # a short batch is one chunk, rounded up to 8
+    with pytest.raises(ValueError, match="temperature"):
+        head.target_scores(jnp.zeros((2, 4)), jnp.zeros((4, 8)), jnp.zeros((2,), jnp.int32),
+                           temperature=0.0)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_model_scores_equal_full_logits_and_count_accuracy_the_same(tie):
+    model = tiny_model(tie_embeddings=tie, head_chunk=16)  # 3 x 9 = 27 tokens: two chunks
+    variables = model.init(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))
+    text = np.random.default_rng(4).integers(1, 32, (3, 10)).astype(np.int32)
+    inputs, targets = text[:, :-1], text[:, 1:]
+    log_probs, top, entropy = score_targets_with_entropy(model, variables, inputs, targets,
+                                                         temperature=0.8)
+    plain_lp, plain_top = score_targets(model, variables, inputs, targets, temperature=0.8)
+    logits = model.apply(variables, inputs)
+    want_lp, want_top, want_entropy = full_head(logits, jnp.eye(32), targets, 0.8, False)
+    np.testing.assert_allclose(log_probs, want_lp, atol=2e-5)
+    np.testing.assert_allclose(entropy, want_entropy, atol=2e-5)
+    np.testing.assert_array_equal(plain_lp, log_probs)
+    np.testing.assert_array_equal(top, want_top)
+    np.testing.assert_array_equal(plain_top, top)
+
+    def loss(params, scorer):
+        return -scorer(params)[0].mean()
+
+    chunked = jax.grad(loss)(variables, lambda p: score_targets(model, p, inputs, targets))
+    full = jax.grad(loss)(variables, lambda p: full_head(model.apply(p, inputs), jnp.eye(32),
+                                                         targets, 1.0, False))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), chunked, full)
