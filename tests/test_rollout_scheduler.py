@@ -377,6 +377,36 @@ def test_reopening_the_stream_cancels_what_the_old_one_left_running():
     assert [s[1] for s in source.submitted if s[0] == "2"] == [1, 1, 1, 1]
 
 
+class Seekable:
+    """An inner stream that says where it stands, as the data loader's does."""
+
+    def __init__(self, data):
+        self.data, self.position = data, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.position += 1
+        return self.data[self.position - 1]
+
+    def state(self):
+        return {"batch": self.position}
+
+
+def test_the_stream_state_is_where_the_trainer_stands_not_where_the_read_ahead_is():
+    source = FakeSource(lambda *_: session(1.0))
+    data = batches([1], [2], [3], [4])
+    sched = RolloutScheduler(Stub(), source, source, width=WIDTH, rows=8, groups=2, ahead=2, max_lag=2)
+    inner = Dataset(train=lambda p: Seekable(data), batch=1)
+    stream = sched.tasks(inner).stream(Partition(), 0)
+    assert stream.state() == {"batch": 0}
+    step(sched, stream, 0)  # batches 1 and 2 were read ahead for submission
+    assert stream.state() == {"batch": 1}  # a checkpoint now resumes at the trainer's batch
+    step(sched, stream, 1)
+    assert stream.state() == {"batch": 2}
+
+
 def test_a_batch_the_stream_did_not_yield_is_refused():
     source = FakeSource(lambda *_: session(1.0))
     sched, stream = scheduler(source, data=batches([1]))

@@ -200,10 +200,10 @@ class _Group:
 
 
 class _Batch:
-    __slots__ = ("position", "data", "groups", "submitted")
+    __slots__ = ("position", "data", "groups", "submitted", "stream_state")
 
-    def __init__(self, position, data):
-        self.position, self.data = position, data
+    def __init__(self, position, data, stream_state=None):
+        self.position, self.data, self.stream_state = position, data, stream_state
         self.groups: list[_Group] = []
         self.submitted = False
 
@@ -220,6 +220,12 @@ class _Stream:
     def __next__(self) -> Batch:
         return self.scheduler._next_batch(self.generation)
 
+    def state(self) -> Any:
+        """The inner stream's state at the next batch the trainer reads (not at the batches
+        already read ahead), so a checkpoint resumes the data where the trainer stood; None
+        when the inner stream cannot say."""
+        return self.scheduler._stream_state(self.generation)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _ScheduledDataset(Dataset):
@@ -228,8 +234,9 @@ class _ScheduledDataset(Dataset):
     scheduler: Any
     inner: Dataset
 
-    def stream(self, partition: Partition, position: int = 0) -> Iterator[Batch]:
-        return self.scheduler._open(self.inner.stream(partition, position), position)
+    def stream(self, partition: Partition, position: int = 0, state: Mapping | None = None
+               ) -> Iterator[Batch]:
+        return self.scheduler._open(self.inner.stream(partition, position, state), position)
 
 
 # ----- the scheduler ---------------------------------------------------------------------------
@@ -368,7 +375,17 @@ class RolloutScheduler:
         self._given = batch
         return batch.data
 
+    def _stream_state(self, generation: int) -> Any:
+        if generation != self._generation:
+            raise RuntimeError("this task stream was replaced by a newer one")
+        if self._ahead:
+            return self._ahead[0].stream_state
+        state = getattr(self._inner, "state", None)
+        return state() if state is not None else None
+
     def _read(self) -> _Batch:
+        state = getattr(self._inner, "state", None)
+        stream_state = state() if state is not None else None
         data = next(self._inner)  # StopIteration ends the trainer's stream as usual
         tasks = list(self.task_fn(data))
         if not tasks or not all(isinstance(t, Task) for t in tasks):
@@ -379,7 +396,7 @@ class RolloutScheduler:
             raise ValueError(
                 f"the batch at position {self._next_position} has {len(tasks)} tasks and earlier "
                 f"ones {self._tasks_per_batch}; the scheduler's group ids need a fixed batch size")
-        batch = _Batch(self._next_position, data)
+        batch = _Batch(self._next_position, data, stream_state)
         size = self.groups + self.oversample
         batch.groups = [_Group(batch, i, batch.position * len(tasks) + i, task, size)
                         for i, task in enumerate(tasks)]
