@@ -78,9 +78,8 @@ def main():
             session_log=lambda log: stage.sessions(log.sessions, update=log.update, causes=log.causes,
                                                    latencies=log.latencies, trained=log.trained))
         if resumed is not None:  # read what the killed run finished before dropping its later rows
-            reused = scheduler.reuse(store.read_sessions(
-                "run", "grpo", where="max_version <= ? AND min_version >= ?",
-                parameters=[resumed, resumed - scheduler.max_lag]))
+            reused = scheduler.reuse(store.resumable_sessions("run", "grpo", updates=resumed,
+                                                              max_lag=scheduler.max_lag))
             print(f"offered {reused}", flush=True)
             stage.discard_after(resumed)
 

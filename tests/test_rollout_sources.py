@@ -82,6 +82,20 @@ def test_prompt_source_scores_decoded_text_and_records_the_call():
     assert call.version == 3 and call.finish_reason == "stop"
 
 
+def test_prompt_source_hands_over_what_the_reward_reported_for_each_session():
+    scored = threading.local()
+
+    def reward(data_source, completion, ground_truth, extra_info):
+        scored.text = completion  # what a code reward's last_runs keeps: per scoring thread
+        return 1.0
+
+    with PromptSource(FakeServer(lambda p: draw([9, EOS])), reward, max_new_tokens=4,
+                      reward_details=lambda: ("ran", scored.text)) as source:
+        session = submit(source, sample=3).result(timeout=10)
+    assert source.pop_details(session) == ("ran", "9")
+    assert source.pop_details(session) is None  # handed over once
+
+
 @pytest.mark.parametrize("outcome, reward, status, detail", [
     (draw([9, 9, 9, 9], eos=False), lambda *a: 0.5, Status.TRUNCATED, "whole budget"),
     (RuntimeError("engine died"), lambda *a: 1.0, Status.INFRA_ERROR, "draw failed: RuntimeError: engine died"),

@@ -156,10 +156,14 @@ class PromptSource(_Source):
     CodeReward). decode: sampled ids (EOS removed) -> the text the reward reads.
     max_new_tokens: the response budget. workers: threads scoring completions. Tasks carry
     `prompt_ids` and the reward fields in their data (`prompt_tasks` builds them).
+    reward_details: optional `() -> Any` called on the scoring thread right after each reward
+    call (e.g. `TaskReward.last_runs`, the programs a code reward ran); `pop_details(session)`
+    hands its result over once, keyed by the session's task, group, sample and attempt.
     """
 
     def __init__(self, server, reward: Reward, *, decode: Callable[[Sequence[int]], str] = token_text,
-                 max_new_tokens: int, workers: int = 8):
+                 max_new_tokens: int, workers: int = 8,
+                 reward_details: Callable[[], Any] | None = None):
         if not callable(getattr(server, "submit", None)):
             raise TypeError("PromptSource.server must be a RolloutServer (submit, load)")
         if not callable(reward):
@@ -167,9 +171,20 @@ class PromptSource(_Source):
                             "ground_truth, extra_info) -> float")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"PromptSource.max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if reward_details is not None and not callable(reward_details):
+            raise TypeError("PromptSource.reward_details must be callable with no arguments "
+                            f"(e.g. TaskReward.last_runs), got {type(reward_details).__name__}")
         super().__init__(workers, "PromptSource")
         self.server, self.reward, self.decode = server, reward, decode
         self.max_new_tokens = max_new_tokens
+        self.reward_details = reward_details
+        self._details: dict[tuple, Any] = {}
+
+    def pop_details(self, session: Session) -> Any:
+        """What reward_details returned when `session` was scored (None if it was not), once."""
+        key = (session.task, session.group, session.sample, session.attempt)
+        with self._lock:
+            return self._details.pop(key, None)
 
     def submit(self, task: Task, *, group: int, sample: int, attempt: int,
                seed: int) -> Future[Session]:
@@ -210,6 +225,10 @@ class PromptSource(_Source):
             reward = float(self.reward(task.data.get("data_source", ""), completion,
                                        task.data.get("ground_truth", ""),
                                        task.data.get("extra_info", "")))
+            if self.reward_details is not None:
+                details = self.reward_details()
+                with self._lock:
+                    self._details[tuple(labels.values())] = details
         except Exception as error:  # noqa: BLE001 - a failed verifier is an infrastructure failure
             return Session(**labels, calls=(call,), status=Status.INFRA_ERROR,
                            detail=f"reward failed: {_describe(error)}")
