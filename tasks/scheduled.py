@@ -8,10 +8,9 @@ pending, discarded, cancelled, resubmitted, abandoned, cut) and, for code tasks,
 every program the reward ran.
 
 On resume, `reuse_from` reads, before the stage drops what the killed attempt recorded after its
-checkpoint, the sessions that attempt finished within the staleness bound of the checkpoint's
-update (`Store.resumable_sessions`, the path tests/test_rollout_scheduler.py SIGKILLs), and
-offers them to the scheduler, so they are trained instead of drawn again. See docs/rl.md,
-"Asynchronous GRPO".
+checkpoint, the sessions that attempt (found by the run that recorded the checkpoint) finished
+within the staleness bound of the checkpoint's update (`Store.resumable_sessions`, the path tests/test_rollout_scheduler.py SIGKILLs), and
+offers them to the scheduler, so they are trained instead of drawn again. See docs/rl.md, "Resume".
 
 Not here: the scheduler and sources themselves (dew_lib.objectives.rl), the synchronous mode
 (tasks/train.py), multi-turn environments in the pipeline.
@@ -77,12 +76,19 @@ class ScheduledRollout:
     def __call__(self, state, batch, key):
         return self.scheduler(state, batch, key)
 
-    def reuse_from(self, store, run: str, stage: str, resumed: int) -> int:
+    def reuse_from(self, store, run: str, stage: str, resumed: int, checkpoint: str) -> tuple[str, int]:
         """Offer the sessions an earlier attempt of this stage finished within the staleness
         bound of update `resumed` (the checkpoint's; the stage trains without accumulation, so
-        steps are updates); returns how many samples were offered."""
-        return self.scheduler.reuse(store.resumable_sessions(run, stage, updates=resumed,
-                                                             max_lag=self.scheduler.max_lag))
+        steps are updates). checkpoint: the path the stage resumes from; the run that recorded
+        it wrote those sessions (this run on a Prefect retry, an earlier flow run of the same
+        pipeline name when a killed process is run again). Returns (that run, samples offered).
+        """
+        _, found = store.rows("SELECT run FROM checkpoints WHERE stage = ? AND step = ? AND path = ? "
+                              "ORDER BY written_at DESC LIMIT 1", [stage, int(resumed), checkpoint])
+        earlier = found[0][0] if found else run
+        offered = self.scheduler.reuse(store.resumable_sessions(earlier, stage, updates=resumed,
+                                                                max_lag=self.scheduler.max_lag))
+        return earlier, offered
 
     def close(self) -> None:
         try:

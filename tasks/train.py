@@ -183,8 +183,10 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
         if resumed is not None:
             logger.info("%s resumes from its checkpoint at step %d", stage, resumed)
             if isinstance(rollout, ScheduledRollout):  # before the killed attempt's rows go
-                reused = rollout.reuse_from(Store(store_root), run, stage, resumed)
-                logger.info("%s offers %d finished rollouts of the earlier attempt for reuse", stage, reused)
+                earlier, offered = rollout.reuse_from(Store(store_root), run, stage, resumed,
+                                                      os.path.join(existing.directory, str(resumed)))
+                logger.info("%s reuses up to %d finished rollouts that run %s did not train on",
+                            stage, offered, earlier)
             writer.discard_after(resumed)
         log_path = os.path.join(directory, "metrics.jsonl")
         sinks = [LogSink(stage, SHOWN), ProgressSink(stage, params.steps), writer.sink(),

@@ -422,6 +422,17 @@ def test_close_cancels_everything_in_flight():
     assert not source.held and len(source.cancelled) == 2
 
 
+def test_close_records_what_finished_before_it_as_pending_for_a_resumed_run():
+    source = FakeSource(lambda task, sample, attempt, version: None if task == "2" else session(1.0))
+    logs = []
+    sched, stream = scheduler(source, data=batches([1], [2]), logs=logs)
+    step(sched, stream, 0)
+    source.release(("2", 1, 0, 0), session(0.5))  # finished after the call, before close
+    sched.close()
+    assert by_cause(logs[-1:]) == {"pending": [("2", 0, 0, "completed")],
+                                   "cancelled": [("2", 1, 0, "cancelled")]}
+
+
 # ----- reuse ------------------------------------------------------------------------------------
 
 def test_offered_sessions_replace_draws_within_the_bound():

@@ -247,7 +247,7 @@ class Store:
         (max_version <= updates, the checkpoint's optimizer updates) and within the staleness
         bound of them (min_version >= updates - max_lag). Read them before `discard_after`
         drops the killed attempt's rows; `RolloutScheduler.reuse` keeps the admissible ones
-        (docs/async.md, "Resume")."""
+        (docs/rl.md, "Resume")."""
         return self.read_sessions(run, stage, where="max_version <= ? AND min_version >= ?",
                                   parameters=[int(updates), int(updates) - int(max_lag)])
 

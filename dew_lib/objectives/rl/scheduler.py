@@ -12,7 +12,7 @@ trainer hands the scheduler batch i (with its state), the scheduler
      version (batch i itself was submitted `ahead` calls earlier; on the first call after the
      stream opens it is submitted now);
   4. waits until batch i's groups are admitted, cut, abandoned or surplus, handling every
-     rollout that finishes meanwhile, of any batch (see "Admission" in docs/async.md);
+     rollout that finishes meanwhile, of any batch (see "Asynchronous GRPO" in docs/rl.md);
   5. packs the admitted groups into fixed `[rows, width]` rows with `pack`, rescores
      `old_log_probs` under the state's weights (the proximal policy) with
      `GRPOObjective.packed_log_probs`, and returns the batch.
@@ -511,12 +511,17 @@ class RolloutScheduler:
         return packed
 
     def close(self) -> None:
-        """Cancel every rollout in flight; the source belongs to the caller."""
+        """Cancel every rollout in flight; the source belongs to the caller. Rollouts that
+        finished before the call are recorded as pending (a resumed run can train them), the
+        cancelled ones as cancelled."""
         if self._closed:
             return
-        self._cancel_all()
-        self._drain()
-        self._flush()
+        try:
+            self._drain()
+        finally:
+            self._cancel_all()
+            self._drain()
+            self._flush()
         self._closed = True
         self._generation += 1
         self._batches.clear()
