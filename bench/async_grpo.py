@@ -11,11 +11,13 @@ scored on the server's thread while the trainer updates on batch i (max_lag=1; t
 rescores the proximal log-probs and applies a TIS cap of 2).
 
 The clock starts when the trainer asks for its second batch (the first update, which compiles,
-is left out) and stops when `fit` returns. The wait share is the trainer's time waiting for
-rollouts over that span: for the scheduler, `SchedulerRecord.waited`; for SampledRollout, its
-whole call (the trainer does nothing else meanwhile). The rollout-call share is the time inside
-the rollout call on both sides (for the scheduler: waiting, packing, rescoring and pushing the
-weights). Each side runs in its own process, rounds alternate, and the table shows medians and
+is left out) and stops when `fit` returns. A rollout call is timed from the moment the previous
+update has finished (JAX dispatches updates asynchronously; the wait for one is the update's
+time, not the rollout's). The wait share is the trainer's time waiting for rollouts over that
+span: for the scheduler, `SchedulerRecord.waited`; for SampledRollout, its whole call (the
+trainer does nothing else meanwhile). The rollout-call share is the time inside the rollout call
+on both sides (for the scheduler: waiting, pushing the weights, packing and rescoring the
+proximal log-probs). Each side runs in its own process, rounds alternate, and the table shows medians and
 the ratio sync / async per round (above 1: async is faster).
 
 Then the native server's decode tokens/s at 1, 8 and 32 concurrent requests (bench/native_server.py's
@@ -82,6 +84,7 @@ def run_side(mode: str, wait: float, args) -> dict:
 
     def timed(rollout):
         def call(state, batch, key):
+            jax.block_until_ready(state.params)  # the previous update ran until here: not the rollout's
             start = time.perf_counter()
             out = rollout(state, batch, key)
             calls.append((start, time.perf_counter()))
