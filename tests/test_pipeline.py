@@ -103,9 +103,9 @@ def test_a_failed_training_task_is_retried_and_resumes_from_its_checkpoint(harne
     original_start = trainer._Run._start_state
 
     def recording_start(self, state):
-        restored, position = original_start(self, state)
+        restored, position, stream_state = original_start(self, state)
         starts.append(position)
-        return restored, position
+        return restored, position, stream_state
 
     failed = []
     original_write = ui.Deadline.write
