@@ -433,6 +433,24 @@ def test_close_records_what_finished_before_it_as_pending_for_a_resumed_run():
                                    "cancelled": [("2", 1, 0, "cancelled")]}
 
 
+def test_close_waits_for_the_source_to_report_what_it_cancelled():
+    import threading
+
+    class LateSource(FakeSource):  # reports a cancelled rollout from another thread, later
+        def cancel(self, future):
+            label = self.labels[future]
+            self.cancelled.append(label)
+            held = self.held.pop(label)
+            threading.Timer(0.2, lambda: held.set_result(Session(task=label[0], status=Status.CANCELLED))).start()
+
+    source = LateSource(lambda task, sample, attempt, version: None if task == "2" else session(1.0))
+    logs = []
+    sched, stream = scheduler(source, data=batches([1], [2]), logs=logs)
+    step(sched, stream, 0)
+    sched.close()
+    assert by_cause(logs[-1:]) == {"cancelled": [("2", 0, 0, "cancelled"), ("2", 1, 0, "cancelled")]}
+
+
 # ----- reuse ------------------------------------------------------------------------------------
 
 def test_offered_sessions_replace_draws_within_the_bound():

@@ -45,6 +45,7 @@ import math
 import queue
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+import concurrent.futures
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -510,16 +511,19 @@ class RolloutScheduler:
             self.log(record)
         return packed
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
         """Cancel every rollout in flight; the source belongs to the caller. Rollouts that
         finished before the call are recorded as pending (a resumed run can train them), the
-        cancelled ones as cancelled."""
+        cancelled ones as cancelled once their source reports them, for which close waits up to
+        `timeout` seconds (a source that has not reported by then leaves them unrecorded)."""
         if self._closed:
             return
         try:
             self._drain()
         finally:
+            running = self._in_flight()
             self._cancel_all()
+            concurrent.futures.wait([a.future for a in running], timeout=timeout)
             self._drain()
             self._flush()
         self._closed = True
