@@ -1,4 +1,9 @@
-"""grpo: GRPO with sampled completions graded by each prompt's reward, from a saved policy."""
+"""grpo: GRPO with sampled completions graded by each prompt's reward, from a saved policy.
+
+`params.mode="sync"` draws each batch on the trainer's device before its update (SampledRollout);
+`"async"` draws the next batches on the native rollout server while the trainer updates
+(tasks/scheduled.py, docs/rl.md "Asynchronous GRPO").
+"""
 
 from __future__ import annotations
 

@@ -111,6 +111,30 @@ class GRPOParams(StageParams):
     max_prompt_len: int = Field(24, ge=2, description="prompt ids kept (left-padded)")
     beta: float = Field(0.01, ge=0, description="KL coefficient to the frozen starting policy")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="'sync': each batch's completions are drawn on the trainer's device "
+        "before its update (SampledRollout); 'async': the RolloutScheduler draws them on the native "
+        "rollout server `ahead` batches early while the trainer updates")
+    ahead: int = Field(1, ge=0, description="async: task batches submitted before the trainer reaches them")
+    max_lag: int = Field(1, ge=0, description="async: most updates a trained rollout may be behind "
+                         "(at least ahead + sync_every - 1)")
+    sync_every: int = Field(1, ge=1, description="async: push weights to the server every this many updates")
+    oversample: int = Field(0, ge=0, description="async: extra completions per prompt; the first "
+                            "`groups` to finish are trained, the stragglers cancelled")
+    max_attempts: int = Field(3, ge=1, description="async: failed attempts per sample before its group is given up")
+    timeout: float | None = Field(None, gt=0, description="async: seconds after which a running "
+                                  "rollout is cancelled and drawn again")
+    slots: int = Field(32, ge=1, description="async: requests the rollout server decodes together")
+    behavior_importance: float = Field(2.0, ge=1, description="async: TIS cap on the proximal over "
+                                       "behavior likelihood ratio, which lagged rollouts need")
+
+    @model_validator(mode="after")
+    def _schedule(self) -> GRPOParams:
+        if self.mode == "async" and self.max_lag < self.ahead + self.sync_every - 1:
+            raise ValueError(f"max_lag={self.max_lag} is below ahead + sync_every - 1 = "
+                             f"{self.ahead + self.sync_every - 1}; rollouts that old would always be "
+                             "discarded")
+        return self
 
 
 class RewardParams(Params):

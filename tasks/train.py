@@ -26,12 +26,14 @@ from dew_lib.objectives import LMObjective
 from dew_lib.objectives.rl import DPOObjective, GRPOObjective, SampledRollout
 from dew_lib.sampling import Sampling
 from dew_lib.sinks import JsonlSink
+from dew_lib.store import Store
 from dew_lib.trainer import Trainer
 from flows.params import DPOParams, GRPOParams, RewardParams, SFTParams, StageParams
 from tasks.manifests import DataManifest, PolicyRef, StageResult, fingerprint
 from tasks.policy import load_policy, save_policy
 from tasks.records import open_stage
 from tasks.rewards import TaskReward, verdicts
+from tasks.scheduled import ScheduledRollout
 from tasks.storage import read_json, write_json
 from tasks.ui import Deadline, LogSink, ProgressSink, plot_curves, publish_stage
 
@@ -103,10 +105,14 @@ def build(kind: str, params: StageParams, pretrained, variables, data: DataManif
     spec = Prompts(path=_needs(data.prompts_path, kind, "prompts (prompts_path)"),
                    max_prompt_len=params.max_prompt_len,
                    tokenizer=tokenizer_dir, pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
+    reward = TaskReward() if reward is None else reward
+    if params.mode == "async":  # the RolloutScheduler on the native server (tasks/scheduled.py)
+        scheduled = ScheduledRollout(params, model, tokenizer, variables, reward,
+                                     completion_text(tokenizer), stage_writer)
+        return scheduled.objective, scheduled.dataset(spec.load(batch=params.batch)), scheduled, None
     objective = GRPOObjective(model, params.max_prompt_len + params.max_new_tokens - 1,
                               beta=params.beta, pretrained=variables,
                               sampling_temperature=params.temperature)
-    reward = TaskReward() if reward is None else reward
     rollout = SampledRollout(
         objective, reward=reward, groups=params.groups, max_new_tokens=params.max_new_tokens,
         sampling=Sampling(temperature=params.temperature, eos_id=tokenizer.eos_token_id),
@@ -176,14 +182,23 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
             existing.close()
         if resumed is not None:
             logger.info("%s resumes from its checkpoint at step %d", stage, resumed)
+            if isinstance(rollout, ScheduledRollout):  # before the killed attempt's rows go
+                earlier, offered = rollout.reuse_from(Store(store_root), run, stage, resumed,
+                                                      os.path.join(existing.directory, str(resumed)))
+                logger.info("%s reuses up to %d finished rollouts that run %s did not train on",
+                            stage, offered, earlier)
             writer.discard_after(resumed)
         log_path = os.path.join(directory, "metrics.jsonl")
         sinks = [LogSink(stage, SHOWN), ProgressSink(stage, params.steps), writer.sink(),
                  JsonlSink(log_path), Deadline(stage, params.max_minutes)]  # last: a window is
         # recorded everywhere before a deadline stops the stage
-        state = trainer.fit(dataset, steps=params.steps, log_every=params.log_every,
-                            eval_every=eval_every, directory=checkpoints,
-                            checkpoint_every=params.checkpoint_every, sinks=sinks)
+        try:
+            state = trainer.fit(dataset, steps=params.steps, log_every=params.log_every,
+                                eval_every=eval_every, directory=checkpoints,
+                                checkpoint_every=params.checkpoint_every, sinks=sinks)
+        finally:
+            if isinstance(rollout, ScheduledRollout):
+                rollout.close()
         policy = save_policy(pretrained, state.params, os.path.join(directory, "policy"), key)
         history = _history(log_path)
         metrics = final_metrics(history)

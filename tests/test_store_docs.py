@@ -48,6 +48,26 @@ def store(tmp_path_factory):
                 group_std=np.array([0.1, 0.1, 0.0, 0.0]),
                 advantages=np.array([-1.0, 1.0, 0.0, 0.0], np.float32),
                 kept=np.array([True, True, False, False]), captions=("",) * 4))
+    with store.writer("demo-2") as run:  # an asynchronous GRPO stage: what the scheduler settled
+        run.start()
+        with run.stage("grpo", kind="grpo") as stage:
+            for updates, version, resubmitted, cancelled, waited in (
+                    (0, 0, {"infra_error": 1}, 1, 1.5), (1, 0, {"timeout": 1, "stale": 2}, 0, 0.25)):
+                stage.record(dict(updates=updates, version=version, lag=updates - version, groups=1,
+                                  resubmitted=resubmitted, cancelled=cancelled, abandoned=0, cut=0,
+                                  waited=waited, metrics={"sessions/reused": 0.0}))
+            call = Call(prompt_ids=[5, 6], sampled_ids=[7, 8], behavior_log_probs=[-0.5, -0.5], version=0)
+            settled = [(0, "3", 0, 0, Status.INFRA_ERROR, "resubmitted", 0.5),
+                       (0, "3", 0, 1, Status.COMPLETED, "admitted", 1.25),
+                       (0, "3", 1, 0, Status.COMPLETED, "admitted", 0.75),
+                       (1, "4", 0, 0, Status.COMPLETED, "discarded", 4.0),
+                       (1, "4", 1, 0, Status.CANCELLED, "cancelled", 2.5)]
+            for update, task, sample, attempt, status, cause, latency in settled:
+                done = status is Status.COMPLETED
+                stage.sessions([Session(task=task, sample=sample, attempt=attempt, status=status,
+                                        calls=(call,) if done else (), reward=1.0 if done else None)],
+                               update=update, latencies=[latency], causes=cause,
+                               trained=cause == "admitted")
     return store
 
 
@@ -67,6 +87,18 @@ def test_docs_store_describes_every_column_of_every_table():
 
 
 def test_session_columns_hold_what_the_docs_say(store):
-    rows = store.rows("SELECT sample, trained, latency, sampled_tokens FROM sessions ORDER BY sample")[1]
+    rows = store.rows("SELECT sample, trained, latency, sampled_tokens FROM sessions "
+                      "WHERE run = 'demo-1' ORDER BY sample")[1]
     assert rows == [(0, False, 0.5, 2), (1, True, 2.0, 2), (2, True, 1.0, 2)]
     assert np.isclose(store.rows("SELECT avg(score) FROM evaluations")[1][0][0], 0.5)
+
+
+def test_the_scheduler_queries_answer_from_what_the_scheduler_recorded(store):
+    causes = store.rows("SELECT cause, sum(n) FROM (SELECT unnest(map_keys(resubmitted)) AS cause, "
+                        "unnest(map_values(resubmitted)) AS n FROM scheduler_records) GROUP BY ALL "
+                        "ORDER BY ALL")[1]
+    assert causes == [("infra_error", 1), ("stale", 2), ("timeout", 1)]
+    settled = store.rows("SELECT cause, count(*), bool_or(trained) FROM sessions WHERE run = 'demo-2' "
+                         "GROUP BY ALL ORDER BY ALL")[1]
+    assert settled == [("admitted", 2, True), ("cancelled", 1, False), ("discarded", 1, False),
+                       ("resubmitted", 1, False)]

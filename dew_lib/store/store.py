@@ -240,6 +240,17 @@ class Store:
         return [StoredSession(s["update"], _rows.session_from_rows(s, calls.get(s["session_uid"], [])),
                               s["trained"], s["cause"], s["latency"]) for s in sessions]
 
+    def resumable_sessions(self, run: str, stage: str, *, updates: int, max_lag: int
+                           ) -> list[StoredSession]:
+        """Sessions a resumed asynchronous stage may train instead of drawing again: every
+        session of the stage whose calls all came from weights the resumed state descends from
+        (max_version <= updates, the checkpoint's optimizer updates) and within the staleness
+        bound of them (min_version >= updates - max_lag). Read them before `discard_after`
+        drops the killed attempt's rows; `RolloutScheduler.reuse` keeps the admissible ones
+        (docs/rl.md, "Resume")."""
+        return self.read_sessions(run, stage, where="max_version <= ? AND min_version >= ?",
+                                  parameters=[int(updates), int(updates) - int(max_lag)])
+
     def untrained_sessions(self, run: str, stage: str) -> list[StoredSession]:
         """Sessions recorded as pending (finished, waiting for their group) that no later record
         of the same task, group, sample and attempt admitted, discarded or trained: what a resumed

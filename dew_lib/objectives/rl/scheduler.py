@@ -1,0 +1,830 @@
+"""RolloutScheduler: asynchronous GRPO, with rollouts drawn ahead of the update that trains them.
+
+The scheduler is the Trainer's `rollout` for any `SessionSource`. Train on
+`scheduler.tasks(dataset)`: that stream numbers and registers every task batch it yields. When the
+trainer hands the scheduler batch i (with its state), the scheduler
+
+  1. pushes the state's weights through `weights.load(params, updates)` when the served version
+     is `sync_every` updates behind (always on its first call);
+  2. cancels in-flight rollouts whose submission is already more than `max_lag` updates behind,
+     and resubmits them;
+  3. reads batches i + 1 .. i + ahead from the wrapped stream and submits them under the served
+     version (batch i itself was submitted `ahead` calls earlier; on the first call after the
+     stream opens it is submitted now);
+  4. waits until batch i's groups are admitted, cut, abandoned or surplus, handling every
+     rollout that finishes meanwhile, of any batch (see "Asynchronous GRPO" in docs/rl.md);
+  5. packs the admitted groups into fixed `[rows, width]` rows with `pack`, rescores
+     `old_log_probs` under the state's weights (the proximal policy) with
+     `GRPOObjective.packed_log_probs`, and returns the batch.
+
+Dew's Trainer reads one batch per step and no further, so the scheduler reads the `ahead` batches
+after the current one from the wrapped stream itself; the trainer then receives exactly those
+batches, in order. The data position a checkpoint stores is still the trainer's count of consumed
+batches, so a resumed run re-reads the batches that were in flight, and opening the stream again
+cancels everything the previous stream left running.
+
+Group ids are the scheduler's: `position * tasks_per_batch + index` for the batch's position in
+the stream and the task's index in it, so a resumed run gives a re-read task the group id it had
+before, and sessions the previous run finished can be matched and reused (`reuse`).
+
+Everything runs on the trainer's thread. Sources resolve futures on their own threads; a
+done-callback only queues the future, and the scheduler handles it while it waits or at the
+next call.
+
+Not here: drawing sessions (sources.py), packing and advantages (sessions.py), the loss
+(grpo.py), multi-process trainers (refused at construction).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import itertools
+import math
+import queue
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+import concurrent.futures
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from dew_lib.data.dataset import Batch, Dataset, Partition
+from dew_lib.data.prompts import METADATA, text_field
+from dew_lib.objectives.rl import algorithms
+from dew_lib.objectives.rl.sessions import (TRUNCATION, Session, SessionSource, Status, Task,
+                                            chain_lengths, pack, rows_needed, session_metrics,
+                                            trains)
+
+RESUBMIT_CAUSES = ("infra_error", "cancelled", "stale", "timeout", "unscored")
+
+
+class Publisher(Protocol):
+    """Where the trainer's weights go: load serves them under version.
+
+    A RolloutServer is one. A publisher with a `version` attribute is checked after each load.
+    """
+
+    def load(self, variables: Any, version: int) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerRecord:
+    """What one trainer call consumed and what it cost.
+
+    updates: the trainer's optimizer updates at the call. version, lag: the oldest admitted
+    call's version and updates - version. groups: groups admitted. resubmitted: resubmissions
+    during the call by cause (infra_error, cancelled, stale, timeout, unscored). cancelled:
+    in-flight rollouts cancelled as surplus, stale or abandoned. abandoned: groups given up
+    after max_attempts. cut: complete groups left out because their chains did not fit the
+    rows beside the groups admitted before them. waited: seconds the trainer waited for its
+    rollouts. metrics: `session_metrics` over the admitted rollouts and their packed batch.
+    """
+
+    updates: int
+    version: int
+    lag: int
+    groups: int
+    resubmitted: Mapping[str, int]
+    cancelled: int
+    abandoned: int
+    cut: int
+    waited: float
+    metrics: Mapping[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionLog:
+    """The sessions one trainer call settled, with why: what `StageWriter.sessions` records.
+
+    update: the trainer's updates at the call. causes: per session, one of pending (finished,
+    waiting for its group or batch), admitted, discarded (stale), cancelled, resubmitted (a
+    failed attempt that was drawn again), abandoned (a failed attempt not drawn again, or a
+    member of an abandoned group) and cut. latencies: seconds from submission to finish (None
+    for a session reused from a previous run). trained: whether the session is in the batch's
+    loss (admitted and training under the truncation policy).
+    """
+
+    update: int
+    sessions: tuple[Session, ...]
+    causes: tuple[str, ...]
+    latencies: tuple[float | None, ...]
+    trained: tuple[bool, ...]
+
+
+def task_ids(batch: Batch) -> list[Task]:
+    """One task per integer task_id row, named by its decimal id."""
+    if "task_id" not in batch:
+        raise KeyError(f"task_ids reads an integer 'task_id' field, and the batch has "
+                       f"{sorted(batch)}; pass RolloutScheduler(tasks=...) for other layouts "
+                       "(prompt_tasks reads Prompts batches)")
+    ids = np.asarray(batch["task_id"])
+    if ids.ndim != 1 or ids.dtype == bool or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"batch field 'task_id' must be a 1-D integer array, got {ids.dtype} "
+                         f"{ids.shape}")
+    return [Task(str(int(i)), {"task_id": int(i)}) for i in ids]
+
+
+def prompt_tasks(batch: Batch) -> list[Task]:
+    """One task per row of a `Prompts` batch, its data what `PromptSource` reads.
+
+    data: `prompt_ids` (the row without its left padding) and the reward fields `data_source`,
+    `ground_truth` and `extra_info` as strings. The id is the row's integer `task_id` when the
+    batch has one, else the first 16 hex digits of a SHA-256 of the prompt ids and ground truth,
+    so the same prompt is the same task in every epoch and after a resume.
+    """
+    for name in ("prompt", "prompt_length"):
+        if name not in batch:
+            raise KeyError(f"prompt_tasks reads Prompts batches ('prompt', 'prompt_length' and the "
+                           f"reward fields); the batch has {sorted(batch)}")
+    prompt = np.asarray(batch["prompt"], np.int32)
+    lengths = np.asarray(batch["prompt_length"], np.int32)
+    width = prompt.shape[1]
+    fields = {name: text_field(batch[name]) if name in batch else [""] * len(prompt)
+              for name in METADATA}
+    ids = np.asarray(batch["task_id"]) if "task_id" in batch else None
+    tasks = []
+    for row in range(len(prompt)):
+        ids_row = prompt[row, width - int(lengths[row]):]
+        if ids is not None:
+            name = str(int(ids[row]))
+        else:
+            digest = hashlib.sha256(ids_row.tobytes() + b"\0" + fields["ground_truth"][row].encode())
+            name = digest.hexdigest()[:16]
+        tasks.append(Task(name, {"prompt_ids": ids_row,
+                                 **{field: fields[field][row] for field in METADATA}}))
+    return tasks
+
+
+# ----- bookkeeping -----------------------------------------------------------------------------
+
+class _Attempt:
+    """One submission of one sample."""
+
+    __slots__ = ("sample", "number", "future", "submitted", "version", "cancelled")
+
+    def __init__(self, sample, number, submitted, version):
+        self.sample, self.number = sample, number
+        self.submitted, self.version = submitted, version
+        self.future: Future | None = None
+        self.cancelled = False
+
+
+class _Sample:
+    __slots__ = ("group", "index", "attempt", "failures", "current", "session", "latency",
+                 "given_up", "logged")
+
+    def __init__(self, group, index):
+        self.group, self.index = group, index
+        self.attempt = 0            # number of the current or next attempt
+        self.failures = 0
+        self.current: _Attempt | None = None
+        self.session: Session | None = None  # finished and admissible
+        self.latency: float | None = None
+        self.given_up = False
+        self.logged: str | None = None  # the cause last recorded for `session`
+
+
+class _Group:
+    __slots__ = ("batch", "index", "id", "task", "samples", "finished", "state", "order")
+
+    def __init__(self, batch, index, group_id, task, size):
+        self.batch, self.index, self.id, self.task = batch, index, group_id, task
+        self.samples = [_Sample(self, i) for i in range(size)]
+        self.finished: list[_Sample] = []  # in completion order
+        # running -> complete -> admitted | cut; or abandoned, or surplus (cancelled under admit)
+        self.state = "running"
+        self.order = -1  # completion order among all groups
+
+
+class _Batch:
+    __slots__ = ("position", "data", "groups", "submitted", "stream_state")
+
+    def __init__(self, position, data, stream_state=None):
+        self.position, self.data, self.stream_state = position, data, stream_state
+        self.groups: list[_Group] = []
+        self.submitted = False
+
+
+class _Stream:
+    """The iterator `tasks(dataset).stream(...)` returns; see RolloutScheduler.tasks."""
+
+    def __init__(self, scheduler: RolloutScheduler, generation: int):
+        self.scheduler, self.generation = scheduler, generation
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        return self.scheduler._next_batch(self.generation)
+
+    def state(self) -> Any:
+        """The inner stream's state at the next batch the trainer reads (not at the batches
+        already read ahead), so a checkpoint resumes the data where the trainer stood; None
+        when the inner stream cannot say."""
+        return self.scheduler._stream_state(self.generation)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _ScheduledDataset(Dataset):
+    """A Dataset whose training stream registers its batches with a scheduler."""
+
+    scheduler: Any
+    inner: Dataset
+
+    def stream(self, partition: Partition, position: int = 0, state: Mapping | None = None
+               ) -> Iterator[Batch]:
+        return self.scheduler._open(self.inner.stream(partition, position, state), position)
+
+
+# ----- the scheduler ---------------------------------------------------------------------------
+
+class RolloutScheduler:
+    """Train on complete rollout groups from source, ahead task batches early.
+
+    objective: the GRPOObjective being trained (its `packed_log_probs` rescores the proximal
+    policy). source: a SessionSource. weights: a Publisher (a RolloutServer is one).
+    width, rows: the packed batch shape `[rows, width]`; width must be the objective's
+    seq_len + 1. tasks: turns one registered batch into its tasks (`task_ids`, `prompt_tasks`).
+    groups: rollouts admitted per task. oversample: extra rollouts run per group; the first
+    `groups` to finish are admitted. admit: admit only the first `admit` groups of a batch to
+    complete (None: all). max_lag: the most updates a rollout's oldest call may be behind the
+    update that trains it. ahead: task batches submitted before the trainer reaches them.
+    sync_every: push weights when the served version is this many updates behind.
+    max_attempts: failed attempts per sample before its group is abandoned. timeout: seconds
+    from submission after which a running rollout is cancelled and counted as a failed attempt.
+    estimator, truncation, support_capacity: `pack`'s. log: receives a SchedulerRecord per call.
+    session_log: receives a SessionLog per call (every session the call settled, with its cause),
+    for the run store.
+
+    Construction refuses max_lag < ahead + sync_every - 1 (a first submission can be that stale
+    when consumed), a schedule that allows lag without the objective's behavior_importance, and
+    multi-process trainers.
+    """
+
+    def __init__(self, objective, source: SessionSource, weights: Publisher, *, width: int,
+                 rows: int, tasks: Callable[[Batch], Sequence[Task]] = task_ids, groups: int = 4,
+                 oversample: int = 0, admit: int | None = None, max_lag: int = 1, ahead: int = 1,
+                 sync_every: int = 1, max_attempts: int = 3, timeout: float | None = None,
+                 estimator: str = "group", truncation: str = "mask",
+                 support_capacity: int | None = None,
+                 log: Callable[[SchedulerRecord], None] | None = None,
+                 session_log: Callable[[SessionLog], None] | None = None):
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"RolloutScheduler runs in single-process trainers only; this is process "
+                f"{jax.process_index()} of {jax.process_count()}. Run the trainer in one process "
+                "(it may use every local device)")
+        for name, value, low in (("width", width, 2), ("rows", rows, 1), ("groups", groups, 1),
+                                 ("oversample", oversample, 0), ("max_lag", max_lag, 0),
+                                 ("ahead", ahead, 0), ("sync_every", sync_every, 1),
+                                 ("max_attempts", max_attempts, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"RolloutScheduler.{name} must be an int >= {low}, got {value!r}")
+        if admit is not None and (isinstance(admit, bool) or not isinstance(admit, int) or admit < 1):
+            raise ValueError(f"RolloutScheduler.admit must be None or an int >= 1, got {admit!r}")
+        if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
+            raise ValueError(f"RolloutScheduler.timeout must be None or positive seconds, got {timeout!r}")
+        if max_lag < ahead + sync_every - 1:
+            raise ValueError(
+                f"RolloutScheduler.max_lag={max_lag} is below ahead + sync_every - 1 = "
+                f"{ahead + sync_every - 1}: a rollout submitted {ahead} batches ahead under weights "
+                f"up to {sync_every - 1} updates old would always be discarded. Raise max_lag to "
+                f"{ahead + sync_every - 1} or lower ahead or sync_every")
+        if truncation not in TRUNCATION:
+            raise ValueError(f"RolloutScheduler.truncation must be one of {TRUNCATION}, got {truncation!r}")
+        algorithms.advantage_function(estimator)
+        objective_width = getattr(objective, "width", None)
+        if objective_width is not None and objective_width != width:
+            raise ValueError(
+                f"RolloutScheduler.width={width} but the objective reads rows of seq_len + 1 = "
+                f"{objective_width}; set GRPOObjective(seq_len={width - 1}) or width={objective_width}")
+        if not hasattr(objective, "packed_log_probs"):
+            raise TypeError("RolloutScheduler needs a GRPOObjective (it rescores the proximal "
+                            f"policy with packed_log_probs); got {type(objective).__name__}")
+        if max_lag > 0 and getattr(objective, "behavior_importance", None) is None:
+            raise ValueError(
+                f"RolloutScheduler(max_lag={max_lag}) trains on rollouts drawn by older weights, "
+                "which needs an importance correction: set GRPOObjective(behavior_importance=2.0) "
+                "(a TIS cap) or a (low, high) IcePop band, or run max_lag=0 with ahead=0")
+        for name, thing, methods in (("source", source, ("submit", "cancel")),
+                                     ("weights", weights, ("load",))):
+            missing = [m for m in methods if not callable(getattr(thing, m, None))]
+            if missing:
+                raise TypeError(f"RolloutScheduler.{name} lacks {missing}; a {name} needs "
+                                f"{list(methods)}")
+        if not callable(tasks):
+            raise TypeError("RolloutScheduler.tasks must be callable as tasks(batch) -> [Task]")
+        self.objective, self.source, self.weights = objective, source, weights
+        self.width, self.rows, self.task_fn = width, rows, tasks
+        self.groups, self.oversample, self.admit = groups, oversample, admit
+        self.max_lag, self.ahead, self.sync_every = max_lag, ahead, sync_every
+        self.max_attempts, self.timeout = max_attempts, timeout
+        self.estimator, self.truncation, self.support_capacity = estimator, truncation, support_capacity
+        self.log, self.session_log = log, session_log
+
+        self._events: queue.SimpleQueue[_Attempt] = queue.SimpleQueue()
+        self._generation = 0
+        self._inner: Iterator[Batch] | None = None
+        self._next_position = 0
+        self._tasks_per_batch: int | None = None
+        self._ahead: collections.deque[_Batch] = collections.deque()  # read, not yet yielded
+        self._given: _Batch | None = None     # yielded, waiting for its call
+        self._batches: dict[int, _Batch] = {}  # read and not yet consumed, by position
+        self._served: int | None = None
+        self._updates = 0
+        self._key_words: list[int] = [0]
+        self._order = itertools.count()
+        self._offered: dict[tuple[str, int, int], Session] = {}
+        self._entries: list[tuple[Session, str, float | None, bool]] = []
+        self._broken: BaseException | None = None
+        self._closed = False
+        self._reset_counts()
+
+    # ----- the stream --------------------------------------------------------------------------
+    def tasks(self, dataset: Dataset) -> Dataset:
+        """dataset with a training stream that registers each task batch ahead of the step.
+
+        Opening the stream again, as a resume does, cancels every rollout the previous stream
+        left in flight.
+        """
+        if not isinstance(dataset, Dataset):
+            raise TypeError(f"RolloutScheduler.tasks wraps a dew_lib Dataset, got {type(dataset).__name__}")
+        return _ScheduledDataset(train=dataset.train, val=dataset.val, records=dataset.records,
+                                 batch=dataset.batch, scheduler=self, inner=dataset)
+
+    def _open(self, inner: Iterator[Batch], position: int) -> Iterator[Batch]:
+        self._check_open()
+        self._cancel_all()
+        self._generation += 1
+        self._inner, self._next_position = inner, int(position)
+        self._ahead.clear()
+        self._batches.clear()
+        self._given = None
+        self._broken = None
+        return _Stream(self, self._generation)
+
+    def _next_batch(self, generation: int) -> Batch:
+        if generation != self._generation:
+            raise RuntimeError("this task stream was replaced by a newer one (the scheduler's "
+                               "tasks(dataset) stream was opened again); read from the new one")
+        self._check_open()
+        batch = self._ahead.popleft() if self._ahead else self._read()
+        self._given = batch
+        return batch.data
+
+    def _stream_state(self, generation: int) -> Any:
+        if generation != self._generation:
+            raise RuntimeError("this task stream was replaced by a newer one")
+        if self._ahead:
+            return self._ahead[0].stream_state
+        state = getattr(self._inner, "state", None)
+        return state() if state is not None else None
+
+    def _read(self) -> _Batch:
+        state = getattr(self._inner, "state", None)
+        stream_state = state() if state is not None else None
+        data = next(self._inner)  # StopIteration ends the trainer's stream as usual
+        tasks = list(self.task_fn(data))
+        if not tasks or not all(isinstance(t, Task) for t in tasks):
+            raise ValueError(f"tasks(batch) must return a nonempty list of Task, got {tasks!r:.200}")
+        if self._tasks_per_batch is None:
+            self._tasks_per_batch = len(tasks)
+        elif len(tasks) != self._tasks_per_batch:
+            raise ValueError(
+                f"the batch at position {self._next_position} has {len(tasks)} tasks and earlier "
+                f"ones {self._tasks_per_batch}; the scheduler's group ids need a fixed batch size")
+        batch = _Batch(self._next_position, data, stream_state)
+        size = self.groups + self.oversample
+        batch.groups = [_Group(batch, i, batch.position * len(tasks) + i, task, size)
+                        for i, task in enumerate(tasks)]
+        self._batches[batch.position] = batch
+        self._next_position += 1
+        return batch
+
+    # ----- resume ------------------------------------------------------------------------------
+    def reuse(self, sessions: Iterable[Any]) -> int:
+        """Offer sessions a previous run of this stage finished (Sessions, or the store's
+        StoredSession rows); returns how many distinct samples were offered.
+
+        When the resumed stream re-reads a task, a sample whose offered session has the same
+        task, group id and sample index is not drawn again if, at its submission, the session
+        is admissible (COMPLETED, AGENT_ERROR, or TRUNCATED with what the truncation policy
+        needs), every call's version is at most the trainer's updates (it was drawn from weights
+        the resumed state descends from) and its oldest call is within max_lag of them. Anything
+        else is drawn again. Admission then checks the lag again as for any rollout.
+        """
+        count = 0
+        for item in sessions:
+            session = getattr(item, "session", item)
+            if not isinstance(session, Session):
+                raise TypeError(f"reuse takes Session objects or StoredSession rows, got "
+                                f"{type(item).__name__}")
+            if not self._admissible(session):
+                continue
+            key = (session.task, session.group, session.sample)
+            if key not in self._offered:
+                count += 1
+            self._offered[key] = session
+        return count
+
+    def _admissible(self, session: Session) -> bool:
+        if session.status in (Status.COMPLETED, Status.AGENT_ERROR):
+            return session.reward is not None
+        if session.status is Status.TRUNCATED:
+            return self.truncation != "score" or session.reward is not None
+        return False
+
+    # ----- the trainer's call ------------------------------------------------------------------
+    def __call__(self, state, batch: Batch, key) -> dict[str, np.ndarray]:
+        self._check_open()
+        if self._broken is not None:
+            raise RuntimeError("the scheduler failed on an earlier call and cancelled its work; open "
+                               "the task stream again (resume the trainer) to continue") from self._broken
+        current = self._given
+        if current is None or batch is not current.data:
+            raise ValueError("RolloutScheduler got a batch its task stream did not just yield; train "
+                             "on scheduler.tasks(dataset) so the scheduler sees every batch first")
+        self._given = None
+        self._updates = updates = int(np.asarray(jax.device_get(state.updates)))
+        if jax.dtypes.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key):
+            key = jax.random.key_data(key)
+        self._key_words = [int(w) for w in np.asarray(key, np.uint32).ravel()]
+        self._reset_counts()
+        try:
+            self._push(state.params, updates)
+            self._cancel_stale_in_flight(updates)
+            while len(self._ahead) < self.ahead:
+                try:
+                    self._ahead.append(self._read())
+                except StopIteration:
+                    break
+            for pending in (current, *self._ahead):
+                if not pending.submitted:
+                    self._submit_batch(pending)
+            self._drain()
+            self._recheck_finished(updates)
+            self._check_timeouts()
+            started = time.perf_counter()
+            admitted = self._admit(current)
+            waited = time.perf_counter() - started
+            del self._batches[current.position]
+            sessions = [s.session for g in admitted for s in g.finished[:self.groups]]
+            latencies = [s.latency for g in admitted for s in g.finished[:self.groups]]
+            for group in admitted:
+                for sample in group.finished[:self.groups]:
+                    self._entry(sample, "admitted", trained=trains(sample.session, self.truncation))
+            if not admitted:
+                raise RuntimeError(
+                    f"no group of the batch at position {current.position} could be admitted "
+                    f"({self._abandoned} abandoned after max_attempts={self.max_attempts}, "
+                    f"{self._cut} cut, resubmissions {dict(self._resubmitted)}); the source keeps "
+                    "failing: see the causes and details of the recorded sessions")
+            packed = pack(sessions, self.width, rows=self.rows, estimator=self.estimator,
+                          truncation=self.truncation, support_capacity=self.support_capacity)
+            packed["old_log_probs"] = np.asarray(self.objective.packed_log_probs(state.params, packed),
+                                                 np.float32)
+            self._drain()  # what finished while packing and rescoring counts in this record
+        except BaseException as error:
+            self._broken = error
+            try:
+                self._cancel_all()
+                self._drain()  # every attempt is cancelled now, so this only records them
+                self._flush()
+            except Exception as later:  # noqa: BLE001 - the first failure is the one to raise
+                error.add_note(f"while cancelling the batch's work: {type(later).__name__}: {later}")
+            raise
+        oldest = min((call.version for s in sessions for call in s.calls), default=updates)
+        metrics = session_metrics(sessions, packed, latencies=[x for x in latencies if x is not None],
+                                  version=updates, truncation=self.truncation)
+        metrics["sessions/reused"] = float(sum(x is None for x in latencies))
+        record = SchedulerRecord(
+            updates=updates, version=int(oldest), lag=int(updates - oldest), groups=len(admitted),
+            resubmitted=dict(self._resubmitted), cancelled=self._cancelled,
+            abandoned=self._abandoned, cut=self._cut, waited=waited, metrics=metrics)
+        self.last_record = record
+        self._flush()
+        if self.log is not None:
+            self.log(record)
+        return packed
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel every rollout in flight; the source belongs to the caller. Rollouts that
+        finished before the call are recorded as pending (a resumed run can train them), the
+        cancelled ones as cancelled once their source reports them, for which close waits up to
+        `timeout` seconds (a source that has not reported by then leaves them unrecorded)."""
+        if self._closed:
+            return
+        try:
+            self._drain()
+        finally:
+            running = self._in_flight()
+            self._cancel_all()
+            concurrent.futures.wait([a.future for a in running], timeout=timeout)
+            self._drain()
+            self._flush()
+        self._closed = True
+        self._generation += 1
+        self._batches.clear()
+        self._ahead.clear()
+
+    def __enter__(self) -> RolloutScheduler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("the RolloutScheduler is closed; build a new one")
+
+    def _reset_counts(self):
+        self._resubmitted: collections.Counter[str] = collections.Counter()
+        self._cancelled = self._abandoned = self._cut = 0
+
+    # ----- weights -----------------------------------------------------------------------------
+    def _push(self, params, updates: int) -> None:
+        served = self._served
+        if served is not None and 0 <= updates - served < self.sync_every:
+            return
+        for _ in range(2):
+            self.weights.load(params, updates)
+            reported = getattr(self.weights, "version", updates)
+            if reported == updates:
+                break
+        else:
+            raise RuntimeError(
+                f"pushing version {updates} did not move the publisher's version (it reports "
+                f"{reported} after two loads); check the engine's weight-update endpoint")
+        self._served = updates
+
+    # ----- submission --------------------------------------------------------------------------
+    def _submit_batch(self, batch: _Batch) -> None:
+        batch.submitted = True
+        for group in batch.groups:
+            for sample in group.samples:
+                stored = self._offered.pop((group.task.id, group.id, sample.index), None)
+                if stored is not None and self._reusable(stored):
+                    sample.attempt = stored.attempt
+                    sample.session = stored
+                    group.finished.append(sample)
+                    if len(group.finished) == self.groups:
+                        self._complete(group)
+                        break
+                    continue
+                self._launch(sample)
+
+    def _reusable(self, session: Session) -> bool:
+        versions = [call.version for call in session.calls] or [self._updates + 1]
+        return max(versions) <= self._updates and self._updates - min(versions) <= self.max_lag
+
+    def _seed(self, sample: _Sample) -> int:
+        entropy = [*self._key_words, sample.group.id, sample.index, sample.attempt]
+        return int(np.random.SeedSequence(entropy).generate_state(1)[0])
+
+    def _launch(self, sample: _Sample) -> None:
+        group = sample.group
+        attempt = _Attempt(sample, sample.attempt, time.perf_counter(), self._served)
+        future = self.source.submit(group.task, group=group.id, sample=sample.index,
+                                    attempt=sample.attempt, seed=self._seed(sample))
+        if not isinstance(future, Future):
+            raise TypeError(f"the source's submit returned {type(future).__name__}, not a "
+                            "concurrent.futures.Future of a Session")
+        attempt.future = future
+        sample.current = attempt
+        future.add_done_callback(lambda _, a=attempt: self._events.put(a))
+
+    def _cancel(self, attempt: _Attempt) -> None:
+        attempt.cancelled = True
+        if attempt.sample.current is attempt:
+            attempt.sample.current = None
+        self.source.cancel(attempt.future)
+
+    def _in_flight(self) -> list[_Attempt]:
+        return [s.current for b in self._batches.values() for g in b.groups for s in g.samples
+                if s.current is not None]
+
+    def _cancel_all(self) -> None:
+        for attempt in self._in_flight():
+            self._cancel(attempt)
+
+    def _cancel_stale_in_flight(self, updates: int) -> None:
+        for attempt in self._in_flight():
+            if updates - attempt.version > self.max_lag:
+                self._cancel(attempt)
+                self._cancelled += 1
+                self._resubmit(attempt.sample, "stale")
+
+    def _resubmit(self, sample: _Sample, cause: str) -> None:
+        self._resubmitted[cause] += 1
+        sample.attempt += 1
+        self._launch(sample)
+
+    # ----- outcomes ----------------------------------------------------------------------------
+    def _drain(self, timeout: float | None = None) -> None:
+        """Handle every finished rollout queued; wait up to `timeout` seconds for the first."""
+        try:
+            attempt = self._events.get(timeout=timeout) if timeout is not None else self._events.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(attempt)
+            try:
+                attempt = self._events.get_nowait()
+            except queue.Empty:
+                return
+
+    def _outcome(self, attempt: _Attempt) -> Session:
+        """The session an attempt ended with, relabelled; a stand-in when it has none."""
+        sample, group, future = attempt.sample, attempt.sample.group, attempt.future
+        labels = dict(task=group.task.id, group=group.id, sample=sample.index, attempt=attempt.number)
+        if future.cancelled():
+            return Session(**labels, status=Status.CANCELLED, detail="cancelled before it finished")
+        error = future.exception()
+        if error is not None:
+            if not attempt.cancelled:
+                raise error  # a source that raises is broken
+            return Session(**labels, status=Status.CANCELLED,
+                           detail=f"cancelled; the source then raised {type(error).__name__}: {error}")
+        session = future.result()
+        if not isinstance(session, Session):
+            if attempt.cancelled:
+                return Session(**labels, status=Status.CANCELLED,
+                               detail=f"cancelled; the source then returned {type(session).__name__}")
+            raise TypeError(f"the source resolved a future to {type(session).__name__}, not a Session")
+        return dataclasses.replace(session, **labels)
+
+    def _handle(self, attempt: _Attempt) -> None:
+        sample, group = attempt.sample, attempt.sample.group
+        latency = time.perf_counter() - attempt.submitted
+        if attempt.cancelled or sample.current is not attempt:
+            self._entries.append((self._outcome(attempt), "cancelled", latency, False))
+            return
+        sample.current = None  # finished, whatever it says: nothing left to cancel
+        session = self._outcome(attempt)
+        status = session.status
+        if status in (Status.INFRA_ERROR, Status.CANCELLED):
+            self._fail(sample, status.value, session, latency)
+            return
+        if status is Status.TRUNCATED and self.truncation == "score" and session.reward is None:
+            self._fail(sample, "unscored", session, latency)
+            return
+        if status in (Status.COMPLETED, Status.AGENT_ERROR) and session.reward is None:
+            raise ValueError(
+                f"the source reported a {status.value} session without a reward (task "
+                f"{group.task.id!r}, sample {sample.index}); a source reports an unscored session "
+                "as INFRA_ERROR")
+        if session.reward is not None and not math.isfinite(float(session.reward)):
+            raise ValueError(f"the source reported reward {session.reward} for task "
+                             f"{group.task.id!r}, sample {sample.index}; rewards must be finite")
+        if self._stale(session, attempt.version):
+            self._entries.append((session, "discarded", latency, False))
+            self._resubmit(sample, "stale")
+            return
+        sample.session, sample.latency, sample.logged = session, latency, None
+        group.finished.append(sample)
+        if len(group.finished) == self.groups:
+            self._complete(group)
+
+    def _stale(self, session: Session, submitted_version: int) -> bool:
+        oldest = min((call.version for call in session.calls), default=submitted_version)
+        return self._updates - oldest > self.max_lag
+
+    def _fail(self, sample: _Sample, cause: str, session: Session | None, latency) -> None:
+        sample.failures += 1
+        group = sample.group
+        if sample.failures < self.max_attempts:
+            if session is not None:
+                self._entries.append((session, "resubmitted", latency, False))
+            self._resubmit(sample, cause)
+            return
+        sample.given_up = True
+        if session is not None:
+            self._entries.append((session, "abandoned", latency, False))
+        if sum(not s.given_up for s in group.samples) < self.groups:
+            self._abandon(group)
+
+    def _complete(self, group: _Group) -> None:
+        group.state, group.order = "complete", next(self._order)
+        for sample in group.samples:  # the oversampled stragglers
+            if sample.current is not None:
+                self._cancel(sample.current)
+                self._cancelled += 1
+
+    def _settle(self, group: _Group, state: str, cause: str) -> None:
+        """End a group that will not train: cancel what runs, record what finished."""
+        group.state = state
+        for sample in group.samples:
+            if sample.current is not None:
+                self._cancel(sample.current)
+                self._cancelled += 1
+        for sample in group.finished:
+            self._entry(sample, cause)
+        group.finished = []
+
+    def _abandon(self, group: _Group) -> None:
+        self._abandoned += 1
+        self._settle(group, "abandoned", "abandoned")
+
+    def _entry(self, sample: _Sample, cause: str, trained: bool = False) -> None:
+        self._entries.append((sample.session, cause, sample.latency, trained))
+        sample.logged = cause
+
+    def _recheck_finished(self, updates: int) -> None:
+        """Discard finished rollouts that became too stale while they waited."""
+        for batch in list(self._batches.values()):
+            for group in batch.groups:
+                if group.state not in ("running", "complete"):
+                    continue
+                for sample in list(group.finished):
+                    if self._stale(sample.session, updates):
+                        group.finished.remove(sample)
+                        self._entry(sample, "discarded")
+                        sample.session = None
+                        if group.state == "complete":
+                            group.state = "running"
+                        self._resubmit(sample, "stale")
+
+    def _check_timeouts(self) -> tuple[bool, float | None]:
+        """Cancel rollouts past their deadline: (whether any was, seconds until the next one)."""
+        if self.timeout is None:
+            return False, None
+        now = time.perf_counter()
+        fired, next_deadline = False, None
+        for attempt in self._in_flight():
+            left = attempt.submitted + self.timeout - now
+            if left <= 0:
+                fired = True
+                self._cancel(attempt)
+                self._fail(attempt.sample, "timeout", None, None)
+            else:
+                next_deadline = left if next_deadline is None else min(next_deadline, left)
+        return fired, next_deadline
+
+    # ----- admission ---------------------------------------------------------------------------
+    def _admit(self, batch: _Batch) -> list[_Group]:
+        target = len(batch.groups) if self.admit is None else self.admit
+        if target > len(batch.groups):
+            raise ValueError(f"RolloutScheduler.admit={self.admit} exceeds the {len(batch.groups)} "
+                             "tasks of a batch; lower admit or raise the batch size")
+        admitted: list[_Group] = []
+        while True:
+            self._drain()
+            complete = sorted((g for g in batch.groups if g.state == "complete"), key=lambda g: g.order)
+            for group in complete:
+                if len(admitted) == target:
+                    break
+                self._place(group, admitted)
+            open_groups = [g for g in batch.groups if g.state in ("running", "complete")]
+            if len(admitted) == target or not open_groups:
+                break
+            fired, wait = self._check_timeouts()
+            if not fired:  # block until a rollout finishes or the next deadline passes
+                self._drain(timeout=1.0 if wait is None else min(wait + 1e-3, 1.0))
+        for group in batch.groups:
+            if group.state in ("running", "complete"):
+                self._settle(group, "surplus", "cancelled")
+        return admitted
+
+    def _place(self, group: _Group, admitted: list[_Group]) -> None:
+        """Admit a complete group when its chains fit the rows beside the admitted ones; else cut."""
+        sessions = [s.session for s in group.finished[:self.groups]]
+        alone = rows_needed(chain_lengths(sessions, self.width, self.truncation), self.width)
+        if alone > self.rows:
+            raise ValueError(
+                f"the group of task {group.task.id!r} packs into {alone} rows of width {self.width} "
+                f"on its own, more than rows={self.rows}; size rows for the chains a group can "
+                "split into (up to groups x calls per session)")
+        before = [s.session for g in admitted for s in g.finished[:self.groups]]
+        if rows_needed(chain_lengths(before + sessions, self.width, self.truncation), self.width) > self.rows:
+            self._cut += 1
+            for sample in group.finished:
+                self._entry(sample, "cut")
+            group.finished = []
+            group.state = "cut"
+            return
+        group.state = "admitted"
+        admitted.append(group)
+
+    # ----- recording ---------------------------------------------------------------------------
+    def _flush(self) -> None:
+        """Hand the settled sessions (and the finished ones still waiting, as pending) to
+        session_log."""
+        for batch in self._batches.values():
+            for group in batch.groups:
+                if group.state in ("running", "complete"):
+                    for sample in group.finished:
+                        if sample.logged is None:
+                            self._entry(sample, "pending")
+        entries, self._entries = self._entries, []
+        if self.session_log is None or not entries:
+            return
+        sessions, causes, latencies, trained = zip(*entries, strict=True)
+        self.session_log(SessionLog(self._updates, sessions, causes, latencies, trained))
+
+
+__all__ = ["Publisher", "RESUBMIT_CAUSES", "RolloutScheduler", "SchedulerRecord", "SessionLog",
+           "prompt_tasks", "task_ids"]
