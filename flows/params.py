@@ -91,7 +91,7 @@ class SFTParams(StageParams):
 
 class DPOParams(StageParams):
     steps: int = Field(120, ge=1, description="optimizer steps")
-    learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate")
+    learning_rate: float = Field(1e-5, gt=0, description="AdamW learning rate")
     beta: float = Field(0.1, gt=0, description="DPO beta: the scale of the log-ratio to the reference")
     nll_weight: float = Field(1.0, ge=0, description="weight of the chosen answers' NLL added to the "
                               "DPO loss (RPO); 0 is plain DPO")
@@ -104,7 +104,7 @@ class DPOParams(StageParams):
 
 class GRPOParams(StageParams):
     steps: int = Field(60, ge=1, description="optimizer steps")
-    learning_rate: float = Field(2e-4, gt=0, description="AdamW learning rate")
+    learning_rate: float = Field(2e-5, gt=0, description="AdamW learning rate")
     batch: int = Field(16, ge=1, description="prompts per step")
     groups: int = Field(4, ge=2, description="completions drawn per prompt")
     max_new_tokens: int = Field(16, ge=1, description="response budget per completion")
