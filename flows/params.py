@@ -84,7 +84,7 @@ class StageParams(Params):
 
 
 class SFTParams(StageParams):
-    steps: int = Field(1200, ge=1, description="optimizer steps")
+    steps: int = Field(1600, ge=1, description="optimizer steps")
     learning_rate: float = Field(3e-3, gt=0, description="peak AdamW learning rate")
     seq_len: int = Field(96, ge=8, description="tokens per packed row, less one")
 
@@ -99,7 +99,7 @@ class DPOParams(StageParams):
     pairs: Literal["policy", "data"] = Field(
         "policy", description="'policy': reference answers against the starting policy's own wrong "
         "greedy answers to the GRPO prompts; 'data': the prepared pairs file")
-    pair_prompts: int = Field(2000, ge=1, description="policy pairs: prompts the policy answers")
+    pair_prompts: int = Field(8000, ge=1, description="policy pairs: prompts the policy answers")
 
 
 class GRPOParams(StageParams):
