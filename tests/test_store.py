@@ -20,7 +20,7 @@ from dew_lib.objectives.rl.flow import FlowRolloutRecord
 from dew_lib.objectives.rl.sessions import Call, Session, Status
 from dew_lib.store import (Evaluation, Store, StoreBusy, StoreError, StoreNotFound, Verdict,
                            session_uid)
-from dew_lib.store.parts import Stream
+from dew_lib.store.parts import Stream, announced_swap, swap_count, swaps_since
 
 
 def call(seed, prompt=4, sampled=3, version=0, **extra):
@@ -288,6 +288,20 @@ def test_a_write_that_fails_on_the_writer_thread_is_raised_by_the_next_call(tmp_
         stage.metrics(1, {"loss": 1.0})
     with pytest.raises(StoreError):
         run.close()
+
+
+def test_a_query_knows_when_a_generation_swap_overlapped_it(tmp_path):
+    store = Store(tmp_path)
+    run = store.writer("r", background=False, compact_after=2, keep_loose=0)
+    stage = run.stage("sft")
+    stage.metrics(0, {"a": 1.0})
+    before = swap_count(store.directory)
+    assert not swaps_since(store.directory, before)
+    stage.metrics(1, {"a": 1.0})  # the second loose part: folded, one swap
+    assert swap_count(store.directory) == before + 1 and swaps_since(store.directory, before)
+    with announced_swap(store.directory):  # a swap in flight has not counted itself yet
+        assert swaps_since(store.directory, before + 1)
+    run.close()
 
 
 def test_queries_during_constant_compaction_see_whole_steps_only(tmp_path):

@@ -13,8 +13,12 @@ was renamed. Adding a part, or replacing the only part of a key by one with the 
 rename. Anything that removes rows (compaction, or a retry that rewrites a key an earlier attempt
 stored in several parts) builds a new generation directory (hard links to the parts it keeps plus
 the new ones) and swaps the link with one rename: readers see the old generation or the new one,
-never a mix. A reader that listed the old generation and opens a removed part afterwards gets a
-file-not-found error and retries (Store.sql does).
+never a mix, as long as it resolves the link once. DuckDB's glob does not: it lists a directory,
+then stats each name through the link again and silently skips names that are gone. So every
+link move, and the removal of a table's placeholder, happens under a shared lock on
+`store/.locks/_swap.lock`, which also grows by a byte per change; a reader that finds the file
+grown or the lock held after its query ran reruns it (`swaps_since`, used by Store.sql). A reader that listed the old generation and opens a part the
+new one dropped gets a file-not-found error and reruns too.
 
 The first write of a key in a writer's lifetime replaces whatever earlier lifetimes stored under
 that key; later writes of it in the same lifetime add parts. That is what makes a retried task
@@ -26,6 +30,7 @@ Not here: what the rows hold (schema.py, writer.py), views and queries (store.py
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -155,6 +160,38 @@ def held(path: str) -> bool:
     return False
 
 
+def swap_lock(store_dir: str) -> str:
+    return os.path.join(store_dir, ".locks", "_swap.lock")
+
+
+def swap_count(store_dir: str) -> int:
+    """How many generation swaps the store has seen (the size of its swap lock file)."""
+    try:
+        return os.path.getsize(swap_lock(store_dir))
+    except FileNotFoundError:
+        return 0
+
+
+def swaps_since(store_dir: str, count: int) -> bool:
+    """Whether a link moved since `swap_count` returned `count`, or one is moving now."""
+    # The lock first: a change counts itself before it lets go, so once the lock is seen free,
+    # the count has every change that started before.
+    return held(swap_lock(store_dir)) or swap_count(store_dir) != count
+
+
+@contextlib.contextmanager
+def announced_swap(store_dir: str):
+    """Hold the swap lock (shared) around a change that hides files from a listing in progress,
+    and count the change, so readers that overlapped it rerun."""
+    guard = FileLock(swap_lock(store_dir), shared=True, blocking=True)
+    try:
+        yield
+        with open(guard.path, "ab", buffering=0) as counter:
+            counter.write(b".")
+    finally:
+        guard.release()
+
+
 def _encode_keys(keys) -> bytes:
     """Sorted keys as JSON `[first, last]` runs: a long stage's contiguous steps stay short."""
     runs: list[list[int]] = []
@@ -195,6 +232,7 @@ class Stream:
                  compact_after: int = 4, keep_loose: int = 1, merge_after: int = 2,
                  target_bytes: int = 128 << 20):
         self.table, self.key_column = table, key_column
+        self.store_dir = store_dir
         self.link = os.path.join(store_dir, table, run, stage)
         self.home = os.path.join(store_dir, ".gens", table, run, stage)
         self.tmp = os.path.join(self.home, "tmp")
@@ -233,8 +271,9 @@ class Stream:
         relative = os.path.relpath(target, os.path.dirname(self.link))
         tmp = os.path.join(self.tmp, f"link-{uuid.uuid4().hex}")
         os.symlink(relative, tmp)
-        os.replace(tmp, self.link)  # one rename: readers follow the old target or the new one
-        fsync_dir(os.path.dirname(self.link))
+        with announced_swap(self.store_dir):
+            os.replace(tmp, self.link)  # one rename: readers follow the old target or the new one
+            fsync_dir(os.path.dirname(self.link))
 
     def _swap(self, drop: set[str], rewrite: dict[str, frozenset[int]], add: dict[str, str]) -> None:
         """A new generation: the current parts minus `drop`, compacted parts in `rewrite` without
@@ -299,7 +338,8 @@ class Stream:
             self.written[key] = seq + 1
         if os.path.exists(self.placeholder):
             try:  # the table has a part now; a second file would cost every scan of it
-                os.remove(self.placeholder)
+                with announced_swap(self.store_dir):
+                    os.remove(self.placeholder)
             except FileNotFoundError:
                 pass
         self.compact()

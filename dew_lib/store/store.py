@@ -8,8 +8,8 @@ missing or the directory moved. So any number of processes can query while runs 
 
 `Store.connect()` gives a fresh in-memory DuckDB connection with the same views and a memory
 limit (DuckDB's default, 80% of RAM, would compete with JAX); use one connection or cursor per
-thread. `Store.sql` runs a query and returns an Arrow table, retrying when a compaction removed a
-part between listing and reading it.
+thread. `Store.sql` runs a query and returns an Arrow table, rerunning it when a compaction moved a
+stream's parts while it ran (so it never answers from half a listing).
 
 Not here: writing (writer.py), the command line (cli.py).
 """
@@ -29,11 +29,12 @@ import duckdb
 import pyarrow as pa
 
 from dew_lib.store import rows as _rows
-from dew_lib.store.parts import FileLock, StoreError, fsync_dir, held, replace_file
+from dew_lib.store.parts import FileLock, StoreError, fsync_dir, held, replace_file, swap_count, swaps_since
 from dew_lib.store.schema import FORMAT, TABLES, empty, placeholder, view_sql
 from dew_lib.store.schema import glob as _glob
 
 DEFAULT_MEMORY_LIMIT = "1GB"
+RETRY_SECONDS = 60.0  # how long a query keeps rerunning while compactions overlap it
 
 
 class StoreNotFound(StoreError):
@@ -71,7 +72,7 @@ class Store:
         self.memory_limit = memory_limit or os.environ.get("DEW_DUCKDB_MEMORY_LIMIT", DEFAULT_MEMORY_LIMIT)
         self.threads = threads
         self._code_version: str | None = None
-        self.retries = 0  # queries rerun because a compaction removed a part they had listed
+        self.retries = 0  # queries rerun because a compaction overlapped them
         self._local = threading.local()  # Store.sql's connection, one per thread
 
     def __getstate__(self):
@@ -195,16 +196,28 @@ class Store:
         connection = getattr(self._local, "connection", None)
         if connection is None:  # views bind their globs at every query, so one connection sees new parts
             connection = self._local.connection = self.connect()
-        for attempt in range(6):
+        deadline, pause = time.monotonic() + RETRY_SECONDS, 0.002
+        while True:
+            # A compaction that moves a stream's link while the query lists its parts can hide
+            # parts from it (see parts.py), so a query that overlapped one runs again.
+            swaps = swap_count(self.directory)
             try:
-                return fetch(connection.sql(query, params=parameters))
-            except duckdb.IOException as error:
-                # A compaction swapped a stream's generation after this query listed its parts.
-                if attempt == 5 or "No such file" not in str(error):
+                result = fetch(connection.sql(query, params=parameters))
+                if not swaps_since(self.directory, swaps):
+                    return result
+            except duckdb.IOException as error:  # a part, or every part, vanished from its listing
+                vanished = "No such file" in str(error) or "No files found" in str(error)
+                if not (vanished and swaps_since(self.directory, swaps)):
                     raise
-                self.retries += 1
-                time.sleep(0.01 * (attempt + 1))
-        raise AssertionError("unreachable")
+                if time.monotonic() > deadline:
+                    raise StoreError(f"a query kept meeting compactions for {RETRY_SECONDS:.0f} s: "
+                                     f"{error}") from error
+            if time.monotonic() > deadline:
+                raise StoreError(f"a query kept overlapping compactions for {RETRY_SECONDS:.0f} s; "
+                                 "run it again once the writers are idle")
+            self.retries += 1
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
 
     def sql(self, query: str, parameters: Any = None) -> pa.Table:
         """Run one query and return its result as an Arrow table."""
