@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 
-.PHONY: run test bench setup clean
+.PHONY: run test bench setup clean sandbox-tools ui
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,17 +18,39 @@ $(STAMP): pyproject.toml | $(BIN)/python
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m dew_lib.demo
+	$(BIN)/python -m flows
 
-test: $(STAMP)
+# A local Prefect server (http://127.0.0.1:4200) with the pipeline, image pipeline and retraining deployments.
+ui: $(STAMP)
+	$(BIN)/python deployments/ui.py
+
+# bubblewrap, which dew_lib.sandbox.NamespaceRunner runs: installed with apt-get when missing and
+# this is root on a Debian-like system, a no-op when present; otherwise a note, and the tests that
+# need it skip saying why.
+sandbox-tools:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing bubblewrap (Debian package) for the namespace sandbox"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null 2>&1 || \
+	      { apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; } || \
+	      echo "warning: could not install bubblewrap; NamespaceRunner tests will skip"; \
+	  else \
+	    echo "note: bwrap is missing (Debian/Ubuntu: apt-get install bubblewrap); NamespaceRunner tests will skip"; \
+	  fi; }
+
+test: $(STAMP) sandbox-tools
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP) sandbox-tools
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/python bench/train_lm.py
 	$(BIN)/python bench/generate.py
 	$(BIN)/python bench/load_checkpoint.py
 	$(BIN)/python bench/load_data.py
+	$(BIN)/python bench/store.py
+	$(BIN)/python bench/sandbox.py
+	$(BIN)/python bench/native_server.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew_lib.models.decoder import KVCache
+from dew_lib.objectives.base import check_token_ids
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -197,8 +198,20 @@ def generate(model, variables: Any, prompt, prompt_length, *, key: jax.Array, ma
     """Sample up to `max_new_tokens` ids after each left-padded prompt row.
 
     prompt: `[B, P]` ids, real tokens at the right end. prompt_length: `[B]` real tokens per row
-    (at least 1). Compiles once per (model, B, P, max_new_tokens, sampling).
+    (at least 1). Compiles once per (model, B, P, max_new_tokens, sampling). Host (NumPy) prompts
+    are checked against the model's vocabulary first; device arrays only for their dtype, so a
+    rollout loop never waits on the device here.
     """
+    if np.ndim(prompt) != 2 or np.shape(prompt_length) != np.shape(prompt)[:1]:
+        raise ValueError(
+            f"generate needs prompt [B, P] and prompt_length [B]; got {np.shape(prompt)} and "
+            f"{np.shape(prompt_length)}"
+        )
+    if isinstance(prompt, np.ndarray | list | tuple):  # host ids: range and dtype checked here
+        check_token_ids("prompt", prompt, model)
+    elif not jnp.issubdtype(getattr(prompt, "dtype", jnp.int32), jnp.integer):
+        raise TypeError(f"prompt holds {prompt.dtype} values; token ids must be integers "
+                        "(convert with .astype(jnp.int32))")
     if isinstance(prompt_length, np.ndarray | list | tuple):  # host values: check without a sync
         lengths = np.asarray(prompt_length)
         if lengths.min(initial=1) < 1 or lengths.max(initial=0) > prompt.shape[1]:

@@ -3,7 +3,7 @@
 A sink is any object with `write(step, metrics)` and `close()`. Metrics arrive late, a window at
 a time, so writing never stalls the device. `ProgressBar` redraws one terminal line;
 `LineLog` prints one line per window (for logs and CI); `MemorySink` keeps everything (tests,
-notebooks); `JsonlSink` appends to a file.
+notebooks); `JsonlSink` appends to a file; `dew_lib.store.StoreSink` writes to the run store.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from typing import Protocol, TextIO
 
 class Sink(Protocol):
     """Receives metrics. A sink may also define `begin(first_step, total_steps)`, which `fit`
-    calls once before training (the progress displays use it)."""
+    calls once before training (the progress displays use it), `checkpoint(step, path)`, which
+    `fit` calls after each checkpoint it saves (the run store's sink records it), and
+    `note(step, text)`, which receives what `fit` decided without training: resuming from a
+    checkpoint, or finding nothing to train because `steps` is already reached."""
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
 
@@ -44,9 +47,15 @@ class ProgressBar:
         self.first = 0
         self.start = time.perf_counter()
         self.latest: dict[str, float] = {}
+        self.drawn = False  # whether the bar's line is open (close ends it)
 
     def begin(self, first: int, total: int) -> None:
         self.total, self.first, self.start = total, first, time.perf_counter()
+
+    def note(self, step: int, text: str) -> None:
+        self.stream.write(("\n" if self.drawn else "") + text + "\n")  # below the bar, if drawn
+        self.stream.flush()
+        self.drawn = False
 
     def write(self, step, metrics):
         self.latest.update(metrics)
@@ -60,10 +69,13 @@ class ProgressBar:
             line = line[: max(40, os.get_terminal_size(self.stream.fileno()).columns - 1)]
         self.stream.write(line)
         self.stream.flush()
+        self.drawn = True
 
     def close(self):
-        self.stream.write("\n")
-        self.stream.flush()
+        if self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.drawn = False
 
 
 class LineLog:
@@ -81,18 +93,26 @@ class LineLog:
         self.stream.write(f"{self.prefix}step {step}/{self.total or '?'} {_format(metrics)}\n")
         self.stream.flush()
 
+    def note(self, step: int, text: str) -> None:
+        self.stream.write(f"{self.prefix}{text}\n")
+        self.stream.flush()
+
     def close(self):
         pass
 
 
 class MemorySink:
-    """Keeps `(step, metrics)` pairs in `.history`."""
+    """Keeps `(step, metrics)` pairs in `.history` and `(step, text)` notes in `.notes`."""
 
     def __init__(self):
         self.history: list[tuple[int, dict[str, float]]] = []
+        self.notes: list[tuple[int, str]] = []
 
     def write(self, step, metrics):
         self.history.append((step, dict(metrics)))
+
+    def note(self, step, text):
+        self.notes.append((step, text))
 
     def series(self, name: str) -> list[tuple[int, float]]:
         return [(s, m[name]) for s, m in self.history if name in m]

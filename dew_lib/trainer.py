@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -32,6 +33,8 @@ from dew_lib.checkpoint import Checkpoints, CheckpointMismatch
 from dew_lib.data.dataset import Batch, Dataset, Partition
 from dew_lib.objectives.base import Metrics, Objective
 from dew_lib.sinks import Sink, default_sinks
+
+_LOG = logging.getLogger(__name__)
 
 Rollout = Callable[["TrainState", Batch, jax.Array], Batch]
 
@@ -276,8 +279,15 @@ class _Run:
                 stream_state = streams[self.partition.index]
             return restored, int(info["position"]), stream_state
         if state is None:
-            return trainer._init(trainer.init_key), 0, None
+            return None, 0, None  # built by execute once the first batch has been checked
         return state, int(state.step), None
+
+    def _note(self, step: int, text: str) -> None:
+        """Tell the sinks (those with a `note` method) and the log what fit is doing."""
+        _LOG.info("step %d: %s", step, text)
+        for sink in self.sinks:
+            if hasattr(sink, "note"):
+                sink.note(step, text)
 
     def execute(self, state):
         trainer = self.trainer
@@ -286,10 +296,25 @@ class _Run:
             if hasattr(sink, "begin"):
                 sink.begin(position, self.steps)
         if position >= self.steps:
-            return state
+            if self.last_checkpoint is not None:
+                self._note(position, f"nothing to train: the checkpoint {self.last_checkpoint} is "
+                                     f"already at step {position} of steps={self.steps}; returning "
+                                     "its state (raise steps to train further, or use a new directory)")
+            else:
+                self._note(position, f"nothing to train: steps={self.steps} and the state is at step "
+                                     f"{position}; returning it unchanged")
+            return trainer._init(trainer.init_key) if state is None else state
+        if self.last_checkpoint is not None:
+            self._note(position, f"resuming from the checkpoint {self.last_checkpoint}: steps "
+                                 f"{position + 1}..{self.steps} remain")
         stream = self.data.stream(self.partition, position, stream_state)
+        first = self._next(stream, position)
+        if trainer.rollout is None:
+            self._check(first)  # a batch this objective cannot read fails before anything compiles
+        if state is None:
+            state = trainer._init(trainer.init_key)
         for step in range(position, self.steps):
-            batch = self._next(stream, step)
+            batch, first = (first, None) if first is not None else (self._next(stream, step), None)
             if trainer.rollout is not None:
                 batch = trainer.rollout(state, batch, jax.random.fold_in(trainer.rollout_key, step))
             self._check(batch)
@@ -315,6 +340,9 @@ class _Run:
                     info["streams"] = _every_process(stream.state())
                 self.store.save(done, state, info)
                 self.last_checkpoint = f"{self.store.directory}/{done}"
+                for sink in self.sinks:  # e.g. the run store records where the checkpoint is
+                    if hasattr(sink, "checkpoint"):
+                        sink.checkpoint(done, self.last_checkpoint)
                 self.clock = time.perf_counter()
         self._deliver(include_open=True)
         return state

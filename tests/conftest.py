@@ -47,3 +47,14 @@ def shared_data():
     if not os.path.isdir(SHARED_DATA):
         pytest.skip(f"shared data not found at {SHARED_DATA}; set DEW_SHARED_DATA to its directory")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """Prefect's test harness (a temporary API and database), started once per test process for
+    every module that runs flows: starting it takes tens of seconds on a busy machine."""
+    pytest.importorskip("prefect")
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

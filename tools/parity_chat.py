@@ -1,6 +1,7 @@
-"""Write tests/fixtures/chat/trl_qwen3.json: token ids and assistant masks as TRL's SFT trainer makes them.
+"""Write tests/fixtures/chat/trl_qwen3.json and trl_qwen3_formats.json: token ids and masks as TRL's
+SFT and DPO trainers make them.
 
-    python tools/parity_chat.py [--tokenizer DIR] [--out FILE]
+    python tools/parity_chat.py [--tokenizer DIR] [--out FILE] [--formats-out FILE]
 
 Run it with any Python 3.11+. It creates tools/.venv-trl (git-ignored) on first use, installs
 torch 2.13.0 (the CPU wheel) and then TRL 1.12.0 there, and runs itself again inside that venv.
@@ -16,11 +17,20 @@ older revision of Qwen3's template that TRL refuses, so this script sets TRL's o
 Qwen3 template on it, lets the trainer swap in its training template, and stores that training
 template (the one the ids and masks came from) in the fixture. The test hands the same template
 to ChatMessages and expects identical ids and masks.
+
+The formats fixture holds two more record shapes. Prompt-completion conversations (`prompt` and
+`completion` message lists) as SFTTrainer prepares them with the same training template and
+`assistant_only_loss=True` (trained tokens: completion mask and assistant mask both 1). Preference
+pairs in TRL's conversational form (`prompt`, `chosen`, `rejected` message lists) as DPOTrainer
+tokenizes them with the tokenizer's own chat template: prompt ids, chosen ids and rejected ids,
+the answers' ids being what follows the prompt (rendered with the generation prompt) in each full
+render.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import os
@@ -37,6 +47,7 @@ TORCH_VERSION = "2.13.0"
 DEFAULT_TOKENIZER = ROOT.parent / "shared" / "data" / "tokenizers" / "qwen3"
 DEFAULT_GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 DEFAULT_OUT = ROOT / "tests" / "fixtures" / "chat" / "trl_qwen3.json"
+DEFAULT_FORMATS_OUT = ROOT / "tests" / "fixtures" / "chat" / "trl_qwen3_formats.json"
 
 WEATHER = {
     "type": "function",
@@ -122,6 +133,48 @@ def conversations(gsm8k: Path) -> list[dict]:
     ]
 
 
+def prompt_completions(gsm8k: Path) -> list[dict]:
+    """Prompt-completion rows for SFT: one turn, a multi-turn prompt, a tool call in the completion."""
+    first = json.loads(gsm8k.read_text(encoding="utf-8").splitlines()[0])
+    return [
+        {"prompt": [{"role": "user", "content": first["question"]}],
+         "completion": [{"role": "assistant", "content": first["answer"]}], "tools": None},
+        {"prompt": [{"role": "system", "content": "You are a terse assistant."},
+                    {"role": "user", "content": "Name a primary colour."},
+                    {"role": "assistant", "content": "Red."},
+                    {"role": "user", "content": "Another one?"}],
+         "completion": [{"role": "assistant", "content": "Blue."}], "tools": None},
+        {"prompt": [{"role": "system", "content": "Use tools when they help."},
+                    {"role": "user", "content": "What's the weather in Paris?"}],
+         "completion": [
+             {"role": "assistant", "reasoning_content": "I should call the weather tool.", "content": "",
+              "tool_calls": [{"type": "function",
+                              "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+             {"role": "tool", "name": "get_weather", "content": "{\"temp_c\": 18, \"sky\": \"cloudy\"}"},
+             {"role": "assistant", "reasoning_content": "The tool answered.",
+              "content": "It is 18 C and cloudy in Paris."}],
+         "tools": [WEATHER]},
+    ]
+
+
+def preferences() -> list[dict]:
+    """Conversational preference rows for DPO: one turn, a system prompt and history, tools."""
+    return [
+        {"prompt": [{"role": "user", "content": "What is 2 + 2?"}],
+         "chosen": [{"role": "assistant", "content": "4"}],
+         "rejected": [{"role": "assistant", "content": "5"}], "tools": None},
+        {"prompt": [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Name a primary colour."},
+                    {"role": "assistant", "content": "Red."},
+                    {"role": "user", "content": "Another one?"}],
+         "chosen": [{"role": "assistant", "content": "Blue."}],
+         "rejected": [{"role": "assistant", "content": "Purple, which is a primary colour."}], "tools": None},
+        {"prompt": [{"role": "user", "content": "Is it cold in Oslo?"}],
+         "chosen": [{"role": "assistant", "content": "Let me check the weather in Oslo for you."}],
+         "rejected": [{"role": "assistant", "content": "Oslo is always warm."}], "tools": [WEATHER]},
+    ]
+
+
 def ensure_venv() -> Path:
     python = VENV / "bin" / "python"
     if not python.exists():
@@ -187,6 +240,7 @@ def inside(args) -> None:
             "assistant_masks": [int(label != -100) for label in prepared["labels"]],
         })
     (template,) = templates
+    write_formats(args, model, template)
     fixture = {
         "about": "ids and assistant masks from TRL SFTTrainer(assistant_only_loss=True); "
                  "written by tools/parity_chat.py",
@@ -209,11 +263,78 @@ def inside(args) -> None:
     print(f"wrote {args.out}: {len(out)} conversations, {tokens} tokens, TRL {trl.__version__}")
 
 
+def write_formats(args, model, sft_template: str) -> None:
+    """Runs in tools/.venv-trl: prompt-completion rows through SFTTrainer, preference rows through
+    DPOTrainer, written to the formats fixture."""
+    import datasets
+    import transformers
+    import trl
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    shipped = Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja"
+    tokenizer.chat_template = shipped.read_text(encoding="utf-8")
+    completions = []
+    for row in prompt_completions(Path(args.gsm8k)):
+        dataset = datasets.Dataset.from_list(
+            [{"prompt": row["prompt"], "completion": row["completion"],
+              "tools": json.dumps(row["tools"]) if row["tools"] else None}])
+        with tempfile.TemporaryDirectory() as folder:
+            trainer = SFTTrainer(
+                model=model, processing_class=tokenizer, train_dataset=dataset,
+                args=SFTConfig(output_dir=folder, assistant_only_loss=True, max_length=None, packing=False,
+                               report_to="none", use_cpu=True),
+            )
+        assert trainer.chat_template == sft_template
+        seen, prepared = dataset[0], trainer.train_dataset[0]
+        completions.append({
+            "prompt": seen["prompt"], "completion": seen["completion"],
+            "tools": json.loads(seen["tools"]) if seen["tools"] else None,
+            "input_ids": list(prepared["input_ids"]),
+            "trained": [int(label != -100) for label in prepared["labels"]],
+        })
+    own = transformers.AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    pairs = []
+    for row in preferences():
+        dataset = datasets.Dataset.from_list(
+            [{"prompt": row["prompt"], "chosen": row["chosen"], "rejected": row["rejected"],
+              "tools": json.dumps(row["tools"]) if row["tools"] else None}])
+        with tempfile.TemporaryDirectory() as folder:
+            trainer = DPOTrainer(
+                model=model, ref_model=copy.deepcopy(model), processing_class=own, train_dataset=dataset,
+                args=DPOConfig(output_dir=folder, max_length=None, report_to="none", use_cpu=True),
+            )
+        seen, prepared = dataset[0], trainer.train_dataset[0]
+        pairs.append({
+            "prompt": seen["prompt"], "chosen": seen["chosen"], "rejected": seen["rejected"],
+            "tools": json.loads(seen["tools"]) if seen["tools"] else None,
+            "prompt_ids": list(prepared["prompt_ids"]), "chosen_ids": list(prepared["chosen_ids"]),
+            "rejected_ids": list(prepared["rejected_ids"]),
+        })
+    fixture = {
+        "about": "prompt-completion ids and trained-token masks from TRL SFTTrainer(assistant_only_loss=True) "
+                 "with its Qwen3 training template, and conversational preference ids from TRL DPOTrainer "
+                 "with the tokenizer's own template; written by tools/parity_chat.py",
+        "trl_version": trl.__version__,
+        "trl_revision": args.revision,
+        "transformers_version": transformers.__version__,
+        "tokenizer": Path(args.tokenizer).name,
+        "sft_chat_template": sft_template,
+        "prompt_completions": completions,
+        "preferences": pairs,
+    }
+    text = json.dumps(fixture, indent=1, ensure_ascii=False)
+    text = re.sub(r"\[(\s*-?\d+,?)+\s*\]", lambda m: json.dumps(json.loads(m.group(0))), text)
+    Path(args.formats_out).write_text(text + "\n", encoding="utf-8")
+    print(f"wrote {args.formats_out}: {len(completions)} prompt-completion rows, {len(pairs)} preference pairs")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER))
     parser.add_argument("--gsm8k", default=str(DEFAULT_GSM8K))
     parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument("--formats-out", default=str(DEFAULT_FORMATS_OUT))
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--revision", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -224,7 +345,8 @@ def main() -> None:
     revision = wheel_sha256(python)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     subprocess.run([str(python), __file__, "--inside", "--revision", revision, "--tokenizer", args.tokenizer,
-                    "--gsm8k", args.gsm8k, "--out", args.out], check=True, env=env)
+                    "--gsm8k", args.gsm8k, "--out", args.out, "--formats-out", args.formats_out],
+                   check=True, env=env)
 
 
 if __name__ == "__main__":

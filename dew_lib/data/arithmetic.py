@@ -1,7 +1,8 @@
 """The demo task: two-number arithmetic asked and answered in a chat template.
 
-Small enough that a tiny decoder learns it on two CPU cores in minutes, with an answer that
-is checked exactly (the last integer in the reply), so every stage's effect is measurable.
+Small enough that a tiny decoder learns it on two CPU cores in minutes, with an answer that is
+checked exactly, so every stage's effect is measurable. Answers end in `\boxed{n}`, the form
+`MathReward` grades, and `near_misses` gives the plausible wrong answers DPO pairs reject.
 """
 
 from __future__ import annotations
@@ -37,9 +38,19 @@ def problems(count: int, seed: int, largest: int = 99) -> list[Problem]:
     return out
 
 
-def solution(problem: Problem) -> str:
+def solution(problem: Problem, answer: int | None = None) -> str:
+    """The worked answer, `a + b = \boxed{c}` (with `answer` in place of the right one if given)."""
     expression = problem.question.removeprefix("What is ").removesuffix("?")
-    return f"{expression} = {problem.answer}"
+    return f"{expression} = \\boxed{{{problem.answer if answer is None else answer}}}"
+
+
+def near_misses(problem: Problem, rng: random.Random, count: int = 1) -> list[int]:
+    """Wrong answers a model that half-learned the task gives: off by one or ten, digits swapped."""
+    a = problem.answer
+    swapped = int(str(abs(a))[::-1]) * (1 if a >= 0 else -1)
+    options = sorted({a + 1, a - 1, a + 10, a - 10, swapped} - {a})
+    options = [o for o in options if o >= 0] or [a + 1]
+    return rng.sample(options, min(count, len(options)))
 
 
 _INTEGER = re.compile(r"-?\d+")

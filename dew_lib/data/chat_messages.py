@@ -1,10 +1,13 @@
 """ChatMessages: conversations with a chat template's role per token, packed for SFT.
 
-Reads one conversation per record from Parquet, JSON lines or a Hugging Face dataset: the
-`column` field (default `messages`), or verl's `prompt` field when the record has no such column,
-plus an optional `tools` field of tool schemas (a list, or a JSON string of one). Roles come from
-the tokenizer's chat template (template.py); `load(batch=B)` packs whole conversations first-fit
-into `[B, L + 1]` rows:
+Reads one conversation per record from Parquet, JSON lines or a Hugging Face dataset, in one of
+three shapes (formats.py): the `column` field of messages (default `messages`); a prompt and a
+completion (`prompt`/`completion`, strings or message lists, or the columns `columns` names, such
+as GSM8K's question and answer), where only the completion is trained; or verl's `prompt` field
+of messages. An optional `tools` field holds tool schemas (a list, or a JSON string of one).
+`load()` checks every record's shape and messages; the chat template runs when the stream reaches
+a record. Roles come from the template (template.py); `load(batch=B)` packs whole conversations
+first-fit into `[B, L + 1]` rows:
 
     text              token ids, `pad_id` where nothing is packed
     text_roles        Role per token (int8), Role.NONE on padding
@@ -22,19 +25,19 @@ rows.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from dew_lib.data import formats
 from dew_lib.data.dataset import Batch, Dataset
 from dew_lib.data.encoders import ChatEncoder
 from dew_lib.data.loader import Pipeline, as_dataset, check_batch_size
 from dew_lib.data.loading import Loading
-from dew_lib.data.readers import DataError, HFOptions, PathLike, read_rows, require_columns
-from dew_lib.data.template import check_boundaries, check_messages, label
+from dew_lib.data.readers import DataError, HFOptions, PathLike, Rows, read_rows
+from dew_lib.data.template import Conversation, check_boundaries, check_messages, label
 from dew_lib.data.tokenizer import Renderer, TokenizerSpec, resolve_template
 
 OVERFLOW = ("truncate", "raise")
@@ -68,15 +71,6 @@ class ChatLayout:
                 "text_positions": positions}
 
 
-def _parse_json_field(value: Any, name: str, where: str) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{where}: field {name!r} is a string but not valid JSON ({error.msg})") from None
-    return value
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChatMessages:
     """Conversations for SFT; see the module docstring for the batch layout.
@@ -85,7 +79,10 @@ class ChatMessages:
       dataset id or directory, read with `split` and `options`.
     tokenizer: a local tokenizer directory or a Hub name already in the local cache.
     seq_len: L, the number of predictions per row; rows hold L + 1 tokens.
-    column: the field holding each conversation; verl's `prompt` is used when it is absent.
+    column: the field holding each conversation's messages; without it, a record is read as a
+      prompt and a completion, or (verl) as the messages of `prompt`.
+    columns: which fields hold the prompt, completion and tools, e.g. {"prompt": "question",
+      "completion": "answer"} for GSM8K; naming prompt or completion selects that shape.
     val_path, val_split: validation conversations (default split: `split`).
     chat_template: template text or a .jinja path to use instead of the tokenizer's own.
     template_kwargs: extra variables for the template, e.g. {"enable_thinking": False}.
@@ -98,6 +95,7 @@ class ChatMessages:
     tokenizer: str | os.PathLike
     seq_len: int
     column: str = "messages"
+    columns: Mapping[str, str] | None = None
     split: str | None = None
     options: HFOptions | None = None
     val_path: PathLike | Sequence[PathLike] | None = None
@@ -123,6 +121,7 @@ class ChatMessages:
             raise TypeError(f"ChatMessages.loading must be a Loading, got {type(self.loading).__name__}")
         if self.template_kwargs is not None and not isinstance(self.template_kwargs, Mapping):
             raise TypeError("ChatMessages.template_kwargs must be a mapping of template variables")
+        formats.check_columns("ChatMessages", self.columns, formats.CHAT_COLUMNS)
 
     # ----- pieces ---------------------------------------------------------------------------------
 
@@ -139,36 +138,71 @@ class ChatMessages:
         check_boundaries(renderer)
         return renderer
 
-    def conversations(self, path=None, split=None) -> list[tuple[list, list | None, str]]:
-        """(messages, tools, where) of every record of `path` (default: the training path)."""
+    def conversations(self, path=None, split=None) -> list[Conversation]:
+        """Every record of `path` (default: the training path) as a checked Conversation."""
         rows = read_rows(self.path if path is None else path, split=split or self.split,
                          options=self.options, threads=self.loading.threads)
-        column = self.column
-        if column not in rows.columns and "prompt" in rows.columns:
-            column = "prompt"
-        require_columns(rows, [column], "ChatMessages conversations")
-        messages_column = rows.column(column)
-        tools_column = rows.column("tools") if "tools" in rows.columns else [None] * len(rows)
+        return self.read(rows)
+
+    def shape(self, rows: Rows) -> str:
+        """Which shape the source holds: 'messages', 'prompt-completion' or 'verl'."""
+        names = formats.check_columns("ChatMessages", self.columns, formats.CHAT_COLUMNS)
+        asked = self.columns is not None and ({"prompt", "completion"} & set(self.columns))
+        if self.column in rows.columns and not asked:
+            return "messages"
+        if asked or names["completion"] in rows.columns:
+            missing = [names[n] for n in ("prompt", "completion") if names[n] not in rows.columns]
+            if missing:
+                raise DataError(
+                    f"{rows.source}: prompt-completion records need the fields {names['prompt']!r} "
+                    f"and {names['completion']!r}, but no record has {missing[0]!r}; the fields are "
+                    f"{list(rows.columns)}. Set ChatMessages(columns={{'prompt': ..., 'completion': ...}})"
+                )
+            return "prompt-completion"
+        if names["prompt"] in rows.columns:
+            return "verl"
+        raise DataError(
+            f"{rows.source}: missing column {self.column!r} and no prompt/completion fields; the "
+            f"columns are {list(rows.columns)}. ChatMessages reads messages from {self.column!r} (set "
+            "column=...), or a prompt and a completion (set columns={'prompt': ..., 'completion': ...}, "
+            "e.g. for question and answer)"
+        )
+
+    def read(self, rows: Rows) -> list[Conversation]:
+        """Check every record's shape and messages (no template needed) and return them."""
+        names = formats.check_columns("ChatMessages", self.columns, formats.CHAT_COLUMNS)
+        shape = self.shape(rows)
+        wanted = {"messages": [self.column], "verl": [names["prompt"]],
+                  "prompt-completion": [names["prompt"], names["completion"]]}[shape]
+        fields = dict.fromkeys([*wanted, names["tools"]])
+        values = {name: rows.column(name) for name in fields}  # only the columns read
         out = []
-        for index, (messages, tools) in enumerate(zip(messages_column, tools_column, strict=True)):
+        for index in range(len(rows)):
+            record = {name: column[index] for name, column in values.items()}
             where = f"conversation {index} ({rows.where(index)})"
+            tools = formats.tools_field(record.get(names["tools"]), names["tools"], where)
+            if shape == "prompt-completion":
+                messages, context = formats.prompt_and_completion(record, names, where)
+                out.append(Conversation(messages, tools, where, context))
+                continue
+            (column,) = wanted
+            messages = record.get(column)
             if messages is None:
                 raise DataError(
-                    f"{where}: missing column {self.column!r} (and no verl 'prompt' column); set "
-                    "ChatMessages(column=...) to the field that holds the messages"
+                    f"{where}: missing column {column!r}; every record needs its messages there (set "
+                    "ChatMessages(column=...) to the field that holds them)"
                 )
-            messages = _parse_json_field(messages, column, where)
+            messages = formats.parse_json_field(messages, column, where)
             check_messages(messages, where)
-            tools = _parse_json_field(tools, "tools", where)
-            if tools is not None and not isinstance(tools, list):
-                raise DataError(f"{where}: field 'tools' must be a list of tool schemas, got {type(tools).__name__}")
-            out.append((list(messages), tools or None, where))
+            out.append(Conversation(list(messages), tools, where))
         return out
 
-    def tokenize(self, messages: Sequence[Mapping], tools: Sequence | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Ids and roles of one conversation, to look at before a real run."""
+    def tokenize(self, messages: Sequence[Mapping], tools: Sequence | None = None, *,
+                 context: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Ids and roles of one conversation, to look at before a real run. `context`: how many
+        leading messages are the prompt of a prompt-completion record (see template.Conversation)."""
         check_messages(messages, "conversation")
-        return label(self.renderer(), list(messages), tools, "conversation")
+        return label(self.renderer(), list(messages), tools, "conversation", context)
 
     # ----- the Dataset ----------------------------------------------------------------------------
 

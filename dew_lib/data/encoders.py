@@ -19,7 +19,7 @@ from dew_lib.data.tokenizer import TokenizerSpec, shipment
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChatEncoder:
-    """(messages, tools, where) conversations -> (ids int32, roles int8), cut or refused past `width`."""
+    """Conversation tuples -> (ids int32, roles int8), cut or refused past `width`."""
 
     spec: TokenizerSpec
     width: int
@@ -27,7 +27,8 @@ class ChatEncoder:
 
     def __call__(self, records: Sequence[tuple]) -> list[tuple[np.ndarray, np.ndarray]]:
         out = []
-        for (ids, roles), (_, _, where) in zip(label_many(self.spec.renderer(), records), records, strict=True):
+        for (ids, roles), record in zip(label_many(self.spec.renderer(), records), records, strict=True):
+            where = record[2]
             if ids.size > self.width:
                 if self.overflow == "raise":
                     raise DataError(

@@ -30,7 +30,7 @@ the messages before the next boundary share the later message's role.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -45,19 +45,51 @@ class TemplateRewrite(DataError):
     """A chat template changed tokens of an earlier render, so prefixes cannot assign roles."""
 
 
+class Conversation(NamedTuple):
+    """One conversation to label. `context`: how many leading messages are the prompt of a
+    prompt-completion record. A prompt with an assistant turn in it is labelled Role.NONE as a
+    whole (and only its whole render must be a prefix of the completion's), so an SFT loss on
+    Role.ASSISTANT trains the completion alone; a prompt of system and user messages keeps their
+    roles."""
+
+    messages: list
+    tools: list | None
+    where: str
+    context: int = 0
+
+
+def _context(conversation: Sequence) -> int:
+    return conversation[3] if len(conversation) > 3 else 0
+
+
 def check_messages(messages: Any, where: str) -> None:
-    """Refuse what is not a conversation: a non-empty list of {role, ...} mappings that starts
-    with a system or user message and uses only the roles system, user, assistant and tool."""
+    """Refuse what is not a conversation, before any template runs.
+
+    A conversation is a non-empty list of mappings, each with a `role` among system, user,
+    assistant and tool, starting with a system or user message. Every message has `content`: a
+    string, or a list of content parts (mappings with a `type`); an assistant message may leave it
+    out (or null) when it has `tool_calls`. `tool_calls` is a list of calls, each a mapping whose
+    `function` (or the call itself) has a string `name` and `arguments` as a mapping or a JSON
+    string. A null field counts as absent, as the templates see it.
+    """
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise DataError(f"{where}: expected a non-empty list of messages, got {_brief(messages)}")
+        raise DataError(f"{where}: expected a non-empty list of messages, got {brief(messages)}")
     for k, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise DataError(f"{where}: message {k} is {_brief(message)}, not a mapping with a 'role'")
+            raise DataError(f"{where}: message {k} is {brief(message)}, not a mapping with a 'role'")
         role = message.get("role")
         if role not in ROLES:
+            hint = ""
+            if role is None and "from" in message:
+                hint = ("; this looks like ShareGPT's layout ('from'/'value'): convert each message to "
+                        "{'role': ..., 'content': ...}")
             raise DataError(
-                f"{where}: message {k} has unknown role {role!r}; use one of {sorted(ROLES)}"
+                f"{where}: message {k} has unknown role {role!r}; use one of {sorted(ROLES)}{hint}"
             )
+        _check_content(message, k, role, where)
+        calls = message.get("tool_calls")
+        if calls is not None:
+            _check_tool_calls(calls, k, where)
     first = messages[0]["role"]
     if first not in ("system", "user"):
         raise DataError(
@@ -66,7 +98,55 @@ def check_messages(messages: Any, where: str) -> None:
         )
 
 
-def _brief(value: Any) -> str:
+_CONTENT_LOOKALIKES = ("text", "value", "message", "body", "response")
+
+
+def _check_content(message: Mapping, k: int, role: str, where: str) -> None:
+    content = message.get("content")
+    if content is None:
+        if role == "assistant" and message.get("tool_calls") is not None:
+            return
+        fields = sorted(name for name, value in message.items() if value is not None)
+        lookalike = next((name for name in _CONTENT_LOOKALIKES if name in fields), None)
+        fix = (f"rename its {lookalike!r} field to 'content'" if lookalike else
+               "give every message a 'content' string (an assistant message may have 'tool_calls' "
+               "instead)")
+        raise DataError(f"{where}: message {k} ({role}) has no 'content' (its fields are {fields}); {fix}")
+    if isinstance(content, str):
+        return
+    if isinstance(content, (list, tuple)):
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+                raise DataError(
+                    f"{where}: message {k} ({role}) content part {j} is {brief(part)}; a content "
+                    "list holds parts such as {'type': 'text', 'text': ...}"
+                )
+        return
+    raise DataError(
+        f"{where}: message {k} ({role}) has content {brief(content)}; content must be a string "
+        "or a list of content parts"
+    )
+
+
+def _check_tool_calls(calls: Any, k: int, where: str) -> None:
+    if not isinstance(calls, (list, tuple)):
+        raise DataError(f"{where}: message {k} has tool_calls {brief(calls)}; expected a list of calls")
+    for j, call in enumerate(calls):
+        function = call.get("function", call) if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise DataError(
+                f"{where}: message {k} tool call {j} is {brief(call)}; a call is "
+                "{'type': 'function', 'function': {'name': ..., 'arguments': ...}}"
+            )
+        arguments = function.get("arguments")
+        if arguments is not None and not isinstance(arguments, (Mapping, str)):
+            raise DataError(
+                f"{where}: message {k} tool call {j} ({function['name']}) has arguments "
+                f"{brief(arguments)}; give a mapping or a JSON string"
+            )
+
+
+def brief(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
 
@@ -91,9 +171,15 @@ def check_boundaries(renderer: Renderer) -> None:
         )
 
 
-def _blocks(messages: Sequence[Mapping]) -> list[tuple[int, int, str]]:
-    """(start, end, role) runs: each assistant message alone, other roles grouped while equal."""
+def _blocks(messages: Sequence[Mapping], context: int = 0) -> list[tuple[int, int, str]]:
+    """(start, end, role) runs: each assistant message alone, other roles grouped while equal.
+
+    A context prompt (`messages[:context]`) that holds an assistant turn is one block of role
+    "context": only its render as a whole has to be a prefix of the completion's.
+    """
     blocks, i = [], 0
+    if context and any(m["role"] == "assistant" for m in messages[:context]):
+        blocks, i = [(0, context, "context")], context
     while i < len(messages):
         role, j = messages[i]["role"], i + 1
         if role != "assistant":
@@ -127,9 +213,9 @@ def _rewrite(renderer: Renderer, where: str, what: str, short: list[int], long: 
     )
 
 
-def _requests(messages: Sequence[Mapping]) -> list[tuple[int, int, str, int | None, int, bool]]:
+def _requests(messages: Sequence[Mapping], context: int = 0) -> list[tuple[int, int, str, int | None, int, bool]]:
     """Per block: (start, end, role, header prefix length or None, full prefix length, soft)."""
-    blocks = _blocks(messages)
+    blocks = _blocks(messages, context)
     out = []
     for b, (start, end, role) in enumerate(blocks):
         following = blocks[b + 1][2] if b + 1 < len(blocks) else "assistant"
@@ -163,14 +249,17 @@ def _assemble(renderer: Renderer, plan, ids: Sequence[list[int]], where: str) ->
             roles.extend([Role.NONE] * (shared - len(previous)))
             roles.extend([Role.ASSISTANT] * (len(tokens) - shared))
         else:
-            roles.extend([ROLES[role]] * (len(tokens) - len(previous)))
+            roles.extend([ROLES.get(role, Role.NONE)] * (len(tokens) - len(previous)))  # context: NONE
         previous = tokens
     return np.asarray(previous, np.int32), np.asarray(roles, np.int8)
 
 
 def label(renderer: Renderer, messages: Sequence[Mapping], tools: Sequence | None,
-          where: str) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids (int32) and roles (int8) of one conversation; see the module docstring."""
+          where: str, context: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (int32) and roles (int8) of one conversation; see the module docstring.
+
+    context: the number of leading prompt messages (see Conversation).
+    """
     texts: list[str] = []
 
     def render(count, generation=False, soft=False):
@@ -186,7 +275,7 @@ def label(renderer: Renderer, messages: Sequence[Mapping], tools: Sequence | Non
             ) from None
 
     plan, bases, previous = [], [], None
-    for start, end, role, header, full, soft in _requests(messages):
+    for start, end, role, header, full, soft in _requests(messages, context):
         if header is not None:
             header = render(header, generation=True)
             if header is not None:
@@ -200,21 +289,22 @@ def label(renderer: Renderer, messages: Sequence[Mapping], tools: Sequence | Non
 
 
 def label_many(renderer: Renderer, conversations: Sequence[tuple]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """`label` for (messages, tools, where) conversations, rendering and encoding them together.
+    """`label` for Conversation tuples (messages, tools, where[, context]), rendering and encoding
+    them together.
 
     Conversations without tool schemas share two batched renders and one tokenizer call, which
     saves the per-call overhead of transformers; anything that fails there is redone one at a
     time so that errors and skipped boundaries come out exactly as `label` gives them.
     """
     out: list = [None] * len(conversations)
-    batched = [i for i, (_, tools, _) in enumerate(conversations) if not tools]
+    batched = [i for i, conversation in enumerate(conversations) if not conversation[1]]
     requests: list[tuple[Sequence[Mapping], bool]] = []  # (prefix, with generation prompt)
     bases: list[int | None] = []  # the render each one extends: the previous full render
     plans = {}
     for i in batched:
         messages = conversations[i][0]
         plan, previous = [], None
-        for start, end, role, header, full, _ in _requests(messages):
+        for start, end, role, header, full, _ in _requests(messages, _context(conversations[i])):
             if header is not None:
                 requests.append((messages[:header], True))
                 bases.append(previous)
@@ -238,10 +328,10 @@ def label_many(renderer: Renderer, conversations: Sequence[tuple]) -> list[tuple
         ids = renderer.encode_extending(texts, bases)
         for i in batched:
             out[i] = _assemble(renderer, plans[i], ids, conversations[i][2])
-    for i, (messages, tools, where) in enumerate(conversations):
+    for i, conversation in enumerate(conversations):
         if out[i] is None:
-            out[i] = label(renderer, messages, tools, where)
+            out[i] = label(renderer, *conversation[:3], _context(conversation))
     return out
 
 
-__all__ = ["ROLES", "TemplateRewrite", "check_boundaries", "check_messages", "label", "label_many"]
+__all__ = ["ROLES", "Conversation", "TemplateRewrite", "brief", "check_boundaries", "check_messages", "label", "label_many"]

@@ -57,6 +57,27 @@ def load_tokenizer(name: str | os.PathLike) -> Any:
         return _TOKENIZERS.setdefault(key, tokenizer)
 
 
+def vocab_size_for(tokenizer: Any, multiple: int = 128) -> int:
+    """The smallest model `vocab_size` that holds every id `tokenizer` produces, rounded up.
+
+    `tokenizer` is a loaded Hugging Face tokenizer or a directory (loaded with `load_tokenizer`).
+    The count is `len(tokenizer)`, which includes added special tokens such as `<|im_end|>`, or
+    one past the largest id in the vocabulary when that is larger; `tokenizer.vocab_size` leaves
+    the added tokens out (151,643 for Qwen3, whose ids reach 151,668). `multiple` rounds the size
+    up (128: 151,680 for Qwen3), which keeps the embedding and output matmuls on aligned shapes;
+    pass 1 for the exact count.
+    """
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+        raise ValueError(f"vocab_size_for(multiple=...) must be a positive integer, got {multiple!r}")
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(tokenizer)
+    if not hasattr(tokenizer, "get_vocab"):
+        raise TypeError(f"vocab_size_for needs a Hugging Face tokenizer or its directory, got "
+                        f"{type(tokenizer).__name__}")
+    count = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+    return -(-count // multiple) * multiple
+
+
 _ADDED: dict[int, tuple] = {}  # id(tokenizer) -> (tokenizer, starters, spans); holds the tokenizer
 
 
@@ -207,4 +228,5 @@ class Renderer:
         return self.tokenizer.decode(list(ids))
 
 
-__all__ = ["Renderer", "TokenizerSpec", "install_tokenizer", "load_tokenizer", "resolve_template", "shipment"]
+__all__ = ["Renderer", "TokenizerSpec", "install_tokenizer", "load_tokenizer", "resolve_template", "shipment",
+           "vocab_size_for"]

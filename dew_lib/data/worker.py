@@ -145,6 +145,9 @@ class WorkerPool:
 
 
 def main() -> None:
+    from dew_lib.quiet import drop_torch_notice
+
+    drop_torch_notice()  # unpickling the tokenizer imports transformers in this process
     requests, answers = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # a stray print must not corrupt the answer channel
     while True:

@@ -2,18 +2,75 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
 
 from dew_lib.models.decoder import CausalTransformer, KVCache, RMSNorm
+from dew_lib.models.dit import SimpleDiT
 from dew_lib.models.pretrained import Pretrained, load_pretrained
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
 
+def options_of(module: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(required, optional) constructor options of a Flax module class, in declaration order."""
+    fields = [f for f in dataclasses.fields(module) if f.init and f.name not in ("parent", "name")]
+    required = tuple(f.name for f in fields
+                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    return required, tuple(f.name for f in fields if f.name not in required)
+
+
+def check_options(module: type, options: Mapping[str, Any]) -> None:
+    """Refuse unknown or missing options, listing the valid names (and the closest to a typo);
+    `build` puts the model's name in front of the message."""
+    required, optional = options_of(module)
+    valid = required + optional
+    unknown = [name for name in options if name not in valid]
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise TypeError(
+            f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; the "
+            f"required options are {', '.join(required)} and the optional ones "
+            f"{', '.join(optional)}"
+        )
+    missing = [name for name in required if name not in options]
+    if missing:
+        raise TypeError(
+            f"missing required option{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(missing)}; the required options are {', '.join(required)}"
+        )
+
+
+_SIZES = ("vocab_size", "emb_features", "num_layers", "num_heads", "mlp_features", "max_seq_len")
+
+
+def _check_sizes(options: Mapping[str, Any]) -> None:
+    """Sizes that would otherwise fail only when the model is first traced, checked at build."""
+    for field in (*_SIZES, "num_kv_heads", "head_dim"):
+        value = options.get(field)
+        if value is None and field not in _SIZES:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field} must be a positive integer, got {value!r}")
+    heads, kv_heads = options["num_heads"], options.get("num_kv_heads") or options["num_heads"]
+    if heads % kv_heads:
+        raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads} (grouped-query "
+                         "attention shares each key/value head among a whole group of query heads)")
+    if options.get("head_dim") is None and options["emb_features"] % heads:
+        raise ValueError(f"emb_features={options['emb_features']} does not divide into num_heads={heads}; "
+                         "change one of them or set head_dim explicitly")
+
+
 def _causal_transformer(**options: Any) -> CausalTransformer:
+    check_options(CausalTransformer, options)
+    _check_sizes(options)
     for field in ("dtype", "param_dtype"):
         if isinstance(options.get(field), str):
             name = options[field]
@@ -35,10 +92,11 @@ def build(name: str, **options: Any):
         raise ValueError(f"unknown model {name!r}; registered models: {sorted(REGISTRY)}")
     try:
         return REGISTRY[name](**options)
-    except TypeError as error:
-        raise TypeError(f"models.build({name!r}): {error}") from None
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"models.build({name!r}): {error}") from None
 
 
 __all__ = [
-    "CausalTransformer", "KVCache", "RMSNorm", "Pretrained", "build", "load_pretrained", "REGISTRY",
+    "CausalTransformer", "KVCache", "RMSNorm", "Pretrained", "SimpleDiT", "build", "check_options",
+    "load_pretrained", "options_of", "REGISTRY",
 ]

@@ -336,6 +336,18 @@ class CausalTransformer(nn.Module):
                                   vocab_major=vocab_major, chunk=self.head_chunk,
                                   compute_dtype=self.dtype, entropy=entropy)
 
+    def id_logits(self, hidden, ids):
+        """Logits of the given ids only: hidden `[..., E]`, ids `[...]` -> float32 `[...]`.
+
+        Reads one output row per id instead of projecting onto the whole vocabulary, for scoring
+        over a small recorded support.
+        """
+        if self.tie_embeddings:
+            rows = self.embed_tokens.embedding[ids]
+        else:
+            rows = jnp.moveaxis(jnp.take(self.lm_head.kernel, ids, axis=1), 0, -1)
+        return jnp.einsum("...e,...e->...", hidden.astype(jnp.float32), rows.astype(jnp.float32))
+
     def hidden(self, tokens, segment_ids=None, positions=None, *, return_kv=False):
         """Final normed hidden states `[B, S, E]` (and each layer's keys and values if asked)."""
         b, s = tokens.shape

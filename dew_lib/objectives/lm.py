@@ -18,6 +18,7 @@ import numpy as np
 from dew_lib.data.chat import Role
 from dew_lib.data.dataset import describe
 from dew_lib.objectives.base import LossTerms, Metrics, check_token_ids
+from dew_lib.objectives.policy import check_pretrained, check_seq_len, initial_variables
 
 OPTIONAL_FIELDS = ("text_roles", "text_segment_ids", "text_positions")
 
@@ -69,21 +70,10 @@ class LMObjective:
 
     def __init__(self, model, seq_len: int, *, pretrained: Any = None,
                  loss_role: Role | int | None = None, ema_decay: float | None = 0.999):
-        if seq_len <= 0:
-            raise ValueError(f"LMObjective.seq_len must be positive, got {seq_len}")
-        max_len = getattr(model, "max_seq_len", None)
-        if max_len is not None and seq_len > max_len:
-            raise ValueError(
-                f"LMObjective.seq_len={seq_len} exceeds the model's max_seq_len={max_len}; "
-                f"build the model with max_seq_len >= {seq_len} or shorten seq_len"
-            )
+        check_seq_len("LMObjective", model, seq_len)
         if ema_decay is not None and not 0.0 <= ema_decay <= 1.0:
             raise ValueError(f"LMObjective.ema_decay must be in [0, 1] or None, got {ema_decay}")
-        if pretrained is not None and "params" not in pretrained:
-            raise ValueError(
-                "LMObjective.pretrained must be a full Flax variables mapping with its outer "
-                "'params' collection, such as a TrainState's .params"
-            )
+        check_pretrained("LMObjective", pretrained)
         self.model = model
         self.seq_len = seq_len
         self.pretrained = pretrained
@@ -91,11 +81,7 @@ class LMObjective:
         self.ema_decay = ema_decay
 
     def init(self, key, variables=None):
-        if variables is not None:
-            return variables
-        if self.pretrained is not None:
-            return jax.tree.map(jnp.asarray, self.pretrained)
-        return self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
+        return initial_variables(self.model, self.pretrained, key, self.seq_len, variables)
 
     def check_batch(self, batch: Mapping[str, Any]) -> None:
         """Refuse a batch whose fields or shapes this objective cannot read, on the host."""

@@ -62,6 +62,11 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
+        if not path.parent.is_dir():
+            raise FileNotFoundError(
+                f"{path.parent}: no such directory; load_pretrained reads a local Hugging Face "
+                "checkpoint directory (config.json, model.safetensors, tokenizer files); download "
+                "the checkpoint there first (Dew does not download)") from None
         raise FileNotFoundError(f"{path} not found; a Hugging Face checkpoint needs one") from None
 
 

@@ -1,0 +1,40 @@
+"""The deployments, served from this process: the pipeline and the image pipeline to start from
+the UI with edited parameters, and a nightly retraining on a cron schedule. `make ui` runs this
+beside a local Prefect server; on a team's server, run it (or `prefect deploy` with prefect.yaml
+and a process worker) where the repository and its data are.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # flows/ and tasks/ import the same way from here as from make run
+    sys.path.insert(0, ROOT)
+
+from prefect import serve  # noqa: E402
+
+from flows.flow_grpo import flow_grpo_pipeline  # noqa: E402
+from flows.pipeline import pipeline  # noqa: E402
+from flows.retrain import retrain  # noqa: E402
+
+RETRAIN_CRON = os.environ.get("DEW_RETRAIN_CRON", "0 3 * * *")
+
+
+def deployments():
+    return [
+        pipeline.to_deployment(
+            name="pipeline", tags=["dew"],
+            description="Data prep, SFT, DPO, GRPO and evaluation; edit any parameter in the form"),
+        flow_grpo_pipeline.to_deployment(
+            name="flow-grpo", tags=["dew"],
+            description="Flow-matching pre-training of a small diffusion transformer, then Flow-GRPO"),
+        retrain.to_deployment(
+            name="retrain-nightly", cron=RETRAIN_CRON, tags=["dew"],
+            description="Retrain on the current data; promote only when held-out accuracy improves"),
+    ]
+
+
+if __name__ == "__main__":
+    serve(*deployments())

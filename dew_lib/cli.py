@@ -1,0 +1,166 @@
+"""The `dew` command: query the run store from a shell, also while runs are writing it.
+
+    dew sql "SELECT update, avg(reward) FROM sessions GROUP BY update ORDER BY update"
+    dew sql --csv "SELECT * FROM metrics WHERE name = 'loss'" > loss.csv
+    dew runs                      # every run with its stages, status and headline metrics
+    dew schema [TABLE]            # the tables and what their columns hold
+
+`--store PATH` (default: $DEW_STORE, else `runs`) is the project directory, its `dew.duckdb` or
+its `store/` directory. A query that fails (bad SQL, an unknown table) or a store that does not
+exist prints one message to stderr and exits with status 1.
+
+Not here: writing the store (dew_lib.store), running stages (the Prefect flows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import decimal
+import json
+import math
+import os
+import sys
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-ready value: NaN and infinities become null, times ISO strings."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, decimal.Decimal):
+        return _plain(float(value))
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, (bytes, bytearray)):
+        return value.hex()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, datetime.datetime):
+        return value.strftime("%Y-%m-%d %H:%M:%S")
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(_plain(value), separators=(",", ":"))
+    return str(value)
+
+
+def render_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int) -> str:
+    """An aligned text table; cells longer than max_width are cut with an ellipsis."""
+    def cut(text: str) -> str:
+        text = text.replace("\n", "\\n")
+        return text if max_width <= 0 or len(text) <= max_width else text[: max_width - 1] + "…"
+
+    cells = [[cut(_cell(v)) for v in row] for row in rows]
+    numeric = [all(isinstance(row[i], (int, float, decimal.Decimal)) and not isinstance(row[i], bool)
+                   for row in rows if row[i] is not None) for i in range(len(columns))]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip(),
+             "-+-".join("-" * w for w in widths)]
+    for row in cells:
+        lines.append(" | ".join(v.rjust(w) if num else v.ljust(w)
+                                for v, w, num in zip(row, widths, numeric, strict=True)).rstrip())
+    lines.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(lines)
+
+
+def emit(columns: Sequence[str], rows: Sequence[Sequence[Any]], form: str, max_width: int, out) -> None:
+    if form == "csv":
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(columns)
+        for row in rows:
+            writer.writerow(["" if v is None else json.dumps(_plain(v)) if isinstance(v, (dict, list, tuple))
+                             else _plain(v) for v in row])
+    elif form == "json":
+        records = [json.dumps({c: _plain(v) for c, v in zip(columns, row, strict=True)}, allow_nan=False)
+                   for row in rows]  # one record per line: greppable, and still one JSON array
+        out.write("[\n" + ",\n".join(records) + "\n]\n" if records else "[]\n")
+    else:
+        out.write(render_table(columns, rows, max_width) + "\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dew", description="Query Dew's run store.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def add_store(sub):
+        sub.add_argument("--store", default=os.environ.get("DEW_STORE", "runs"),
+                         help="project directory, its dew.duckdb or its store/ (default: $DEW_STORE or runs)")
+
+    def add_format(sub):
+        group = sub.add_mutually_exclusive_group()
+        group.add_argument("--csv", dest="form", action="store_const", const="csv", help="print CSV")
+        group.add_argument("--json", dest="form", action="store_const", const="json", help="print a JSON array")
+        sub.add_argument("--max-width", type=int, default=48,
+                         help="cut table cells longer than this (0: never; tables only)")
+
+    sql = commands.add_parser("sql", help="run a SQL query over the store's views")
+    sql.add_argument("query", help='e.g. "SELECT * FROM runs"')
+    add_store(sql)
+    add_format(sql)
+    runs = commands.add_parser("runs", help="list runs with their stages, status and headline metrics")
+    add_store(runs)
+    add_format(runs)
+    schema = commands.add_parser("schema", help="describe the store's tables")
+    schema.add_argument("table", nargs="?", help="one table (default: all)")
+    return parser
+
+
+def _schema(table: str | None, out) -> int:
+    from dew_lib.store.schema import TABLES
+
+    if table is not None and table not in TABLES:
+        print(f"dew: no table {table!r}; the tables are {', '.join(TABLES)}", file=sys.stderr)
+        return 1
+    for name, spec in TABLES.items():
+        if table in (None, name):
+            key = f" (rows keyed by {spec.key})" if spec.key else ""
+            out.write(f"{name}: {spec.about}{key}\n")
+            for column, kind, about in spec.columns:
+                out.write(f"  {column:<20} {str(kind):<24} {about}\n")
+            out.write("\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    out = sys.stdout
+    try:
+        if args.command == "schema":
+            return _schema(args.table, out)
+        import duckdb
+
+        from dew_lib.store import Store, StoreError
+
+        store = Store(args.store)
+        try:
+            if args.command == "sql":
+                columns, rows = store.rows(args.query)
+            else:
+                columns, rows = store.runs()
+        except (duckdb.Error, StoreError) as error:
+            print(f"dew: {error}", file=sys.stderr)
+            return 1
+        emit(columns, rows, args.form or "table", args.max_width, out)
+        out.flush()
+    except BrokenPipeError:  # `dew sql ... | head`: the reader left; that is not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

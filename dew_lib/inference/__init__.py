@@ -1,0 +1,13 @@
+"""Inference for rollouts: the `RolloutServer` contract and Dew's native continuous-batching server.
+
+`RolloutServer` (submit a token-id prompt, get a future `Draw`; load new weights under a version)
+is what the asynchronous GRPO scheduler and its sources draw from. `Server` batches requests
+continuously in JAX; `NativeRolloutServer(Server.from_task(ServeTask(...), slots=, capacity=))`
+drives it on a background thread. See docs/inference.md.
+"""
+
+from dew_lib.inference.base import Draw, RolloutServer, ServerClosed
+from dew_lib.inference.native import NativeRolloutServer
+from dew_lib.inference.server import ServeTask, Server
+
+__all__ = ["Draw", "NativeRolloutServer", "RolloutServer", "ServeTask", "Server", "ServerClosed"]

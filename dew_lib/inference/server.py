@@ -1,0 +1,434 @@
+"""Continuous batching in JAX: a fixed set of slots that requests join and leave between calls.
+
+`Server` owns a KV cache of `slots` rows, `capacity` ids each, and the weights it serves. A
+request joins a free slot with one compiled prefill (its prompt right-padded to a power-of-two
+bucket, so a handful of widths cover every prompt) that writes the prompt's keys and values into
+that row and samples its first id. Each `step` is then one compiled call that decodes every slot
+together, up to `steps` ids per slot, and returns early as soon as any request finishes, so its
+slot can be refilled and its draw delivered. Free and finished slots are carried along untouched.
+Shapes never change: a server compiles one decode and one prefill per bucket for its whole life
+(shared with every other server of the same model, sampling and shape), and `compilations`
+counts them.
+
+Several decode steps per call keep the device busy between the host's visits: on a shared CPU a
+call costs milliseconds of thread hand-offs, as much as a small model's step. `steps=1` makes
+every decode step its own call; a larger `steps` delays a request arriving for a free slot, a
+weight swap and a cancellation by at most that many steps.
+
+Each slot keeps its own PRNG key: id i of a request with seed s is drawn with
+`fold_in(key(s), i)` from that row's logits alone, exactly as `dew_lib.sampling.generate` draws
+row 0 of a one-row batch with `key=jax.random.key(s)`. A draw therefore does not depend on its
+slot or on the requests that share the batch.
+
+`Server` is single-threaded: one caller drives `add`, `cancel`, `step` and `reload`. The
+background thread, futures and queueing live in `NativeRolloutServer`.
+
+Not here: prefix caching, paged attention, speculative decoding, multi-device sharding of the
+served model, top-k supports in the draw (the scheduler's filtered-sampling training input).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections import deque
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew_lib.inference.base import Draw
+from dew_lib.models.decoder import KVCache
+from dew_lib.sampling import Sampling, _is_eos, sample
+
+MIN_BUCKET = 16  # the narrowest prefill; shorter prompts share it
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class ServeTask:
+    """What a server needs to draw from a policy: the model, its weights and how to sample.
+
+    model: a decoder with `prefill`, `decode` and `empty_cache` (the causal transformer).
+    variables: its Flax variables (`{"params": ...}`), e.g. a TrainState's `params`.
+    sampling: temperature, filters and EOS ids for every request.
+    dtype: cast floating leaves to this dtype for serving (e.g. `jnp.bfloat16` for a float32
+    trainer); None serves them as given. Later `load`s are cast to the served dtypes. The
+    model's own `dtype` stays its compute dtype.
+    version: the version number of `variables` (draws report it until the first load).
+    """
+
+    model: Any
+    variables: Any
+    sampling: Sampling = Sampling()
+    dtype: Any = None
+    version: int = 0
+
+    def __post_init__(self):
+        missing = [m for m in ("prefill", "decode", "empty_cache") if not hasattr(self.model, m)]
+        if missing:
+            raise ValueError(
+                f"ServeTask.model must be a decoder with prefill, decode and empty_cache; "
+                f"{type(self.model).__name__} lacks {', '.join(missing)}")
+        if not isinstance(self.sampling, Sampling):
+            raise ValueError(f"ServeTask.sampling must be a dew_lib.sampling.Sampling, got {self.sampling!r}")
+        if self.dtype is not None and not jnp.issubdtype(self.dtype, jnp.floating):
+            raise ValueError(f"ServeTask.dtype must be a floating dtype or None, got {self.dtype!r}")
+        _check_version(self.version, "ServeTask.version")
+
+
+class _State(NamedTuple):
+    """Everything the device keeps per slot between steps."""
+
+    cache: KVCache
+    last: jax.Array  # [S] int32: the id sampled last, fed to the next step
+    keys: jax.Array  # [S] PRNG keys, one per request
+    count: jax.Array  # [S] int32: ids sampled so far
+    budget: jax.Array  # [S] int32: max_new_tokens
+    live: jax.Array  # [S] bool: still decoding
+
+
+def _sample_rows(logits, keys, sampling: Sampling):
+    """`sample` applied to each row with that row's own key: ids, raw and behavior log-probs `[S]`."""
+    one = jax.vmap(lambda row, key: sample(row[None], key, sampling))
+    ids, raw, behavior = one(logits, keys)
+    return ids[:, 0], raw[:, 0], behavior[:, 0]
+
+
+# Traces of the compiled functions by what selects their executable: a trace is a compilation.
+TRACES: collections.Counter = collections.Counter()
+
+
+def _signature(model, sampling, variables, slots, capacity):
+    dtypes = tuple(str(x.dtype) for x in jax.tree.leaves(variables))
+    return (model, sampling, slots, capacity, dtypes)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "sampling", "steps"), donate_argnames=("state",))
+def _decode(model, sampling, steps, variables, state: _State):
+    """Decode steps over every slot until one of them finishes, none is live, or `steps` ran.
+
+    Returns the state and, per step and slot `[steps, S]`, the sampled id, its raw and behavior
+    log-probs and whether that slot emitted it (false for slots that were not live and for steps
+    that did not run).
+    """
+    slots, capacity = state.live.shape[0], state.cache.keys[0].shape[2]
+    TRACES["decode", steps, *_signature(model, sampling, variables, slots, capacity)] += 1
+
+    def one(carry):
+        i, _, state, (ids_out, raw_out, behavior_out, emitted_out) = carry
+        logits, cache = model.apply(variables, state.last, state.cache, state.live, method=model.decode)
+        keys = jax.vmap(jax.random.fold_in)(state.keys, state.count)
+        ids, raw, behavior = _sample_rows(logits, keys, sampling)
+        live = state.live
+        count = state.count + live.astype(jnp.int32)
+        stop = live & (_is_eos(ids, sampling) | (count >= state.budget))
+        state = _State(cache, jnp.where(live, ids, state.last), state.keys, count, state.budget,
+                       live & ~stop)
+        out = (ids_out.at[i].set(ids), raw_out.at[i].set(raw), behavior_out.at[i].set(behavior),
+               emitted_out.at[i].set(live))
+        return i + 1, jnp.any(stop), state, out
+
+    def going(carry):
+        i, finished, state, _ = carry
+        return (i < steps) & ~finished & jnp.any(state.live)
+
+    slots = state.live.shape[0]
+    zeros = jnp.zeros((steps, slots), jnp.float32)
+    out = (jnp.zeros((steps, slots), jnp.int32), zeros, zeros, jnp.zeros((steps, slots), bool))
+    _, _, state, out = jax.lax.while_loop(going, one, (jnp.int32(0), jnp.bool_(False), state, out))
+    return state, out
+
+
+@functools.partial(jax.jit, static_argnames=("model", "sampling"), donate_argnames=("state",))
+def _prefill(model, sampling, variables, state: _State, prompt, length, slot, seed, budget):
+    """Fill row `slot` with one right-padded prompt `[1, W]` and sample its first id."""
+    width = prompt.shape[1]
+    slots, capacity = state.live.shape[0], state.cache.keys[0].shape[2]
+    TRACES["prefill", width, *_signature(model, sampling, variables, slots, capacity)] += 1
+    columns = jnp.arange(width, dtype=jnp.int32)[None]
+    segments = (columns < length).astype(jnp.int32)  # 0 marks the padding after the prompt
+    logits, kvs = model.apply(variables, prompt, segments, columns, method=model.prefill)
+    key = jax.random.key(seed)
+    last = jax.lax.dynamic_slice_in_dim(logits[0], length - 1, 1)  # [1, V]
+    ids, raw, behavior = sample(last, jax.random.fold_in(key, 0), sampling)
+
+    def write(rows, new):  # new [1, W, KV, D] -> row `slot`, columns [0, W) of [S, KV, T, D]
+        new = new.transpose(0, 2, 1, 3).astype(rows.dtype)
+        return jax.lax.dynamic_update_slice(rows, new, (slot, 0, 0, 0))
+
+    cache = KVCache(
+        tuple(write(rows, k) for rows, (k, _) in zip(state.cache.keys, kvs, strict=True)),
+        tuple(write(rows, v) for rows, (_, v) in zip(state.cache.values, kvs, strict=True)),
+        state.cache.lengths.at[slot].set(length),
+    )
+    first = ids[0]
+    stop = _is_eos(first, sampling) | (budget <= 1)
+    state = _State(cache, state.last.at[slot].set(first), state.keys.at[slot].set(key),
+                   state.count.at[slot].set(1), state.budget.at[slot].set(budget),
+                   state.live.at[slot].set(~stop))
+    return state, (first, raw[0], behavior[0])
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _release(state: _State, slot):
+    return state._replace(live=state.live.at[slot].set(False))
+
+
+def _check_version(version, name):
+    if isinstance(version, bool) or not isinstance(version, int | np.integer):
+        raise ValueError(f"{name} must be an int, got {version!r}")
+
+
+def _buckets(capacity: int) -> tuple[int, ...]:
+    widths = [w for w in (MIN_BUCKET << i for i in range(32)) if w < capacity]
+    return (*widths, capacity)
+
+
+class _Request:
+    """Host-side record of one request in a slot."""
+
+    __slots__ = ("key", "slot", "budget", "version", "ids", "raw", "behavior", "done")
+
+    def __init__(self, key, slot, budget, version):
+        self.key, self.slot, self.budget, self.version = key, slot, budget, version
+        self.ids: list[int] = []
+        self.raw: list[float] = []
+        self.behavior: list[float] = []
+        self.done = False
+
+
+class Server:
+    """A continuous-batching decoder over `slots` rows of `capacity` ids each.
+
+    Use `Server.from_task(task, slots=..., capacity=..., steps=16)`. `add` puts a request into a
+    free slot, `step` decodes every slot (at most `steps` ids, fewer once a request finishes) and
+    returns the draws that finished, `cancel` frees a request's slot, `reload` swaps the weights
+    between two calls. A request needs `len(prompt_ids) + max_new_tokens <= capacity`.
+    """
+
+    def __init__(self, model, variables, *, sampling: Sampling, slots: int, capacity: int,
+                 steps: int = 16, version: int = 0):
+        for name, value in (("slots", slots), ("capacity", capacity), ("steps", steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Server.{name} must be a positive int, got {value!r}")
+        if capacity < 2:
+            raise ValueError(f"Server.capacity must be >= 2 (one prompt id and one sampled id), got {capacity}")
+        limit = getattr(model, "max_seq_len", None)
+        if limit is not None and capacity > limit:
+            raise ValueError(
+                f"Server.capacity={capacity} exceeds the model's max_seq_len={limit}; lower the "
+                f"capacity or build the model with max_seq_len >= {capacity}")
+        _check_version(version, "Server version")
+        self.model, self.sampling = model, sampling
+        self.slots, self.capacity, self.steps = slots, capacity, steps
+        self.version = int(version)
+        # A copy of its own: a trainer that donates its state must not delete the served weights.
+        self.variables = jax.tree.map(lambda x: jnp.array(x, copy=True), variables)
+        self.vocab_size = getattr(model, "vocab_size", None)
+        self.buckets = _buckets(capacity)
+
+        def zeros():  # a buffer of its own: the state is donated leaf by leaf
+            return jnp.zeros((slots,), jnp.int32)
+
+        self._state = _State(
+            model.empty_cache(slots, capacity), zeros(),
+            jax.vmap(jax.random.key)(jnp.zeros((slots,), jnp.uint32)), zeros(), zeros(),
+            jnp.zeros((slots,), bool))
+        self._owners: list[_Request | None] = [None] * slots
+        self._by_key: dict[Hashable, _Request] = {}
+        self._events: deque = deque()  # dispatched prefills whose first ids are not read yet
+
+    @classmethod
+    def from_task(cls, task: ServeTask, *, slots: int, capacity: int, steps: int = 16) -> Server:
+        """A server for `task`'s model, weights (cast to `task.dtype`) and sampling.
+
+        slots: requests decoded together. capacity: cache length per slot, prompt plus sampled
+        ids. steps: decode steps per compiled call, at most.
+        """
+        if not isinstance(task, ServeTask):
+            raise ValueError(
+                f"Server.from_task needs a dew_lib.inference.ServeTask(model, variables, sampling), "
+                f"got {type(task).__name__}")
+        variables = jax.tree.map(jnp.asarray, task.variables)
+        if task.dtype is not None:
+            variables = jax.tree.map(
+                lambda x: x.astype(task.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                variables)
+        return cls(task.model, variables, sampling=task.sampling, slots=slots, capacity=capacity,
+                   steps=steps, version=task.version)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def check(self, prompt_ids, max_new_tokens: int, seed: int | None) -> np.ndarray:
+        """The prompt as int32 ids, after refusing what this server cannot serve."""
+        prompt = np.asarray(prompt_ids)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise ValueError(f"prompt_ids must be a nonempty 1-D sequence of ids, got shape {prompt.shape}")
+        if not (np.issubdtype(prompt.dtype, np.integer) and prompt.dtype != np.bool_):
+            raise ValueError(f"prompt_ids must be integer token ids, got dtype {prompt.dtype}")
+        low, high = int(prompt.min()), int(prompt.max())
+        if low < 0 or (self.vocab_size is not None and high >= self.vocab_size):
+            raise ValueError(
+                f"prompt_ids must lie in [0, {self.vocab_size}), the model's vocabulary; got ids "
+                f"from {low} to {high}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) \
+                or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if prompt.size >= self.capacity:
+            raise ValueError(
+                f"a prompt of {prompt.size} ids is too long for the server's capacity="
+                f"{self.capacity} ids per slot, which must hold the prompt and its sampled ids; "
+                f"shorten the prompt or build the server with capacity >= "
+                f"{prompt.size + max_new_tokens}")
+        if prompt.size + max_new_tokens > self.capacity:
+            raise ValueError(
+                f"a prompt of {prompt.size} ids plus max_new_tokens={max_new_tokens} exceeds the "
+                f"server's capacity={self.capacity} ids per slot; lower max_new_tokens to "
+                f"{self.capacity - prompt.size} or build the server with capacity >= "
+                f"{prompt.size + max_new_tokens}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer)
+                                 or not 0 <= seed < 2**32):
+            raise ValueError(f"seed must be None or an int in [0, 2**32), got {seed!r}")
+        return prompt.astype(np.int32)
+
+    @property
+    def compilations(self) -> dict[str, int]:
+        """Compilations of this server's decode and prefills (all buckets) in this process.
+
+        Servers of the same model, sampling, steps, shape and weight dtypes share them.
+        """
+        sig = _signature(self.model, self.sampling, self.variables, self.slots, self.capacity)
+        return {"decode": TRACES["decode", self.steps, *sig],
+                "prefill": sum(TRACES["prefill", w, *sig] for w in self.buckets)}
+
+    @property
+    def free(self) -> int:
+        """Slots a request can join now."""
+        return sum(owner is None for owner in self._owners)
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request holds a slot or any dispatched step is still unread."""
+        return bool(self._events) or any(owner is not None for owner in self._owners)
+
+    def add(self, key: Hashable, prompt_ids, max_new_tokens: int, *, seed: int = 0) -> None:
+        """Start a request in a free slot: prefill its prompt and sample its first id.
+
+        key names the request in `step`'s results and in `cancel`. Raises if no slot is free.
+        """
+        prompt = self.check(prompt_ids, max_new_tokens, seed)
+        if key in self._by_key:
+            raise ValueError(f"a request named {key!r} is already in a slot")
+        slot = next((i for i, owner in enumerate(self._owners) if owner is None), None)
+        if slot is None:
+            raise RuntimeError(f"all {self.slots} slots are busy; step until `free` is positive")
+        width = next(w for w in self.buckets if w >= prompt.size)
+        padded = np.zeros((1, width), np.int32)
+        padded[0, :prompt.size] = prompt
+        request = _Request(key, slot, int(max_new_tokens), self.version)
+        self._state, out = _prefill(
+            self.model, self.sampling, self.variables, self._state, padded, np.int32(prompt.size), np.int32(slot),
+            np.uint32(seed), np.int32(max_new_tokens))
+        self._owners[slot] = request
+        self._by_key[key] = request
+        self._events.append((request, out))
+
+    def cancel(self, key: Hashable) -> bool:
+        """Stop the request named `key` and free its slot; False if it is not in a slot."""
+        request = self._by_key.pop(key, None)
+        if request is None:
+            return False
+        request.done = True
+        self._owners[request.slot] = None
+        self._state = _release(self._state, np.int32(request.slot))
+        return True
+
+    def step(self) -> list[tuple[Hashable, Draw]]:
+        """Decode every slot until a request finishes (at most `steps` ids each); return the draws
+        that finished.
+
+        One compiled call; with no request in a slot it only reads back what `add` left unread.
+        """
+        finished: list[tuple[Hashable, Draw]] = []
+        if any(owner is not None for owner in self._owners):
+            self._state, out = _decode(self.model, self.sampling, self.steps, self.variables,
+                                       self._state)
+            self._events.append((tuple(self._owners), out))
+        while self._events:
+            self._read(*self._events.popleft(), finished)
+        return finished
+
+    def _read(self, owners, out, finished):
+        ids, raw, behavior, *emitted = jax.device_get(out)
+        if isinstance(owners, _Request):  # a prefill: one id for one request
+            self._record(owners, int(ids), float(raw), float(behavior), finished)
+            return
+        (emitted,) = emitted
+        for step, slot in zip(*np.nonzero(emitted), strict=True):  # in step order per slot
+            request = owners[slot]
+            if request is not None:
+                self._record(request, int(ids[step, slot]), float(raw[step, slot]),
+                             float(behavior[step, slot]), finished)
+
+    def _record(self, request: _Request, token, raw, behavior, finished):
+        if request.done:  # cancelled after this step was dispatched
+            return
+        request.ids.append(token)
+        request.raw.append(raw)
+        request.behavior.append(behavior)
+        eos = token in self.sampling.eos_ids
+        if eos or len(request.ids) >= request.budget:
+            request.done = True
+            self._owners[request.slot] = None
+            del self._by_key[request.key]
+            finished.append((request.key, Draw(
+                ids=np.array(request.ids, np.int32), behavior_log_probs=request.behavior,
+                raw_log_probs=request.raw, eos=eos, version=request.version)))
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    def prepare(self, variables) -> Any:
+        """A copy of `variables` on the served devices in the served dtypes, checked against them.
+
+        Safe to call from any thread; `reload` then swaps it in. Always copies, so the caller may
+        donate or delete its own arrays afterwards.
+        """
+        served, structure = jax.tree.flatten(self.variables)
+        leaves, given = jax.tree.flatten(variables)
+        if given != structure:
+            raise ValueError(
+                f"load got a variables tree that differs from the served one; served {structure}, "
+                f"got {given}")
+        out = []
+        for path_leaf, old, new in zip(jax.tree_util.tree_leaves_with_path(self.variables), served,
+                                       leaves, strict=True):
+            path = jax.tree_util.keystr(path_leaf[0])
+            new = new if isinstance(new, jax.Array) else np.asarray(new)
+            if tuple(new.shape) != tuple(old.shape):
+                raise ValueError(f"load: {path} has shape {tuple(new.shape)}, the served weights "
+                                 f"have {tuple(old.shape)}")
+            if new.dtype != old.dtype:
+                if not (jnp.issubdtype(old.dtype, jnp.floating) and jnp.issubdtype(new.dtype, jnp.floating)):
+                    raise ValueError(f"load: {path} has dtype {new.dtype}, the served weights have "
+                                     f"{old.dtype}; only floating leaves are cast")
+                new = new.astype(old.dtype)  # a fresh array on the source device
+                out.append(jax.device_put(new, old.sharding))
+            else:
+                out.append(jax.device_put(new, old.sharding, may_alias=False))
+        return jax.tree.unflatten(structure, out)
+
+    def reload(self, variables, version: int, *, prepared: bool = False) -> None:
+        """Serve `variables` as `version` from the next step on.
+
+        Requests already in a slot keep generating on the new weights; their draw reports the
+        oldest version they ran under. `prepared=True` skips `prepare` for a tree it returned.
+        """
+        _check_version(version, "load version")
+        self.variables = variables if prepared else self.prepare(variables)
+        self.version = int(version)
+        for request in self._by_key.values():
+            request.version = min(request.version, self.version)
+

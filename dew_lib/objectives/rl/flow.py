@@ -1,0 +1,414 @@
+"""Flow-GRPO: train a rectified-flow policy on its own recorded SDE transitions against a reward.
+
+`FlowRollout` (the Trainer's rollout hook) repeats every source row `groups` times, samples
+each copy's path with the objective's `FlowSDE`, decodes the final states to images in [-1, 1],
+scores them with the reward on the host, and turns the scores into group-relative advantages
+(population standard deviation plus 1e-4, float64 until the float32 advantages). It returns the
+first `train_steps` transitions of every path:
+
+    latents, next_latents      [N, K, *latent]   float32   the state before / after transition k
+    timesteps, next_timesteps  [N, K]            float32
+    old_log_probs              [N, K]            float32   joint log density at sampling time
+    transition_mask            [N, K]            bool      stochastic and advantage != 0
+    advantages                 [N]               float32
+    rewards                    [N]               float64   (a diagnostic on the device)
+    the condition fields       [N, *shape]                 repeated with their groups
+
+`FlowGRPOObjective.terms` rescores every transition under the live parameters. The ratio is
+`exp((log p_new - log p_old) / D)` with D the coordinates of a latent (the released
+implementation's mean per-coordinate log likelihood), the surrogate is PPO's clipped one with
+advantages clipped to `adv_clip_max`, and with `beta > 0` each transition adds `beta` times the
+per-coordinate conditional Gaussian KL to the frozen starting policy (kept in the EMA slot),
+whose variance includes the elapsed time. The loss is the mean over kept stochastic transitions.
+
+Not here: multi-process rollouts (generation on every rank with rewards on rank zero), reward
+models that need a GPU of their own, LoRA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew_lib.data.dataset import describe
+from dew_lib.diffusion.denoiser import Denoiser, sample_metrics
+from dew_lib.diffusion.inputs import AutoEncoder, InputSpec
+from dew_lib.diffusion.objective import EVAL_KEY, _preview
+from dew_lib.diffusion.preview import Preview, ensure_sequence, score
+from dew_lib.diffusion.process import (CFG, Euler, FlowSDE, Process, Solver, gaussian_log_density,
+                                       transition_kl)
+from dew_lib.objectives.base import LossTerms, Metrics, loss as loss_view
+
+Variables = Any
+
+FlowReward = Callable[[np.ndarray, Mapping[str, np.ndarray]], Any]
+"""`reward(images, batch) -> [N]`: images `[N, H, W, C]` float32 in [-1, 1] and the source batch
+with each row repeated for its group (numpy arrays); one finite scalar per sample."""
+
+GROUP_EPSILON = 1e-4
+TRAJECTORY_FIELDS = ("latents", "next_latents")
+STEP_FIELDS = ("timesteps", "next_timesteps", "old_log_probs", "transition_mask")
+
+
+class FlowGRPOObjective:
+    """Train a rectified-flow policy on clipped, coordinate-normalized gradients.
+
+    sde: how rollouts explore and how transitions are rescored. beta: weight of the transition
+    KL to the frozen starting policy (0: no reference is kept). clip_range: PPO clip of the
+    per-coordinate ratio. adv_clip_max: advantages are clipped to +-this. guidance: CFG used in
+    rollouts and rescoring (needs a condition field). sampler, steps: deterministic sampling for
+    `evaluate` and `preview`. pretrained: starting variables as returned by model.init.
+    """
+
+    def __init__(self, model, process: Process, inputs: InputSpec, *, sde: FlowSDE = FlowSDE(),
+                 beta: float = 0.0, clip_range: float = 0.0001, adv_clip_max: float = 5.0,
+                 autoencoder: AutoEncoder | None = None, guidance: CFG | None = CFG(3.0),
+                 sampler: Solver = Euler(), steps: int = 41, pretrained: Variables | None = None):
+        if not isinstance(process, Process):
+            raise TypeError(f"process must be a Process (e.g. presets.Flow()()), got "
+                            f"{type(process).__name__}")
+        if process.prediction != "velocity":
+            raise ValueError(
+                f"FlowGRPOObjective needs a rectified-flow Process with velocity prediction, got "
+                f"prediction={process.prediction!r}; build it with presets.Flow()() and a model "
+                "trained to predict velocity"
+            )
+        if not isinstance(sde, FlowSDE):
+            raise TypeError(f"sde must be a FlowSDE, got {type(sde).__name__}")
+        if not (beta >= 0 and math.isfinite(beta)):
+            raise ValueError(f"FlowGRPOObjective.beta must be a finite number >= 0, got {beta}")
+        if not clip_range > 0:
+            raise ValueError(f"FlowGRPOObjective.clip_range must be > 0, got {clip_range}")
+        if not adv_clip_max > 0:
+            raise ValueError(f"FlowGRPOObjective.adv_clip_max must be > 0, got {adv_clip_max}")
+        if steps < 2:
+            raise ValueError(f"FlowGRPOObjective.steps counts time points and must be >= 2, got {steps}")
+        if guidance is not None and not inputs.conditioned:
+            raise ValueError(
+                f"FlowGRPOObjective(guidance={guidance}) needs a condition field in the InputSpec; "
+                "pass guidance=None for an unconditioned model"
+            )
+        if pretrained is not None and "params" not in pretrained:
+            raise ValueError("FlowGRPOObjective.pretrained must be a variables dict as returned by "
+                             "model.init, with its outer 'params' collection")
+        self.denoiser = Denoiser(model, process, inputs, autoencoder)
+        self.model, self.process, self.inputs = model, process, inputs
+        self.sde, self.beta, self.clip_range, self.adv_clip_max = sde, float(beta), clip_range, adv_clip_max
+        self.autoencoder = self.denoiser.autoencoder
+        self.guidance, self.sampler, self.steps = guidance, sampler, steps
+        self.pretrained = pretrained
+        self.ema_decay = 1.0 if self.beta > 0 else None  # the EMA slot holds the frozen reference
+        self._generate = {}
+
+    # ----- variables -----------------------------------------------------------------------
+    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
+        if variables is not None:
+            return variables
+        if self.pretrained is not None:
+            return self.held_variables()
+        return self.denoiser.init(key)
+
+    def held_variables(self) -> Variables:
+        """The starting denoiser this objective was given (`pretrained`), as device arrays."""
+        if self.pretrained is None:
+            raise ValueError("this FlowGRPOObjective holds no variables: it was built without "
+                             "pretrained=...; init(key) draws fresh ones")
+        return jax.tree.map(jnp.asarray, self.pretrained)
+
+    # ----- batches -------------------------------------------------------------------------
+    @property
+    def coordinates(self) -> int:
+        return math.prod(self.denoiser.latent_shape)
+
+    def check_batch(self, batch: Mapping[str, Any]) -> None:
+        """Refuse, on the host, a training batch (rollout layout) or source batch that does not fit."""
+        if "latents" not in batch:
+            self.inputs.check(batch)  # a source batch (evaluation or preview)
+            return
+        missing = [k for k in (*TRAJECTORY_FIELDS, *STEP_FIELDS, "advantages") if k not in batch]
+        if missing:
+            raise KeyError(f"a Flow-GRPO batch needs {missing} (FlowRollout makes them); it has "
+                           f"{describe(batch)}")
+        latent = self.denoiser.latent_shape
+        shape = tuple(np.shape(batch["latents"]))
+        if len(shape) != 2 + len(latent) or shape[2:] != latent:
+            raise ValueError(f"batch field 'latents' has shape {shape}, expected [N, K, *{latent}]")
+        rows, k = shape[:2]
+        for name in TRAJECTORY_FIELDS:
+            if tuple(np.shape(batch[name])) != shape:
+                raise ValueError(f"batch field {name!r} has shape {np.shape(batch[name])}, expected {shape}")
+        for name in STEP_FIELDS:
+            if tuple(np.shape(batch[name])) != (rows, k):
+                raise ValueError(f"batch field {name!r} has shape {np.shape(batch[name])}, expected "
+                                 f"[N, K] = {(rows, k)}")
+        if tuple(np.shape(batch["advantages"])) not in ((rows,), (rows, k)):
+            raise ValueError(f"batch field 'advantages' has shape {np.shape(batch['advantages'])}, "
+                             f"expected [N] = {(rows,)} or [N, K] = {(rows, k)}")
+        if "rewards" in batch and tuple(np.shape(batch["rewards"])) != (rows,):
+            raise ValueError(f"batch field 'rewards' has shape {np.shape(batch['rewards'])}, "
+                             f"expected {(rows,)}")
+        for c in self.inputs.conditions:
+            if c.name not in batch or tuple(np.shape(batch[c.name])) != (rows, *c.shape):
+                got = np.shape(batch[c.name]) if c.name in batch else "nothing"
+                raise ValueError(f"condition field {c.name!r} must be [N, *{c.shape}] = "
+                                 f"{(rows, *c.shape)}, got {got}")
+
+    # ----- the loss ------------------------------------------------------------------------
+    def _transitions(self, params, batch, reference):
+        """Per-transition terms `[K, N]`: surrogate, KL, kept, clipped, ratio, log-ratio per coordinate."""
+        condition = self.inputs.encode(batch)
+        advantages = jnp.broadcast_to(
+            batch["advantages"].reshape(batch["advantages"].shape[0], -1), batch["timesteps"].shape)
+        time_major = lambda name: jnp.moveaxis(jnp.asarray(batch[name]), 1, 0)
+        xs = (time_major("latents"), time_major("next_latents"), time_major("timesteps"),
+              time_major("next_timesteps"), time_major("old_log_probs"),
+              time_major("transition_mask"), advantages.T)
+        coordinates = self.coordinates
+        kl_needed = self.beta > 0
+
+        def one(_, x):  # nothing carried: each transition stands alone
+            latents, next_latents, t, t_next, old, mask, advantage = x
+            v = self.denoiser.velocity(params, latents, t, condition, self.guidance, frozen_uncond=True)
+            mean, std = self.sde.transition(latents, v, t, t_next)
+            std_row = std.reshape(std.shape[0], -1)[:, 0]
+            kept = mask.astype(bool) & self.sde.stochastic(t) & (std_row > 0)
+            safe_std = jnp.where(kept.reshape(std.shape[:1] + (1,) * (std.ndim - 1)), std, 1.0)
+            log_ratio = (gaussian_log_density(next_latents, mean, safe_std) - old) / coordinates
+            log_ratio = jnp.where(kept, log_ratio, 0.0)
+            ratio = jnp.exp(log_ratio)
+            advantage = jnp.clip(advantage, -self.adv_clip_max, self.adv_clip_max)
+            bounded = jnp.clip(ratio, 1.0 - self.clip_range, 1.0 + self.clip_range)
+            surrogate = jnp.maximum(-advantage * ratio, -advantage * bounded)
+            if kl_needed:
+                v_ref = jax.lax.stop_gradient(
+                    self.denoiser.velocity(reference, latents, t, condition, self.guidance))
+                mean_ref, _ = self.sde.transition(latents, v_ref, t, t_next)
+                kl = transition_kl(mean, mean_ref, safe_std)
+            else:
+                kl = jnp.zeros_like(surrogate)
+            clipped = jnp.abs(ratio - 1.0) > self.clip_range
+            return None, (surrogate, kl, kept.astype(jnp.float32), clipped, ratio, log_ratio)
+
+        _, out = jax.lax.scan(one, None, xs)
+        return out
+
+    def terms(self, params, batch, *, step, reference, key) -> LossTerms:
+        del step, key
+        if self.beta > 0 and reference is None:
+            raise ValueError("FlowGRPOObjective(beta > 0) needs the frozen reference; the Trainer "
+                             "passes it from the EMA slot (ema_decay is 1.0)")
+        surrogate, kl, kept, clipped, ratio, log_ratio = self._transitions(params, batch, reference)
+        weight = kept.sum()
+        policy = (kept * surrogate).sum()
+        total = policy + self.beta * (kept * kl).sum() if self.beta > 0 else policy
+        rows = jnp.asarray(batch["advantages"].shape[0], jnp.float32)
+        metrics: Metrics = {
+            "loss": (total, weight),
+            "policy_loss": (policy, weight),
+            "clip_fraction": ((kept * clipped).sum(), weight),
+            "approx_kl": ((kept * 0.5 * log_ratio**2).sum(), weight),
+            "ratio": ((kept * ratio).sum(), weight),
+            "kept_transitions": (weight, jnp.ones(())),
+            "advantage_abs": (jnp.abs(batch["advantages"]).reshape(-1).astype(jnp.float32).sum(),
+                              jnp.asarray(batch["advantages"].size, jnp.float32)),
+        }
+        if self.beta > 0:
+            metrics["transition_kl"] = ((kept * kl).sum(), weight)
+        if "rewards" in batch:
+            metrics["reward"] = (batch["rewards"].astype(jnp.float32).sum(), rows)
+        return LossTerms(total, weight, metrics)
+
+    def loss(self, params, batch, step=0, *, reference=None):
+        """`(mean loss over kept transitions, metric means)`: a view of `terms`."""
+        return loss_view(self, params, batch, step, reference, None)
+
+    def log_probs(self, params: Variables, batch) -> jax.Array:
+        """Rescore joint transition log densities `[N, K]` with the rollout's guidance (0 where a
+        transition is deterministic)."""
+        condition = self.inputs.encode(batch)
+        xs = tuple(jnp.moveaxis(jnp.asarray(batch[k]), 1, 0)
+                   for k in ("latents", "next_latents", "timesteps", "next_timesteps"))
+
+        def one(_, x):
+            latents, next_latents, t, t_next = x
+            v = self.denoiser.velocity(params, latents, t, condition, self.guidance)
+            mean, std = self.sde.transition(latents, v, t, t_next)
+            std_row = std.reshape(std.shape[0], -1)[:, 0]
+            stochastic = self.sde.stochastic(t) & (std_row > 0)
+            safe_std = jnp.where(stochastic.reshape(std.shape[:1] + (1,) * (std.ndim - 1)), std, 1.0)
+            return None, jnp.where(stochastic, gaussian_log_density(next_latents, mean, safe_std), 0.0)
+
+        _, out = jax.lax.scan(one, None, xs)
+        return out.T
+
+    # ----- sampling with the live policy ---------------------------------------------------
+    def generate(self, params, batch, key, *, steps: int | None = None) -> jax.Array:
+        """One deterministic sample per source row (image field optional), decoded to [-1, 1]."""
+        return self.denoiser.generate(params, self.inputs.condition_batch(batch) or batch, key,
+                                      steps=steps or self.steps, guidance=self.guidance, solver=self.sampler)
+
+    def evaluate(self, params, batch, step=0) -> Metrics:
+        """Generate one live-policy sample per source row (prompt-only batches too) and report its
+        pixel statistics; rewards and FID-like metrics are the caller's, on `preview`'s images."""
+        del step
+        return sample_metrics(self.generate(params, batch, jax.random.key(EVAL_KEY)))
+
+    def preview(self, params, batch, step=0, *, scored: FlowReward | None = None) -> Preview:
+        """Live-policy samples for `batch`'s rows, materialized on the host before captions are
+        decoded; `scored` adds each sample's reward. `.png()` renders the grid."""
+        return _preview(self, params, batch, step, scored)
+
+
+def group_advantages(rewards: np.ndarray, groups: int):
+    """Group-relative advantages of contiguous groups: `(mean, std, advantages)`, float64 `[N]`.
+
+    std is the population standard deviation (ddof 0); advantages are
+    `(reward - mean) / (std + 1e-4)`, as Flow-GRPO's PerPromptStatTracker computes them.
+    """
+    rewards = np.asarray(rewards, np.float64)
+    by_group = rewards.reshape(-1, groups)
+    mean = by_group.mean(axis=1, keepdims=True)
+    std = by_group.std(axis=1, keepdims=True)
+    advantages = (by_group - mean) / (std + GROUP_EPSILON)
+    spread = lambda a: np.broadcast_to(a, by_group.shape).reshape(-1)
+    return spread(mean), spread(std), advantages.reshape(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowRolloutRecord:
+    """One rollout on the host: every sample's image, reward and group statistics.
+
+    images float32 `[N, H, W, C]` in [-1, 1]; group int `[N]` (the source row); rewards,
+    group_mean, group_std float64 `[N]`; advantages float32 `[N]`; kept bool `[N]` (advantage
+    != 0, so the row's transitions train); captions one per sample; step: updates before it.
+    """
+
+    step: int
+    images: np.ndarray
+    group: np.ndarray
+    rewards: np.ndarray
+    group_mean: np.ndarray
+    group_std: np.ndarray
+    advantages: np.ndarray
+    kept: np.ndarray
+    captions: tuple[str, ...]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One plain dict per sample (for a table or a run store)."""
+        return [
+            {"step": self.step, "sample": i, "group": int(self.group[i]), "reward": float(self.rewards[i]),
+             "group_mean": float(self.group_mean[i]), "group_std": float(self.group_std[i]),
+             "advantage": float(self.advantages[i]), "kept": bool(self.kept[i]), "caption": self.captions[i]}
+            for i in range(len(self.rewards))
+        ]
+
+    def preview(self) -> Preview:
+        """The rollout's samples with their rewards; `.png()` renders them."""
+        return Preview(self.images, self.captions, self.rewards, self.step)
+
+
+@dataclasses.dataclass
+class FlowRollout:
+    """Collect complete prompt groups and the first `train_steps` transitions (a Trainer rollout).
+
+    groups: samples per source row (>= 2). steps: time points of a rollout path, both ends
+    included (steps=11 draws ten transitions). train_steps: how many of the first transitions
+    to train on (None: all). records: optional `FlowRolloutRecord -> None` called after every
+    rollout (a flow stores the rewards and renders previews there); the latest record is also
+    kept as `.last`.
+    """
+
+    objective: FlowGRPOObjective
+    reward: FlowReward
+    groups: int = 4
+    steps: int = 11
+    train_steps: int | None = None
+    records: Callable[[FlowRolloutRecord], None] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.objective, FlowGRPOObjective):
+            raise TypeError(f"FlowRollout.objective must be a FlowGRPOObjective, got "
+                            f"{type(self.objective).__name__}")
+        if not callable(self.reward):
+            raise TypeError(f"FlowRollout.reward must be callable (images, batch) -> [N], got "
+                            f"{self.reward!r}")
+        if isinstance(self.groups, bool) or not isinstance(self.groups, (int, np.integer)) or self.groups < 2:
+            raise ValueError(f"FlowRollout.groups must be an integer >= 2 (a group of one has no "
+                             f"relative advantage), got {self.groups!r}")
+        if self.steps < 2:
+            raise ValueError(f"FlowRollout.steps counts time points including both ends and must be >= 2, "
+                             f"got {self.steps}")
+        transitions = self.steps - 1
+        if self.train_steps is not None and not 1 <= self.train_steps <= transitions:
+            raise ValueError(
+                f"FlowRollout.train_steps={self.train_steps} must be between 1 and the {transitions} "
+                f"transitions that steps={self.steps} draws (or None for all)"
+            )
+        selected = self.train_steps or transitions
+        times = np.asarray(self.objective.process.times(self.steps))[:selected]
+        if not np.any(np.asarray(self.objective.sde.stochastic(times))):
+            raise ValueError(
+                f"none of the first {selected} transitions (start times {np.round(times, 4).tolist()}) "
+                f"is stochastic under {self.objective.sde}; widen FlowSDE.window, raise noise_level "
+                "or select more train_steps"
+            )
+        self.last: FlowRolloutRecord | None = None
+        self._compiled: dict = {}
+
+    def _sampler(self, rows: int, conditions: Mapping[str, np.ndarray]):
+        signature = (rows, tuple((k, v.shape, v.dtype.name) for k, v in conditions.items()))
+        if signature not in self._compiled:
+            objective, steps = self.objective, self.steps
+
+            def draw(params, conditions, key):
+                path = objective.denoiser.trajectory(params, conditions, key, rows=rows, steps=steps,
+                                                     guidance=objective.guidance, sde=objective.sde)
+                return path, objective.denoiser.decode(path.final)
+
+            self._compiled[signature] = jax.jit(draw)
+        return self._compiled[signature]
+
+    def __call__(self, state, batch: Mapping[str, Any], key: jax.Array) -> dict[str, np.ndarray]:
+        if jax.process_count() > 1:
+            raise NotImplementedError("FlowRollout runs in a single process; multi-process Flow-GRPO "
+                                      "rollouts are not implemented")
+        objective, groups = self.objective, self.groups
+        sources = objective.inputs.check(batch)
+        rows = sources * groups
+        source = {k: np.repeat(np.asarray(v), groups, axis=0) for k, v in batch.items()}  # contiguous groups
+        conditions = objective.inputs.condition_batch(source)
+        path, images = self._sampler(rows, conditions)(state.params, conditions, key)
+        (states, times, log_probs, stochastic, images), step = jax.device_get(
+            ((path.states, path.times, path.log_probs, path.stochastic, images), state.updates))
+        images = np.asarray(images, np.float32)
+        rewards = score(self.reward, images, source, rows)  # float64 from here to the advantages
+        mean, std, advantages = group_advantages(rewards, groups)
+        advantages = advantages.astype(np.float32)
+        kept = advantages != 0
+        k = self.train_steps or (self.steps - 1)
+        out = {
+            "latents": states[:, :k],
+            "next_latents": states[:, 1:k + 1],
+            "timesteps": np.broadcast_to(times[:k], (rows, k)).astype(np.float32),
+            "next_timesteps": np.broadcast_to(times[1:k + 1], (rows, k)).astype(np.float32),
+            "old_log_probs": np.asarray(log_probs[:, :k], np.float32),
+            "transition_mask": np.asarray(stochastic[:, :k]) & kept[:, None],
+            "advantages": advantages,
+            "rewards": rewards,
+            **conditions,
+        }
+        record = FlowRolloutRecord(
+            step=int(step), images=images, group=np.repeat(np.arange(sources), groups), rewards=rewards,
+            group_mean=mean, group_std=std, advantages=advantages, kept=kept,
+            captions=ensure_sequence(objective.inputs.captions(source), rows),
+        )
+        self.last = record
+        if self.records is not None:
+            self.records(record)
+        return out

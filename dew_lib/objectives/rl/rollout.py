@@ -1,0 +1,161 @@
+"""SampledRollout: GRPO's in-process rollout on the on-device sampler.
+
+The Trainer calls it on the host before each compiled update with a `Prompts` batch
+(`prompt [B, P]` left-padded, `prompt_length [B]`, UTF-8 metadata arrays). It draws `groups`
+completions per prompt with `sampling.generate` (one compiled loop, raw and behavior
+log-probabilities per id), decodes each completion without its EOS and padding, scores it with
+`reward(data_source, completion, ground_truth, extra_info)` (verl's `compute_score` order),
+turns every completion into a one-call `Session` and packs them with `sessions.pack` into
+`[B * groups, P + R]` rows, the layout every GRPO batch has.
+
+A completion that stopped on EOS is COMPLETED; one that used the whole budget is TRUNCATED and
+still scored (truncation "score"), so every draw trains.
+
+After a call, `last_sessions` holds the sessions it drew; with `reward_details` (a function
+called on the scoring thread right after each reward call, such as `CodeReward.last_runs`),
+`last_reward_details[n]` holds what it returned for `last_sessions[n]`, so a caller can record
+what the reward did (the programs a code reward ran) beside each session.
+
+Not here: multi-turn episodes, asynchronous drawing (the scheduler), remote engines.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from dew_lib.data.prompts import METADATA, text_field
+from dew_lib.objectives.rl import algorithms
+from dew_lib.objectives.rl.sessions import Call, Session, Status, pack
+from dew_lib.sampling import Sampling, generate
+
+Reward = Callable[[str, str, str, str], float]
+
+
+def token_text(ids: Sequence[int]) -> str:
+    """The default decode: token ids separated by spaces."""
+    return " ".join(str(int(i)) for i in ids)
+
+
+class RewardFailed(RuntimeError):
+    """A reward raised or returned a non-finite value; names the prompt row and the completion."""
+
+
+class SampledRollout:
+    """Draw `groups` completions per prompt, score them, and pack them for GRPOObjective.
+
+    reward: `(data_source, completion, ground_truth, extra_info) -> float`.
+    max_new_tokens: the response budget R; the objective's seq_len must be P + R - 1.
+    sampling: how ids are drawn (pass eos_id so completions can stop). decode: ids -> text for
+    the reward (default: ids separated by spaces; pass your tokenizer's decode for text).
+    estimator: "group", "mean" (Dr.GRPO) or "rloo". workers: threads scoring completions.
+    reward_details: optional `() -> Any` called on the scoring thread right after each reward
+    call; its results land in `last_reward_details`, one per session (see the module docstring).
+    """
+
+    def __init__(self, objective, *, reward: Reward, groups: int = 4, max_new_tokens: int,
+                 sampling: Sampling = Sampling(), decode: Callable[[Sequence[int]], str] = token_text,
+                 estimator: str = "group", workers: int = 8,
+                 reward_details: Callable[[], Any] | None = None):
+        if groups < 2:
+            raise ValueError(
+                f"SampledRollout.groups must be at least 2, got {groups}; group-relative advantages "
+                "compare each completion with the others drawn for its prompt"
+            )
+        if max_new_tokens < 1:
+            raise ValueError(f"SampledRollout.max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not callable(reward):
+            raise TypeError("SampledRollout.reward must be callable as reward(data_source, "
+                            "completion, ground_truth, extra_info) -> float")
+        algorithms.advantage_function(estimator)
+        if workers < 1:
+            raise ValueError(f"SampledRollout.workers must be >= 1, got {workers}")
+        if reward_details is not None and not callable(reward_details):
+            raise TypeError("SampledRollout.reward_details must be callable with no arguments "
+                            "(e.g. CodeReward.last_runs) or None")
+        self.objective = objective
+        self.reward = reward
+        self.groups = groups
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.decode = decode
+        self.estimator = estimator
+        self.workers = workers
+        self.reward_details = reward_details
+        self.last_sessions: list[Session] = []
+        self.last_reward_details: list[Any] = []
+
+    def __call__(self, state, batch, key) -> dict[str, np.ndarray]:
+        prompt = np.asarray(batch["prompt"], np.int32)
+        lengths = np.asarray(batch["prompt_length"], np.int32)
+        rows, width = prompt.shape
+        if width + self.max_new_tokens != self.objective.width:
+            raise ValueError(
+                f"prompts are {width} ids wide and max_new_tokens is {self.max_new_tokens}, so rows "
+                f"are {width + self.max_new_tokens} wide, but the objective reads seq_len + 1 = "
+                f"{self.objective.width}; set GRPOObjective(seq_len={width + self.max_new_tokens - 1})"
+            )
+        g = self.groups
+        drawn = generate(self.objective.model, state.params, np.repeat(prompt, g, axis=0),
+                         np.repeat(lengths, g), key=key, max_new_tokens=self.max_new_tokens,
+                         sampling=self.sampling)
+        tokens, raw, behavior, counts, stopped = jax.device_get(tuple(drawn))
+        metadata = {name: text_field(batch[name]) if name in batch else [""] * rows
+                    for name in METADATA}
+
+        def completion(n: int) -> str:
+            ids = tokens[n, :counts[n]]
+            return self.decode(ids[:-1] if stopped[n] else ids)
+
+        texts = [completion(n) for n in range(rows * g)]
+
+        def score(n: int) -> tuple[float, Any]:
+            b = n // g
+            try:
+                value = self.reward(metadata["data_source"][b], texts[n],
+                                    metadata["ground_truth"][b], metadata["extra_info"][b])
+                details = None if self.reward_details is None else self.reward_details()
+                value = float(value)
+            except Exception as error:
+                raise RewardFailed(
+                    f"the reward raised {type(error).__name__}: {error} on prompt row {b}, sample "
+                    f"{n % g}, completion {texts[n][:200]!r}"
+                ) from error
+            if not math.isfinite(value):
+                raise RewardFailed(
+                    f"the reward returned {value} on prompt row {b}, sample {n % g}, completion "
+                    f"{texts[n][:200]!r}; rewards must be finite numbers"
+                )
+            return value, details
+
+        with concurrent.futures.ThreadPoolExecutor(min(self.workers, rows * g)) as pool:
+            scored = list(pool.map(score, range(rows * g)))
+        rewards = [value for value, _ in scored]
+        version = int(np.asarray(jax.device_get(state.updates)))
+        sessions = []
+        for n in range(rows * g):
+            b = n // g
+            ids = tokens[n, :counts[n]]
+            call = Call(prompt_ids=prompt[b, width - lengths[b]:], sampled_ids=ids,
+                        behavior_log_probs=behavior[n, :counts[n]], raw_log_probs=raw[n, :counts[n]],
+                        finish_reason="stop" if stopped[n] else "length", version=version)
+            sessions.append(Session(task=str(b), group=b, sample=n % g, calls=(call,),
+                                    status=Status.COMPLETED if stopped[n] else Status.TRUNCATED,
+                                    reward=rewards[n]))
+        packed = pack(sessions, self.objective.width, rows=rows * g, estimator=self.estimator,
+                      truncation="score")
+        if getattr(self.objective, "sampling_temperature", 1.0) != 1.0:
+            # The sampler's raw log-probs are untempered; rescore at the objective's temperature
+            # so the ratio compares like with like.
+            packed["old_log_probs"] = np.asarray(self.objective.packed_log_probs(state.params, packed))
+        self.last_sessions = sessions
+        self.last_reward_details = [details for _, details in scored]
+        return packed
+
+
+__all__ = ["RewardFailed", "SampledRollout", "token_text"]

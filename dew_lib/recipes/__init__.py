@@ -1,0 +1,1 @@
+"""Ready-made training recipes built from the library's public pieces."""

@@ -1,0 +1,146 @@
+"""Recipe: SFT, DPO and GRPO stages run one after another on one decoder.
+
+Each `Stage` names a directory and a data spec, and the spec's type picks the objective:
+
+    ChatMessages     -> LMObjective counting assistant targets (SFT)
+    PreferencePairs  -> DPOObjective
+    Prompts          -> GRPOObjective with a SampledRollout
+
+A stage starts a fresh optimizer and step counter from the previous stage's final policy
+(the first stage from the Recipe's `pretrained` variables, or a fresh init); DPO and GRPO freeze
+that starting policy as their reference. A stage whose directory already holds a checkpoint
+continues from it, and one that already reached its steps restores without training, so a
+rerun of a finished chain only reloads. The stage name only labels the directory.
+
+The chain exposes the knobs most runs change (beta, reward, groups, max_new_tokens, sample).
+For a decoded-text reward, stop tokens or a sampling temperature, build SampledRollout and
+Trainer yourself: a Recipe's GRPO stages read rewards on token-id text.
+
+Not here: a command line (the Prefect flows in flows/ are the runnable pipeline), evaluation
+between stages, learning-rate schedules per stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import optax
+
+from dew_lib.data.chat import Role
+from dew_lib.data.chat_messages import ChatMessages
+from dew_lib.data.preference import PreferencePairs
+from dew_lib.data.prompts import Prompts
+from dew_lib.objectives.lm import LMObjective
+from dew_lib.objectives.rl.dpo import DPOObjective
+from dew_lib.objectives.rl.grpo import GRPOObjective
+from dew_lib.objectives.rl.rollout import SampledRollout
+from dew_lib.sampling import Sampling
+from dew_lib.trainer import Trainer, TrainState
+
+DataSpec = ChatMessages | PreferencePairs | Prompts
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Stage:
+    """One stage of a chain.
+
+    name: the stage's directory under the Recipe's directory. data: the loader spec whose type
+    picks the objective. steps: batches to train on. beta: DPO's preference scale, or GRPO's KL
+    coefficient. reward, groups, max_new_tokens: GRPO's reward callable, completions per prompt
+    and response budget. sample: GRPO draws by sampling at temperature 1 over the whole
+    vocabulary when True, greedily when False (useful only to check a pipeline end to end, since
+    identical completions carry no group-relative signal). log_every, checkpoint_every: as in
+    Trainer.fit.
+    """
+
+    name: str
+    data: DataSpec
+    steps: int
+    beta: float = 0.1
+    reward: Callable[[str, str, str, str], float] | None = None
+    groups: int = 4
+    max_new_tokens: int = 16
+    sample: bool = True
+    log_every: int = 10
+    checkpoint_every: int | None = None
+
+    def __post_init__(self):
+        if not self.name or os.sep in self.name or self.name in (".", ".."):
+            raise ValueError(f"Stage.name must be a plain directory name, got {self.name!r}")
+        if not isinstance(self.data, (ChatMessages, PreferencePairs, Prompts)):
+            raise TypeError(
+                f"Stage {self.name!r}: data must be ChatMessages (SFT), PreferencePairs (DPO) or "
+                f"Prompts (GRPO), got {type(self.data).__name__}"
+            )
+        if self.steps < 1:
+            raise ValueError(f"Stage {self.name!r}: steps must be >= 1, got {self.steps}")
+        if isinstance(self.data, Prompts) and self.reward is None:
+            raise ValueError(f"Stage {self.name!r} trains GRPO on Prompts and needs a reward")
+
+    @property
+    def kind(self) -> str:
+        return {ChatMessages: "sft", PreferencePairs: "dpo", Prompts: "grpo"}[type(self.data)]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """Stages trained in order on one decoder; `run()` returns each stage's final state.
+
+    model: the decoder every stage trains. optimizer: the optax transformation each stage starts
+    fresh. key: seeds every stage (folded with its index). directory: the run directory; each
+    stage checkpoints under directory/<name>. batch: rows per step (prompts per step for GRPO).
+    pretrained: the variables the first stage starts from (None: a fresh init).
+    """
+
+    model: Any
+    optimizer: optax.GradientTransformation
+    key: jax.Array
+    directory: str | os.PathLike
+    batch: int
+    stages: Sequence[Stage]
+    pretrained: Any = None
+
+    def __post_init__(self):
+        names = [stage.name for stage in self.stages]
+        if not names:
+            raise ValueError("Recipe.stages is empty; give at least one Stage")
+        if len(set(names)) != len(names):
+            raise ValueError(f"Recipe stage names must be distinct (they name directories), got {names}")
+
+    def trainer(self, index: int, stage: Stage, start: Any) -> Trainer:
+        """The Trainer for one stage, starting from the variables `start`."""
+        key = jax.random.fold_in(self.key, index)
+        if stage.kind == "sft":
+            objective = LMObjective(self.model, stage.data.seq_len, pretrained=start,
+                                    loss_role=Role.ASSISTANT, ema_decay=None)
+            return Trainer(objective, self.optimizer, key=key)
+        if stage.kind == "dpo":
+            objective = DPOObjective(self.model, stage.data.seq_len - 1, beta=stage.beta,
+                                     pretrained=start)
+            return Trainer(objective, self.optimizer, key=key)
+        seq_len = stage.data.max_prompt_len + stage.max_new_tokens - 1
+        objective = GRPOObjective(self.model, seq_len, beta=stage.beta, pretrained=start)
+        sampling = Sampling(temperature=1.0 if stage.sample else 0.0)
+        rollout = SampledRollout(objective, reward=stage.reward, groups=stage.groups,
+                                 max_new_tokens=stage.max_new_tokens, sampling=sampling)
+        return Trainer(objective, self.optimizer, key=key, rollout=rollout)
+
+    def run(self, sinks_for: Callable[[Stage], Sequence[Any]] | None = None) -> list[TrainState]:
+        """Train every stage in order; `sinks_for(stage)` picks each stage's metric sinks."""
+        states: list[TrainState] = []
+        start = self.pretrained
+        for index, stage in enumerate(self.stages):
+            trainer = self.trainer(index, stage, start)
+            state = trainer.fit(
+                stage.data.load(batch=self.batch), steps=stage.steps, log_every=stage.log_every,
+                directory=os.path.join(os.fspath(self.directory), stage.name),
+                checkpoint_every=stage.checkpoint_every,
+                sinks=None if sinks_for is None else sinks_for(stage),
+            )
+            states.append(state)
+            start = state.params
+        return states

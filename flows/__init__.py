@@ -1,0 +1,7 @@
+"""Prefect flows: one per stage, and the pipeline that chains them. Each reads as a list of steps."""
+
+import os
+
+# Without a server, Prefect starts an ephemeral API in the background; on a busy two-core machine
+# that takes longer than its 20 s default allows, so give it room unless the user chose.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")

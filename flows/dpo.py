@@ -1,0 +1,27 @@
+"""dpo: direct preference optimization against the starting policy, from a saved policy.
+
+With `pairs="policy"` (the default) the pairs come from the starting policy's own wrong answers
+(tasks/pairs.py); with `pairs="data"` from the prepared pairs file.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prefect import flow
+
+from flows.params import DPOParams
+from tasks.manifests import DataManifest, PolicyRef, StageResult
+from tasks.pairs import policy_pairs
+from tasks.train import train_stage
+
+
+@flow(name="dpo")
+def dpo(params: DPOParams, data: DataManifest, start: PolicyRef, directory: str,
+        store_root: str = "runs", run: str = "dpo", seed: int = 0) -> StageResult:
+    if params.pairs == "policy":
+        data = data.model_copy(update={"pairs_path": policy_pairs(params, data, start,
+                                                                  os.path.join(directory, "pairs"))})
+    elif data.pairs_path is None:
+        raise ValueError("DPOParams(pairs='data') needs DataParams.pairs_path")
+    return train_stage("dpo", "dpo", params, data, start, directory, store_root, run, seed)

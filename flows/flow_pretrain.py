@@ -1,0 +1,16 @@
+"""flow_pretrain: flow-matching pre-training of a small diffusion transformer on images."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.params import DiTParams, FlowPretrainParams
+from tasks.flow_train import pretrain_stage
+from tasks.manifests import ImageManifest, ImageStageResult
+
+
+@flow(name="flow_pretrain")
+def flow_pretrain(params: FlowPretrainParams, data: ImageManifest, model: DiTParams = DiTParams(),
+                  directory: str = "runs/flow/flow_pretrain", store_root: str = "runs",
+                  run: str = "flow_pretrain", seed: int = 0) -> ImageStageResult:
+    return pretrain_stage("flow_pretrain", params, data, model, directory, store_root, run, seed)

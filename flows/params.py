@@ -1,0 +1,253 @@
+"""The parameters of every flow, as pydantic models: the Prefect UI renders them as forms.
+
+Defaults are the embedded demo (arithmetic in a chat template, a small decoder, two CPU cores);
+a real run changes only these values: a local Hugging Face checkpoint in `ModelParams.pretrained`
+and data files in `DataParams`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Params(BaseModel):
+    """Frozen, and unknown fields are refused, so a typo in the UI is an error, not a no-op."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class DataParams(Params):
+    source: Literal["arithmetic", "files", "code"] = Field(
+        "arithmetic", description="'arithmetic' generates the demo task from the seed; 'files' "
+        "reads the four paths below; 'code' turns an MBPP or HumanEval file (code_path) into prompts")
+    train_problems: int = Field(20_000, ge=100, description="arithmetic: problems generated for training")
+    test_problems: int = Field(200, ge=10, description="arithmetic: held-out problems for evaluation")
+    vocab_size: int = Field(320, ge=260, description="arithmetic: size of the byte-level BPE tokenizer it trains")
+    chat_path: str | None = Field(None, description="files: SFT conversations (.jsonl/.parquet, 'messages' column)")
+    pairs_path: str | None = Field(None, description="files: DPO pairs (.jsonl/.parquet: chosen, rejected, masks)")
+    prompts_path: str | None = Field(None, description="files: GRPO prompts (.jsonl/.parquet: prompt, ground_truth)")
+    eval_path: str | None = Field(None, description="files: held-out prompts with ground_truth for evaluation")
+    tokenizer: str | None = Field(None, description="files: tokenizer directory (default: the model's)")
+    code_path: str | None = Field(None, description="code: an MBPP (.jsonl) or HumanEval (.jsonl or "
+                                  ".jsonl.gz) file as published; tokenized with `tokenizer`, or else a "
+                                  "byte-level BPE of `vocab_size` trained on its problems")
+    code_layout: Literal["auto", "mbpp", "humaneval"] = Field(
+        "auto", description="code: the file's layout; 'auto' tells them apart by their columns")
+    code_test_problems: int = Field(50, ge=1, description="code: held-out problems for evaluation (MBPP: "
+                                    "the first of its test split, task_id 11-510; HumanEval: the first rows)")
+    code_train_problems: int | None = Field(None, ge=1, description="code: GRPO prompts (MBPP: from its "
+                                            "train split, task_id 601-974; HumanEval: the rows after the "
+                                            "held-out ones); empty: all of them")
+
+    @field_validator("chat_path", "pairs_path", "prompts_path", "eval_path", "tokenizer", "code_path")
+    @classmethod
+    def _exists(cls, value: str | None) -> str | None:
+        if value is not None and not os.path.exists(value):
+            raise ValueError(f"{value!r} does not exist; give a path readable from where the flow runs")
+        return value
+
+    @model_validator(mode="after")
+    def _code_needs_a_file(self) -> DataParams:
+        if self.source == "code" and self.code_path is None:
+            raise ValueError("DataParams(source='code') needs code_path: an MBPP or HumanEval file, "
+                             "e.g. shared/data/mbpp/mbpp.jsonl")
+        return self
+
+
+class ModelParams(Params):
+    pretrained: str | None = Field(None, description="a local Hugging Face checkpoint directory "
+                                   "(Qwen3, Qwen2, Llama); empty: the embedded small decoder")
+    emb_features: int = Field(128, ge=8, description="embedded decoder: width")
+    num_layers: int = Field(4, ge=1, description="embedded decoder: layers")
+    num_heads: int = Field(4, ge=1, description="embedded decoder: attention heads")
+    mlp_features: int = Field(384, ge=8, description="embedded decoder: MLP width")
+    max_seq_len: int = Field(128, ge=16, description="embedded decoder: context length")
+
+    @field_validator("pretrained")
+    @classmethod
+    def _checkpoint(cls, value: str | None) -> str | None:
+        if value is not None and not os.path.isfile(os.path.join(value, "config.json")):
+            raise ValueError(f"{value!r} is not a Hugging Face checkpoint directory (no config.json)")
+        return value
+
+
+class StageParams(Params):
+    steps: int = Field(ge=1, description="optimizer steps")
+    batch: int = Field(16, ge=1, description="rows (SFT), pairs (DPO) or prompts (GRPO) per step")
+    learning_rate: float = Field(1e-3, gt=0, description="peak AdamW learning rate")
+    log_every: int = Field(10, ge=1, description="steps per logged metric window")
+    checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints (a retry resumes there)")
+    max_minutes: float | None = Field(None, gt=0, description="stop the stage with an error after this long")
+
+
+class SFTParams(StageParams):
+    steps: int = Field(1200, ge=1, description="optimizer steps")
+    learning_rate: float = Field(3e-3, gt=0, description="peak AdamW learning rate")
+    seq_len: int = Field(96, ge=8, description="tokens per packed row, less one")
+
+
+class DPOParams(StageParams):
+    steps: int = Field(120, ge=1, description="optimizer steps")
+    learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate")
+    beta: float = Field(0.1, gt=0, description="DPO beta: the scale of the log-ratio to the reference")
+    nll_weight: float = Field(1.0, ge=0, description="weight of the chosen answers' NLL added to the "
+                              "DPO loss (RPO); 0 is plain DPO")
+    seq_len: int = Field(40, ge=4, description="ids per chosen or rejected row")
+    pairs: Literal["policy", "data"] = Field(
+        "policy", description="'policy': reference answers against the starting policy's own wrong "
+        "greedy answers to the GRPO prompts; 'data': the prepared pairs file")
+    pair_prompts: int = Field(2000, ge=1, description="policy pairs: prompts the policy answers")
+
+
+class GRPOParams(StageParams):
+    steps: int = Field(60, ge=1, description="optimizer steps")
+    learning_rate: float = Field(2e-4, gt=0, description="AdamW learning rate")
+    batch: int = Field(16, ge=1, description="prompts per step")
+    groups: int = Field(4, ge=2, description="completions drawn per prompt")
+    max_new_tokens: int = Field(16, ge=1, description="response budget per completion")
+    max_prompt_len: int = Field(24, ge=2, description="prompt ids kept (left-padded)")
+    beta: float = Field(0.01, ge=0, description="KL coefficient to the frozen starting policy")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
+
+
+class RewardParams(Params):
+    """How answers are graded, in GRPO and in evaluation: each row's `data_source` picks the
+    reward (tasks/rewards.py); code is run in a sandbox chosen here."""
+
+    runner: Literal["namespace", "process", "container"] = Field(
+        "namespace", description="code: 'namespace' (bubblewrap: no network, read-only system), "
+        "'process' (rlimits only: trusted code), 'container' (a Docker container per program)")
+    workers: int | None = Field(None, ge=1, description="code: programs run at once (empty: CPU count)")
+    wall_seconds: float = Field(10.0, gt=0, description="code: each program's wall-clock deadline")
+    memory_mb: int = Field(1024, ge=16, description="code: each program's memory limit in MiB")
+    image: str = Field("python:3.12-slim", min_length=1, description="code, container runner: the image")
+    all_or_nothing: bool = Field(False, description="code: 1.0 only when every test passes, else 0.0")
+
+
+class EvalParams(Params):
+    max_new_tokens: int = Field(16, ge=1, description="answer budget")
+    batch: int = Field(100, ge=1, description="prompts generated at once")
+
+
+class PipelineParams(Params):
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="run directory name under `root`; a rerun with the same name "
+                      "and inputs skips the stages that already finished")
+    root: str = Field("runs", description="project directory: runs and the store (dew.duckdb) live here")
+    seed: int = Field(0, description="seeds data generation, initialization and sampling")
+    data: DataParams = DataParams()
+    model: ModelParams = ModelParams()
+    sft: SFTParams = SFTParams()
+    dpo: DPOParams = DPOParams()
+    grpo: GRPOParams = GRPOParams()
+    evaluation: EvalParams = EvalParams()
+    reward: RewardParams = RewardParams()
+    stages: tuple[Literal["sft", "dpo", "grpo"], ...] = Field(
+        ("sft", "dpo", "grpo"), description="stages to run, in order")
+
+    @model_validator(mode="after")
+    def _code_has_no_pairs(self) -> PipelineParams:
+        if self.data.source == "code" and "dpo" in self.stages:
+            raise ValueError("data.source='code' has no preference pairs for DPO; choose stages "
+                             "without 'dpo', e.g. stages=['sft', 'grpo']")
+        return self
+
+
+# ----- rectified-flow image models: flow-matching pre-training and Flow-GRPO --------------------
+
+class ImageDataParams(Params):
+    source: Literal["shapes", "folder", "npz"] = Field(
+        "shapes", description="'shapes' generates coloured 8x8 squares and crosses from the seed; "
+        "'folder' reads PNG/JPEG files from `path`; 'npz' reads an array of uint8 [N, H, W, C] images")
+    count: int = Field(512, ge=8, description="shapes: images generated")
+    path: str | None = Field(None, description="folder: a directory of .png/.jpg files; npz: an .npz "
+                             "file whose 'images' array (or only array) is uint8 [N, H, W, 1 or 3]")
+    size: int = Field(8, ge=2, description="folder: side every image is resized to (pixels)")
+    channels: Literal[1, 3] = Field(3, description="folder: 3 reads RGB, 1 reads grayscale")
+
+    @field_validator("path")
+    @classmethod
+    def _exists(cls, value: str | None) -> str | None:
+        if value is not None and not os.path.exists(value):
+            raise ValueError(f"{value!r} does not exist; give a path readable from where the flow runs")
+        return value
+
+
+class DiTParams(Params):
+    pretrained: str | None = Field(None, description="a SimpleDiT directory written by flow_pretrain "
+                                   "(config.json + model.safetensors); empty: a fresh model as below")
+    patch_size: int = Field(2, ge=1, description="side of the square patches (divides the image side)")
+    emb_features: int = Field(32, ge=4, description="width (a multiple of num_heads and of 4)")
+    num_layers: int = Field(2, ge=1, description="transformer blocks")
+    num_heads: int = Field(4, ge=1, description="attention heads")
+    mlp_ratio: float = Field(2.0, gt=0, description="MLP width as a multiple of the width")
+
+    @field_validator("pretrained")
+    @classmethod
+    def _saved(cls, value: str | None) -> str | None:
+        if value is not None and not os.path.isfile(os.path.join(value, "model.safetensors")):
+            raise ValueError(f"{value!r} is not a SimpleDiT directory written by flow_pretrain "
+                             "(no model.safetensors)")
+        return value
+
+
+class FlowPretrainParams(StageParams):
+    steps: int = Field(800, ge=1, description="optimizer steps")
+    batch: int = Field(32, ge=1, description="images per step")
+    learning_rate: float = Field(2e-3, gt=0, description="Adam learning rate")
+    log_every: int = Field(100, ge=1, description="steps per logged metric window and preview")
+    checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints (a retry resumes there)")
+    preview_rows: int = Field(16, ge=1, description="samples in each preview grid (the same noise every time)")
+    preview_steps: int = Field(11, ge=2, description="time points of the deterministic preview sampler")
+
+
+class FlowGRPOParams(StageParams):
+    steps: int = Field(40, ge=1, description="optimizer steps (one rollout each)")
+    batch: int = Field(8, ge=1, description="groups per step (unconditioned: rows of fresh noise)")
+    groups: int = Field(4, ge=2, description="samples per group")
+    learning_rate: float = Field(1e-3, gt=0, description="Adam learning rate")
+    log_every: int = Field(5, ge=1, description="steps per logged metric window and preview")
+    checkpoint_every: int = Field(20, ge=1, description="steps between checkpoints (a retry resumes there)")
+    reward: Literal["redness", "greenness", "blueness", "brightness"] = Field(
+        "redness", description="what the samples are scored on: how red (green, blue) the lit pixels "
+        "are, or the mean brightness")
+    rollout_steps: int = Field(6, ge=2, description="time points of a rollout path (both ends: 6 is "
+                               "five SDE transitions)")
+    train_steps: int | None = Field(None, ge=1, description="train on the first this many "
+                                    "transitions of each path (empty: all)")
+    beta: float = Field(0.05, ge=0, description="weight of the transition KL to the pre-trained model")
+    clip_range: float = Field(1e-4, gt=0, description="PPO clip of the per-coordinate ratio")
+    noise_level: float = Field(0.7, ge=0, description="the SDE's exploration noise (a in "
+                               "sigma = a sqrt(t / (1 - t)))")
+    preview_rows: int = Field(16, ge=1, description="samples in each preview grid (the same noise every time)")
+    preview_steps: int = Field(11, ge=2, description="time points of the deterministic preview sampler")
+    store_images: bool = Field(True, description="store every rollout sample as a PNG in the "
+                               "run store's samples table")
+
+
+class FlowPipelineParams(Params):
+    name: str = Field("flow", pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="run directory name under `root`; a rerun with the same name "
+                      "and inputs skips the stages that already finished")
+    root: str = Field("runs", description="project directory: runs and the store (dew.duckdb) live here")
+    seed: int = Field(0, description="seeds data generation, initialization, noise and rollouts")
+    data: ImageDataParams = ImageDataParams()
+    model: DiTParams = DiTParams()
+    pretrain: FlowPretrainParams = FlowPretrainParams()
+    grpo: FlowGRPOParams = FlowGRPOParams()
+    stages: tuple[Literal["flow_pretrain", "flow_grpo"], ...] = Field(
+        ("flow_pretrain", "flow_grpo"), description="stages to run, in order (flow_grpo alone "
+        "starts from model.pretrained)")
+
+    @model_validator(mode="after")
+    def _chain(self) -> FlowPipelineParams:
+        if self.stages not in (("flow_pretrain",), ("flow_grpo",), ("flow_pretrain", "flow_grpo")):
+            raise ValueError(f"stages must be ('flow_pretrain',), ('flow_grpo',) or ('flow_pretrain', "
+                             f"'flow_grpo'), got {self.stages}")
+        if self.stages == ("flow_grpo",) and self.model.pretrained is None:
+            raise ValueError("stages=('flow_grpo',) starts from a pre-trained model: set "
+                             "model.pretrained to a directory flow_pretrain wrote, or add 'flow_pretrain'")
+        return self

@@ -1,0 +1,15 @@
+"""sft: supervised fine-tuning on assistant answers, from a saved policy."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.params import SFTParams
+from tasks.manifests import DataManifest, PolicyRef, StageResult
+from tasks.train import train_stage
+
+
+@flow(name="sft")
+def sft(params: SFTParams, data: DataManifest, start: PolicyRef, directory: str,
+        store_root: str = "runs", run: str = "sft", seed: int = 0) -> StageResult:
+    return train_stage("sft", "sft", params, data, start, directory, store_root, run, seed)

@@ -1,0 +1,97 @@
+"""Evaluation: greedy answers to held-out prompts, scored by each row's reward, into the store.
+
+Each row's `data_source` picks its reward (tasks/rewards.py); answers are scored on several
+threads, and the programs a code reward ran land in the store's `verdicts` table beside the
+answer's `evaluations` row (`update` = step, `group_id` = item).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from prefect import get_run_logger, task
+
+from dew_lib.sampling import Sampling, generate
+from dew_lib.store import Evaluation
+from flows.params import EvalParams, RewardParams
+from tasks.data import read_eval
+from tasks.manifests import DataManifest, EvalResult, PolicyRef, fingerprint
+from tasks.policy import load_policy
+from tasks.records import open_stage
+from tasks.rewards import TaskReward, score_all, verdicts
+from tasks.storage import read_json, write_json
+
+
+def prompt_ids(tokenizer, prompt) -> list[int]:
+    """Token ids of a prompt given as messages (chat template), text or ids."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    return [int(i) for i in prompt]
+
+
+def answer_all(model, variables, tokenizer, prompts: list[list[int]], params: EvalParams) -> list[str]:
+    """Greedy answers, generated `params.batch` at a time at one compiled shape."""
+    return [text for text, _, _ in draw_answers(model, variables, tokenizer, prompts, params)]
+
+
+def draw_answers(model, variables, tokenizer, prompts: list[list[int]], params: EvalParams):
+    """`(text, sampled ids, stopped on EOS)` of each prompt's greedy answer."""
+    width = max(map(len, prompts))
+    answers = []
+    for start in range(0, len(prompts), params.batch):
+        chunk = prompts[start:start + params.batch]
+        rows = np.zeros((params.batch, width), np.int32)
+        lengths = np.ones(params.batch, np.int32)
+        for row, ids in enumerate(chunk):
+            rows[row, width - len(ids):] = ids
+            lengths[row] = len(ids)
+        out = generate(model, variables, rows, lengths, key=jax.random.key(0),
+                       max_new_tokens=params.max_new_tokens,
+                       sampling=Sampling(temperature=0.0, eos_id=tokenizer.eos_token_id))
+        tokens, counts, stopped = jax.device_get((out.tokens, out.lengths, out.stopped))
+        answers += [(tokenizer.decode(tokens[i, :counts[i]], skip_special_tokens=True),
+                     [int(t) for t in tokens[i, :counts[i]]], bool(stopped[i]))
+                    for i in range(len(chunk))]
+    return answers
+
+
+@task(retries=1, retry_delay_seconds=1, task_run_name="evaluate-{stage}")
+def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: EvalParams,
+                    directory: str, store_root: str, run: str, step: int = 0,
+                    reward: RewardParams | None = None) -> EvalResult:
+    """Held-out accuracy of `policy`; every answer, its score and its programs land in the store.
+
+    reward: how answers are graded (tasks/rewards.py). Saved answers are graded again, so it is
+    not part of the fingerprint that reuses them.
+    """
+    logger = get_run_logger()
+    key = fingerprint("evaluate", policy.fingerprint, data.fingerprint, params)
+    saved_path = os.path.join(directory, f"evaluation-{stage}.json")
+    saved = read_json(saved_path)
+    rows = read_eval(data.eval_path)
+    if saved is not None and saved.get("fingerprint") == key:
+        answers, cached = saved["answers"], True
+    else:
+        pretrained, variables = load_policy(policy, data.tokenizer)
+        tokenizer = pretrained.tokenizer
+        prompts = [prompt_ids(tokenizer, row["prompt"]) for row in rows]
+        answers, cached = answer_all(pretrained.model, variables, tokenizer, prompts, params), False
+    with TaskReward(reward or RewardParams()) as grader:
+        scores, runs = score_all(grader, rows, answers)
+    results = [Evaluation(item=i, prompt=str(row["prompt"]), answer=answer, score=score,
+                          reference=str(row["ground_truth"]), task=str(row.get("task_id", "")),
+                          correct=score >= 1.0)
+               for i, (row, answer, score) in enumerate(zip(rows, answers, scores, strict=True))]
+    accuracy = float(np.mean([r.correct for r in results]))
+    with open_stage(store_root, run, f"eval-{stage}", "evaluate") as writer:
+        writer.evaluations(results, step=step, verdicts=[verdicts(r) for r in runs])
+        writer.finish("completed", {"accuracy": accuracy})
+    if not cached:
+        write_json(saved_path, {"fingerprint": key, "answers": answers})
+    logger.info("%s: %.1f%% of %d held-out answers correct", stage, 100 * accuracy, len(rows))
+    return EvalResult(stage=stage, accuracy=accuracy, answered=len(rows), cached=cached)

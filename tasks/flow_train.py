@@ -1,0 +1,266 @@
+"""The training tasks of the rectified-flow stages: flow-matching pre-training and Flow-GRPO.
+
+They follow tasks/train.py: a retry continues from the stage's last checkpoint (`Trainer.fit`
+restores it from the stage directory and the store drops what earlier attempts recorded after
+it), and `result.json`, written last, lets a rerun with the same inputs skip the stage.
+
+What they add is what an image stage shows. At every logged step (and at the start and the
+end) the live model samples the same fixed noise with the deterministic sampler; the grid is
+saved as `previews/step-NNNNNN.png` in the stage directory and published as a markdown
+artifact. Flow-GRPO also saves the grid of that step's rollout (`previews/rollout-NNNNNN.png`)
+and records every sample of every rollout (reward, group mean and standard deviation,
+advantage, kept, and the image as a PNG) in the run store's `samples` table.
+
+The previews need the live parameters, which Trainer sinks never see. Flow-GRPO renders them
+in its rollout wrapper; pre-training has no rollout, so it passes a `PreviewHook` in the
+rollout slot, the Trainer's one host hook that sees the state, and returns the batch unchanged.
+
+Not here: conditioned models (prompts or labels), guidance, multi-process training (FlowRollout
+runs in one process).
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import os
+
+import jax
+import numpy as np
+import optax
+from prefect import get_run_logger, task
+
+from dew_lib.checkpoint import Checkpoints
+from dew_lib.data import Dataset
+from dew_lib.diffusion import DiffusionObjective, Field, FlowSDE, InputSpec, encode_png, presets
+from dew_lib.diffusion.preview import to_uint8
+from dew_lib.objectives.rl import FlowGRPOObjective, FlowRollout
+from dew_lib.sinks import JsonlSink
+from dew_lib.trainer import Trainer
+from flows.params import DiTParams, FlowGRPOParams, FlowPretrainParams, StageParams
+from tasks.images import build_dit, load_dit, load_images, reward_named, save_dit
+from tasks.manifests import DiTRef, ImageManifest, ImageStageResult, fingerprint
+from tasks.records import open_stage
+from tasks.storage import read_json, write_json
+from tasks.train import _history, final_metrics
+from tasks.ui import Deadline, LogSink, ProgressSink, plot_curves, publish_images, publish_stage
+
+SHOWN = ("loss", "reward", "policy_loss", "transition_kl", "clip_fraction", "grad_norm",
+         "steps_per_second")
+
+
+class Previews:
+    """Samples of the live model on fixed noise, saved as PNGs and published to the UI.
+
+    scored: a reward; each preview then reports its samples' mean reward (kept in `means`).
+    """
+
+    def __init__(self, stage: str, objective, rows: int, shape, directory: str, scored=None):
+        self.stage, self.objective, self.scored = stage, objective, scored
+        self.batch = {"image": np.zeros((rows, *shape), np.uint8)}  # unconditioned: only its size counts
+        self.directory = os.path.join(directory, "previews")
+        self.means: dict[int, float | None] = {}
+
+    def __call__(self, params, step: int, record=None) -> None:
+        preview = self.objective.preview(params, self.batch, step, scored=self.scored)
+        os.makedirs(self.directory, exist_ok=True)
+        shown = [("live model, fixed noise", self._save(f"step-{step:06d}.png", preview.png(columns=8)))]
+        lines = []
+        if preview.scores is not None:
+            self.means[step] = float(preview.scores.mean())
+            lines.append(f"Mean reward of these samples: {self.means[step]:.4f}")
+        else:
+            self.means[step] = None
+        if record is not None:
+            shown.append((f"rollout {step}", self._save(f"rollout-{step:06d}.png",
+                                                        record.preview().png(columns=8))))
+            lines.append(f"Rollout mean reward {record.rewards.mean():.4f}; {int(record.kept.sum())} "
+                         f"of {len(record.kept)} samples kept (nonzero advantage)")
+        publish_images(self.stage, step, shown, lines)
+
+    def _save(self, name: str, png: bytes) -> str:
+        path = os.path.join(self.directory, name)
+        with open(path + ".tmp", "wb") as handle:
+            handle.write(png)
+        os.replace(path + ".tmp", path)
+        return path
+
+
+class PreviewHook:
+    """A pass-through rollout that previews every `every` updates (see the module docstring).
+
+    It is also a sink: `begin` tells it the step fit starts at, so it counts steps on the host
+    instead of reading the step counter back from the device every step.
+    """
+
+    def __init__(self, previews: Previews, every: int):
+        self.previews, self.every = previews, every
+        self.step = 0
+
+    def begin(self, position: int, steps: int) -> None:
+        self.step = position
+
+    def __call__(self, state, batch, key):
+        if self.step % self.every == 0:
+            self.previews(state.params, self.step)
+        self.step += 1
+        return batch
+
+    def write(self, step, metrics) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RecordedFlowRollout:
+    """Runs a FlowRollout, records its samples in the store and previews every `every` updates."""
+
+    def __init__(self, rollout: FlowRollout, stage, previews: Previews, every: int, images: bool):
+        self.rollout, self.stage, self.previews = rollout, stage, previews
+        self.every, self.images = every, images
+
+    def __call__(self, state, batch, key):
+        packed = self.rollout(state, batch, key)
+        record = self.rollout.last
+        pngs = None
+        if self.images:
+            pixels = to_uint8(record.images)
+            pngs = [encode_png(p[..., 0] if p.shape[-1] == 1 else p) for p in pixels]
+        self.stage.samples(record, images=pngs)
+        if record.step % self.every == 0:
+            self.previews(state.params, record.step, record)
+        return packed
+
+
+def image_batches(images: np.ndarray, batch: int, seed: int):
+    """Endless shuffled batches of `{"image": uint8 [batch, H, W, C]}`, a new order every epoch."""
+    if len(images) < batch:
+        raise ValueError(f"the training set has {len(images)} images, fewer than batch={batch}; "
+                         "lower the batch or add images")
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(images))
+        for start in range(0, len(order) - batch + 1, batch):
+            yield {"image": images[order[start:start + batch]]}
+
+
+def _checkpoint_position(checkpoints: str) -> int | None:
+    if not os.path.isdir(checkpoints):
+        return None
+    existing = Checkpoints(checkpoints)
+    try:
+        return existing.latest()
+    finally:
+        existing.close()
+
+
+def _fit(stage: str, kind: str, params: StageParams, key: str, directory: str, store_root: str,
+         run: str, build) -> ImageStageResult:
+    """What both stages share: skip a finished stage, resume, fit with every sink, save, publish.
+
+    build(writer, resumed) -> (trainer, dataset, previews, extra sinks, save(state) -> DiTRef,
+    extra_metrics() -> dict), where resumed is the checkpoint step a retry continues from, or None.
+    """
+    logger = get_run_logger()
+    done = read_json(os.path.join(directory, "result.json"))
+    with open_stage(store_root, run, stage, kind, params.model_dump(mode="json")) as writer:
+        if done is not None and done.get("fingerprint") == key:
+            result = ImageStageResult(**done["result"]).model_copy(update={"cached": True})
+            logger.info("%s already finished with these inputs; reusing %s", stage, result.model.path)
+            writer.finish("completed", result.metrics)
+            return result
+        checkpoints = os.path.join(directory, "checkpoints")
+        resumed = _checkpoint_position(checkpoints)
+        if resumed is not None:
+            logger.info("%s resumes from its checkpoint at step %d", stage, resumed)
+            writer.discard_after(resumed)
+        trainer, dataset, previews, extra_sinks, save, extra = build(writer, resumed)
+        log_path = os.path.join(directory, "metrics.jsonl")
+        sinks = [*extra_sinks, LogSink(stage, SHOWN), ProgressSink(stage, params.steps), writer.sink(),
+                 JsonlSink(log_path), Deadline(stage, params.max_minutes)]  # last, as in train.py
+        state = trainer.fit(dataset, steps=params.steps, log_every=params.log_every,
+                            directory=checkpoints, checkpoint_every=params.checkpoint_every, sinks=sinks)
+        if params.steps not in previews.means:
+            previews(state.params, params.steps)
+        model = save(state)
+        metrics = {**final_metrics(_history(log_path)), **extra()}
+        plot = plot_curves(_history(log_path), os.path.join(directory, "curves.png"), f"{stage} ({kind})")
+        publish_stage(stage, metrics, plot)
+        writer.checkpoint(params.steps, model.path, kind="policy")
+        writer.finish("completed", metrics)
+    shown = sorted(glob.glob(os.path.join(previews.directory, "*.png")))  # earlier attempts' too
+    result = ImageStageResult(stage=stage, kind=kind, model=model, metrics=metrics, directory=directory,
+                              previews=shown)
+    write_json(os.path.join(directory, "result.json"), {"fingerprint": key, "result": result.model_dump()})
+    logger.info("%s done: %s", stage, {k: round(v, 4) for k, v in metrics.items()
+                                       if k in SHOWN or k.startswith("preview")})
+    return result
+
+
+@task(retries=2, retry_delay_seconds=1, task_run_name="train-{stage}")
+def pretrain_stage(stage: str, params: FlowPretrainParams, data: ImageManifest, model: DiTParams,
+                   directory: str, store_root: str, run: str, seed: int) -> ImageStageResult:
+    """Flow-matching pre-training of a SimpleDiT on `data`, saved under `directory`/model."""
+    relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
+    key = fingerprint("flow_pretrain", relevant, model, data.fingerprint, seed)
+    inputs = InputSpec(Field("image", data.shape))
+
+    def build(writer, resumed):
+        if model.pretrained is not None:
+            dit, variables, shape, process = load_dit(model.pretrained)
+            if tuple(shape) != tuple(data.shape):
+                raise ValueError(f"model.pretrained {model.pretrained} was trained on {tuple(shape)} "
+                                 f"images but the data are {tuple(data.shape)}")
+        else:
+            dit, variables, process = build_dit(model, data.shape[-1]), None, presets.Flow()()
+        if data.shape[0] % dit.patch_size or data.shape[1] % dit.patch_size:
+            raise ValueError(f"model.patch_size={dit.patch_size} does not divide the images' "
+                             f"{data.shape[0]}x{data.shape[1]} pixels; pick a divisor")
+        objective = DiffusionObjective(dit, process, inputs, ema_decay=None, steps=params.preview_steps,
+                                       pretrained=variables)
+        images = load_images(data)
+        dataset = Dataset(train=lambda partition: image_batches(images, params.batch, seed),
+                          records=len(images), batch=params.batch)
+        previews = Previews(stage, objective, params.preview_rows, data.shape, directory)
+        hook = PreviewHook(previews, params.log_every)
+        trainer = Trainer(objective, optax.adam(params.learning_rate), key=jax.random.key(seed),
+                          rollout=hook)
+        save = lambda state: save_dit(dit, state.params, data.shape, process,
+                                      os.path.join(directory, "model"), key)
+        return trainer, dataset, previews, [hook], save, dict
+
+    return _fit(stage, "flow_pretrain", params, key, directory, store_root, run, build)
+
+
+@task(retries=2, retry_delay_seconds=1, task_run_name="train-{stage}")
+def grpo_stage(stage: str, params: FlowGRPOParams, start: DiTRef, directory: str, store_root: str,
+               run: str, seed: int) -> ImageStageResult:
+    """Flow-GRPO from the SimpleDiT at `start` against the named reward, saved under `directory`/model."""
+    relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
+    key = fingerprint("flow_grpo", relevant, start.fingerprint, seed)
+    reward = reward_named(params.reward)
+
+    def build(writer, resumed):
+        dit, variables, shape, process = load_dit(start.path)
+        inputs = InputSpec(Field("image", shape))
+        objective = FlowGRPOObjective(dit, process, inputs, sde=FlowSDE(noise_level=params.noise_level),
+                                      beta=params.beta, clip_range=params.clip_range, guidance=None,
+                                      steps=params.preview_steps, pretrained=variables)
+        previews = Previews(stage, objective, params.preview_rows, shape, directory, scored=reward)
+        rollout = FlowRollout(objective, reward, groups=params.groups, steps=params.rollout_steps,
+                              train_steps=params.train_steps)
+        recorded = RecordedFlowRollout(rollout, writer, previews, params.log_every, params.store_images)
+        source = {"image": np.zeros((params.batch, *shape), np.uint8)}  # only its size is used
+        dataset = Dataset(train=lambda partition: itertools.repeat(source), batch=params.batch)
+        if resumed:  # the first rollout's preview shows the starting model otherwise
+            previews(variables, 0)
+        trainer = Trainer(objective, optax.adam(params.learning_rate), key=jax.random.key(seed + 1),
+                          rollout=recorded)
+        save = lambda state: save_dit(dit, state.params, shape, process,
+                                      os.path.join(directory, "model"), key)
+        extra = lambda: {"preview_reward_start": previews.means[0],
+                         "preview_reward_final": previews.means[params.steps]}
+        return trainer, dataset, previews, [], save, extra
+
+    return _fit(stage, "flow_grpo", params, key, directory, store_root, run, build)

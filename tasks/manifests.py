@@ -1,0 +1,88 @@
+"""The small, serializable values tasks hand each other: where things are and what they scored."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class DataManifest(Manifest):
+    """Where a prepared dataset lives. `fingerprint` changes whenever its content would."""
+
+    directory: str
+    tokenizer: str | None
+    chat_path: str | None
+    chat_val_path: str | None
+    pairs_path: str | None
+    prompts_path: str | None
+    eval_path: str
+    fingerprint: str
+
+
+class PolicyRef(Manifest):
+    """A policy saved as a Hugging Face checkpoint directory, and what produced it."""
+
+    path: str
+    fingerprint: str
+
+
+class StageResult(Manifest):
+    """A finished training stage: its final policy, metrics and whether this run trained it."""
+
+    stage: str
+    kind: str
+    policy: PolicyRef
+    metrics: dict[str, float]
+    directory: str
+    cached: bool = False
+
+
+class EvalResult(Manifest):
+    stage: str
+    accuracy: float
+    answered: int
+    cached: bool = False
+
+
+class ImageManifest(Manifest):
+    """Training images as one .npz (`images`: uint8 [N, H, W, C]) and what they are."""
+
+    path: str
+    shape: tuple[int, int, int]
+    count: int
+    fingerprint: str
+
+
+class DiTRef(Manifest):
+    """A SimpleDiT saved by `tasks.images.save_dit` (config.json + model.safetensors)."""
+
+    path: str
+    fingerprint: str
+
+
+class ImageStageResult(Manifest):
+    """A finished image stage: its saved model, metrics, preview PNGs and whether this run trained it."""
+
+    stage: str
+    kind: str
+    model: DiTRef
+    metrics: dict[str, float]
+    directory: str
+    previews: list[str]
+    cached: bool = False
+
+
+def fingerprint(*parts: Any) -> str:
+    """A short stable hash of JSON-able parts (pydantic models are dumped first)."""
+    def plain(value):
+        return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+
+    text = json.dumps([plain(p) for p in parts], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,65 @@
+"""Preference pairs from the policy's own mistakes: the DPO stage's default for the demo task.
+
+For each prompt the starting policy answers greedily (what evaluation measures). A wrong
+answer (one cut off by the budget included) becomes the rejected side, exactly as sampled (EOS
+included, no retokenizing), and the task's reference solution the chosen side. Prompts the
+policy already answers right give no pair. Pairs written from a fixed answer generator instead
+(`DPOParams.pairs="data"`) rarely match the mistakes the policy makes, and DPO on them moves
+probability away from answers the policy would not have given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from prefect import get_run_logger, task
+
+from dew_lib.rewards import MathReward
+from flows.params import DPOParams, EvalParams
+from tasks.evaluate import draw_answers, prompt_ids
+from tasks.manifests import DataManifest, PolicyRef, fingerprint
+from tasks.policy import load_policy
+from tasks.storage import read_json, write_json, write_lines
+
+
+@task(retries=1, retry_delay_seconds=1, task_run_name="pairs-from-policy")
+def policy_pairs(params: DPOParams, data: DataManifest, start: PolicyRef, directory: str) -> str:
+    """Write pairs (reference chosen, the policy's wrong answer rejected); return their path."""
+    logger = get_run_logger()
+    key = fingerprint("pairs", params.pair_prompts, params.seq_len, data.fingerprint, start.fingerprint)
+    path = os.path.join(directory, "pairs.jsonl")
+    record = read_json(os.path.join(directory, "pairs.json"))
+    if record is not None and record.get("fingerprint") == key and os.path.exists(path):
+        return path
+    with open(data.prompts_path, encoding="utf-8") as handle:
+        rows = [json.loads(line) for _, line in zip(range(params.pair_prompts), handle, strict=False)]
+    missing = [i for i, row in enumerate(rows) if "solution" not in json.loads(row.get("extra_info") or "{}")]
+    if missing:
+        raise ValueError(f"{data.prompts_path} row {missing[0]} has no extra_info.solution, which "
+                         "DPOParams(pairs='policy') uses as the chosen answer; give pairs_path and "
+                         "pairs='data' instead")
+    pretrained, variables = load_policy(start, data.tokenizer)
+    tokenizer, reward = pretrained.tokenizer, MathReward()
+    prompts = [prompt_ids(tokenizer, row["prompt"]) for row in rows]
+    answers = draw_answers(pretrained.model, variables, tokenizer, prompts,
+                           EvalParams(batch=128, max_new_tokens=params.seq_len // 2))
+    pairs = []
+    for row, prompt, (text, sampled, stopped) in zip(rows, prompts, answers, strict=True):
+        if stopped and reward("", text, str(row["ground_truth"]), "") >= 1.0:
+            continue
+        solution = json.loads(row["extra_info"])["solution"]
+        chosen = tokenizer.encode(solution, add_special_tokens=False) + [tokenizer.eos_token_id]
+        if len(prompt) + max(len(chosen), len(sampled)) > params.seq_len:
+            continue
+        pairs.append({"chosen": prompt + chosen, "rejected": prompt + sampled,
+                      "chosen_mask": [0] * len(prompt) + [1] * len(chosen),
+                      "rejected_mask": [0] * len(prompt) + [1] * len(sampled)})
+    if len(pairs) < params.batch:
+        raise ValueError(f"the starting policy got {len(rows) - len(pairs)} of {len(rows)} prompts "
+                         f"right, leaving {len(pairs)} pairs, fewer than one batch of {params.batch}; "
+                         "raise pair_prompts or use pairs='data'")
+    write_lines(path, pairs)
+    write_json(os.path.join(directory, "pairs.json"), {"fingerprint": key, "pairs": len(pairs)})
+    logger.info("%d pairs from the policy's wrong answers to %d prompts", len(pairs), len(rows))
+    return path

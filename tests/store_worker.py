@@ -1,0 +1,60 @@
+"""A run-store writer in its own process, for tests/test_store_processes.py.
+
+Writes updates `start..steps-1` of run RUN, stage STAGE into the project directory PATH: each
+update is one GRPO step's worth of sessions (16 tasks x 4 samples, 64 sampled ids each, drawn
+from a generator seeded by the update, so a rerun writes identical rows) and its metrics. After
+each update is durable it prints `committed U`. Compaction runs often, so readers and kills meet
+generation swaps.
+"""
+
+import argparse
+import time
+
+import numpy as np
+
+from dew_lib.objectives.rl.sessions import Call, Session
+from dew_lib.store import Store
+
+PROMPTS, SAMPLES, TOKENS = 16, 4, 64
+
+
+def sessions_for(update: int) -> list[Session]:
+    rng = np.random.default_rng(update)
+    out = []
+    for p in range(PROMPTS):
+        prompt = rng.integers(1, 300, 24)
+        for s in range(SAMPLES):
+            call = Call(prompt_ids=prompt, sampled_ids=rng.integers(1, 300, TOKENS),
+                        behavior_log_probs=-rng.random(TOKENS), version=update)
+            out.append(Session(task=str(update * PROMPTS + p), group=p, sample=s, calls=(call,),
+                               reward=float(s % 2), components={"format": 1.0}))
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("path")
+    parser.add_argument("run")
+    parser.add_argument("stage")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--pause", type=float, default=0.0)
+    args = parser.parse_args()
+    store = Store(args.path)
+    with store.writer(args.run, compact_after=4, keep_loose=1, merge_after=2) as run:
+        run.start(params={"steps": args.steps})
+        stage = run.stage(args.stage, kind="grpo")
+        for update in range(args.start, args.steps):
+            stage.sessions(sessions_for(update), update=update, latencies=[0.5] * PROMPTS * SAMPLES,
+                           causes="admitted")
+            stage.metrics(update, {"loss": 1.0 / (update + 1), "reward/mean": 0.5})
+            stage.flush()
+            print(f"committed {update}", flush=True)
+            time.sleep(args.pause)
+        stage.finish()
+        run.finish()
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""The Prefect pipeline: every stage end to end, reruns that reuse, retries that resume, faults.
+
+Flows run against Prefect's test harness (a temporary API and database) with a tiny decoder and
+a few steps per stage; what they write is checked through the run store, as a user would.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("prefect")
+
+from pydantic import ValidationError  # noqa: E402
+
+from dew_lib.store import Store  # noqa: E402
+from flows.params import (DataParams, DPOParams, EvalParams, GRPOParams, ModelParams,  # noqa: E402
+                          PipelineParams, SFTParams)
+
+HERE = os.path.dirname(__file__)
+TINY = dict(
+    data=dict(train_problems=400, test_problems=20),
+    model=dict(emb_features=32, num_layers=1, num_heads=2, mlp_features=64),
+    sft=dict(steps=4, batch=4, log_every=2, checkpoint_every=2),
+    dpo=dict(steps=2, batch=4, log_every=1, checkpoint_every=1),
+    grpo=dict(steps=2, batch=2, log_every=1, checkpoint_every=1, max_new_tokens=8),
+    evaluation=dict(batch=20, max_new_tokens=8),
+)
+
+
+def tiny(root, **changes) -> PipelineParams:
+    return PipelineParams(root=str(root), **{**TINY, **changes})
+
+
+@pytest.fixture(scope="module")
+def harness(prefect_harness):
+    yield
+
+
+@pytest.fixture(scope="module")
+def finished(harness, tmp_path_factory):
+    from flows.pipeline import pipeline
+
+    root = tmp_path_factory.mktemp("runs")
+    params = tiny(root)
+    return root, params, pipeline(params)
+
+
+def query(root, sql):
+    return Store(str(root)).rows(sql)[1]
+
+
+@pytest.mark.slow
+def test_the_pipeline_trains_every_stage_and_records_it(finished):
+    root, params, outcome = finished
+    assert list(outcome["accuracy"]) == ["start", "sft", "dpo", "grpo"]
+    run = outcome["run"]
+    stages = dict(query(root, f"SELECT stage, status FROM stages WHERE run = '{run}'"))
+    assert {stages[s] for s in ("sft", "dpo", "grpo", "eval-grpo")} == {"completed"}
+    # Every GRPO rollout landed with its ids, log-probs, reward and version; every step's metrics too.
+    sessions = query(root, f"SELECT count(*), min(reward), max(update) FROM sessions WHERE run = '{run}'")[0]
+    assert sessions[0] == 2 * 2 * 4  # steps x prompts x groups
+    calls = query(root, f"SELECT len(sampled_ids), len(behavior_log_probs) FROM calls WHERE run = '{run}'")
+    assert len(calls) == sessions[0] and all(a == b and a > 0 for a, b in calls)
+    steps = dict(query(root, f"SELECT stage, max(step) FROM metrics WHERE run = '{run}' GROUP BY stage"))
+    assert steps == {"sft": 4, "dpo": 2, "grpo": 2}
+    answers = query(root, f"SELECT stage, count(*) FROM evaluations WHERE run = '{run}' GROUP BY stage")
+    assert dict(answers) == {"eval-start": 20, "eval-sft": 20, "eval-dpo": 20, "eval-grpo": 20}
+    # The final policy is a Hugging Face checkpoint that loads back; curves were plotted.
+    from dew_lib.models import load_pretrained
+
+    loaded = load_pretrained(outcome["policy"])
+    assert loaded.tokenizer is not None and loaded.model.num_layers == 1
+    for stage in ("sft", "dpo", "grpo"):
+        assert os.path.getsize(os.path.join(root, "demo", stage, "curves.png")) > 1000
+
+
+@pytest.mark.slow
+def test_a_rerun_with_the_same_inputs_reuses_every_finished_stage(finished):
+    from flows.pipeline import pipeline
+
+    root, params, first = finished
+    again = pipeline(params)
+    assert again["run"] != first["run"]
+    assert again["accuracy"] == first["accuracy"]
+    stages = query(root, f"SELECT stage, status FROM stages WHERE run = '{again['run']}'")
+    assert {status for _, status in stages} == {"completed"}
+    # Nothing trained: no metrics or sessions under the second run.
+    assert query(root, f"SELECT count(*) FROM metrics WHERE run = '{again['run']}'")[0][0] == 0
+    assert query(root, f"SELECT count(*) FROM sessions WHERE run = '{again['run']}'")[0][0] == 0
+
+
+@pytest.mark.slow
+def test_a_failed_training_task_is_retried_and_resumes_from_its_checkpoint(harness, tmp_path, monkeypatch):
+    from dew_lib import trainer
+    from flows.pipeline import pipeline
+    from tasks import ui
+
+    starts = []
+    original_start = trainer._Run._start_state
+
+    def recording_start(self, state):
+        restored, position = original_start(self, state)
+        starts.append(position)
+        return restored, position
+
+    failed = []
+    original_write = ui.Deadline.write
+
+    def failing_write(self, step, metrics):
+        original_write(self, step, metrics)
+        if self.stage == "sft" and step == 3 and not failed:
+            failed.append(step)
+            raise RuntimeError("injected failure after the step-2 checkpoint")
+
+    monkeypatch.setattr(trainer._Run, "_start_state", recording_start)
+    monkeypatch.setattr(ui.Deadline, "write", failing_write)
+    params = tiny(tmp_path, stages=("sft",), sft=dict(steps=4, batch=4, log_every=1, checkpoint_every=2))
+    outcome = pipeline(params)
+    assert failed == [3] and starts == [0, 2]  # the retry continued at the last checkpoint
+    run = outcome["run"]
+    attempts = query(tmp_path, f"SELECT attempt FROM stages WHERE run = '{run}' AND stage = 'sft'")
+    assert attempts == [(2,)]
+    rows = query(tmp_path, f"SELECT step, count(*) FROM metrics WHERE run = '{run}' AND stage = 'sft' "
+                           "AND name = 'loss' GROUP BY step ORDER BY step")
+    assert rows == [(1, 1), (2, 1), (3, 1), (4, 1)]  # the failed attempt's step 3 was replaced, not doubled
+
+
+@pytest.mark.slow
+def test_a_stage_that_keeps_failing_fails_the_run_with_its_cause(harness, tmp_path, monkeypatch):
+    from flows.pipeline import pipeline
+    from tasks import ui
+
+    def broken(self, step, metrics):
+        raise RuntimeError("the disk is full")
+
+    monkeypatch.setattr(ui.Deadline, "write", broken)
+    params = tiny(tmp_path, stages=("sft",), sft=dict(steps=2, batch=4, log_every=1))
+    with pytest.raises(RuntimeError, match="the disk is full"):
+        pipeline(params)
+    (status, error), = query(tmp_path, "SELECT status, error FROM stages WHERE stage = 'sft'")
+    assert status == "failed" and "the disk is full" in error
+    (run_status,), = query(tmp_path, "SELECT status FROM runs")
+    assert run_status == "failed"
+
+
+@pytest.mark.slow
+def test_a_killed_pipeline_resumes_from_the_checkpoint_when_run_again(tmp_path):
+    params = tiny(tmp_path, stages=("sft",), sft=dict(steps=6, batch=4, log_every=1, checkpoint_every=2))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": os.path.dirname(HERE)}
+    command = [sys.executable, os.path.join(HERE, "pipeline_worker.py"), params.model_dump_json()]
+    killed = subprocess.Popen(command + ["--kill-at", "sft:5"], env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert killed.wait(timeout=900) == -signal.SIGKILL
+    finally:
+        _kill_group(killed)  # the ephemeral Prefect server outlives a SIGKILLed parent
+    assert sorted(os.listdir(tmp_path / "demo" / "sft" / "checkpoints")) == ["2", "4"]
+    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900,
+                             start_new_session=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "sft resumes from its checkpoint at step 4" in resumed.stderr
+    outcome = json.loads(resumed.stdout.strip().splitlines()[-1])
+    steps = query(tmp_path, f"SELECT DISTINCT step FROM metrics WHERE run = '{outcome['run']}' ORDER BY step")
+    assert [s for (s,) in steps] == [5, 6]
+
+
+def _kill_group(process):
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_bad_parameters_are_refused_before_anything_runs(tmp_path):
+    with pytest.raises(ValidationError, match="steps"):
+        SFTParams(steps=0)
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        GRPOParams(group=4)
+    with pytest.raises(ValidationError, match="does not exist"):
+        DataParams(source="files", eval_path=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValidationError, match="not a Hugging Face checkpoint directory"):
+        ModelParams(pretrained=str(tmp_path))
+    with pytest.raises(ValidationError, match="pattern"):
+        PipelineParams(name="../elsewhere")
+    assert DPOParams().beta > 0 and EvalParams().batch > 0
+
+
+@pytest.mark.slow
+def test_an_unwritable_store_fails_at_the_start_naming_the_path(harness, tmp_path):
+    from flows.pipeline import pipeline
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(Exception, match="a-file"):
+        pipeline(tiny(blocker / "runs"))

@@ -1,0 +1,77 @@
+"""Recipe: SFT -> DPO -> GRPO on one decoder; each stage starts from the last and resumes."""
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from dew_lib import models
+from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts
+from dew_lib.data.byte_bpe import train_byte_bpe
+from dew_lib.recipes.chain import Recipe, Stage
+
+LOADING = Loading(workers=0, threads=1, read_buffer=2)
+
+
+def stages(tmp_path):
+    tokenizer = train_byte_bpe(["What is 1 + 2? 3", "What is 2 + 2? 4"] * 20, vocab_size=300,
+                               directory=str(tmp_path / "tokenizer"))
+    chats = tmp_path / "chat.jsonl"
+    chats.write_text("\n".join(json.dumps({"messages": [
+        {"role": "user", "content": f"What is {a} + 2?"},
+        {"role": "assistant", "content": str(a + 2)}]}) for a in range(8)))
+    prompt = tokenizer.encode("What is 1 + 2?")
+    chosen, rejected = tokenizer.encode(" 3"), tokenizer.encode(" 5")
+    pair = {"chosen": prompt + chosen, "rejected": prompt + rejected,
+            "chosen_mask": [0] * len(prompt) + [1] * len(chosen),
+            "rejected_mask": [0] * len(prompt) + [1] * len(rejected)}
+    three = str(tokenizer.encode("3")[0])
+    return [
+        Stage(name="sft", data=ChatMessages(path=str(chats), tokenizer=str(tmp_path / "tokenizer"),
+                                            seq_len=24, loading=LOADING), steps=2, log_every=1),
+        Stage(name="dpo", data=PreferencePairs(records=(json.dumps(pair),) * 4, seq_len=12,
+                                               loading=LOADING), steps=2, log_every=1),
+        Stage(name="grpo", data=Prompts(records=(json.dumps({"prompt": prompt}),) * 4,
+                                        max_prompt_len=10, loading=LOADING),
+              steps=2, groups=2, max_new_tokens=3, beta=0.05, log_every=1,
+              reward=lambda source, text, truth, extra: float(three in text.split())),
+    ]
+
+
+@pytest.mark.slow
+def test_stages_chain_their_policies_freeze_references_and_resume(tmp_path):
+    model = models.build("causal_transformer", vocab_size=300, emb_features=16, num_layers=1,
+                         num_heads=2, mlp_features=32, max_seq_len=32)
+    recipe = Recipe(model=model, optimizer=optax.adam(1e-3), key=jax.random.key(0),
+                    directory=tmp_path / "run", batch=4, stages=stages(tmp_path))
+    sft, dpo, grpo = recipe.run(sinks_for=lambda stage: [])
+    assert [int(s.updates) for s in (sft, dpo, grpo)] == [2, 2, 2]
+    assert sft.ema is None
+    # DPO's and GRPO's references are the policies the previous stages ended with.
+    for reference, policy in ((dpo.ema, sft.params), (grpo.ema, dpo.params)):
+        for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(policy), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    for stage in ("sft", "dpo", "grpo"):
+        assert (tmp_path / "run" / stage / "2").is_dir()
+    # A rerun restores every finished stage instead of training it again.
+    again = recipe.run(sinks_for=lambda stage: [])
+    for first, second in zip((sft, dpo, grpo), again, strict=True):
+        assert int(second.step) == 2
+        for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_stage_and_recipe_refuse_bad_settings(tmp_path):
+    spec = Prompts(records=(json.dumps({"prompt": [1, 2]}),), max_prompt_len=4, loading=LOADING)
+    with pytest.raises(ValueError, match="needs a reward"):
+        Stage(name="grpo", data=spec, steps=1)
+    with pytest.raises(TypeError, match="must be ChatMessages"):
+        Stage(name="x", data={"records": []}, steps=1)
+    with pytest.raises(ValueError, match="plain directory name"):
+        Stage(name="a/b", data=spec, steps=1, reward=lambda *a: 0.0)
+    stage = Stage(name="g", data=spec, steps=1, reward=lambda *a: 0.0)
+    with pytest.raises(ValueError, match="must be distinct"):
+        Recipe(model=None, optimizer=optax.sgd(0.1), key=jax.random.key(0), directory=tmp_path,
+               batch=1, stages=[stage, stage])
