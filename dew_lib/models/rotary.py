@@ -67,11 +67,18 @@ def _llama3(inv: np.ndarray, scaling: Mapping) -> np.ndarray:
 
 
 def rotate(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray) -> jnp.ndarray:
-    """Rotate `x` `[..., S, H, D]` by `positions` `[..., S]`; computed in float32."""
+    """Rotate `x` `[..., S, H, D]` by `positions` `[..., S]`; computed in float32.
+
+    Each head is viewed as its two halves `[..., 2, D/2]`; the halves swapped (a reversal of
+    that size-2 axis) times `sin` signed `(-1, +1)` per half, plus `x` times `cos`, gives
+    `(x1 cos - x2 sin, x2 cos + x1 sin)` (negating is exact, so these are the reference's bits)
+    as one elementwise fusion, forward and backward, with no concatenate of the halves.
+    """
+    half = x.shape[-1] // 2
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., S, D/2]
-    cos = jnp.cos(angles)[..., None, :]  # [..., S, 1, D/2]
-    sin = jnp.sin(angles)[..., None, :]
-    x32 = x.astype(jnp.float32)
-    first, second = jnp.split(x32, 2, axis=-1)
-    out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return out.astype(x.dtype)
+    cos = jnp.cos(angles)[..., None, None, :]  # [..., S, 1, 1, D/2]
+    sign = jnp.asarray([[-1.0], [1.0]], jnp.float32)  # [2, 1]: first half gets -sin
+    sin = jnp.sin(angles)[..., None, None, :] * sign  # [..., S, 1, 2, D/2]
+    halves = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, half)
+    out = halves * cos + jnp.flip(halves, axis=-2) * sin
+    return out.reshape(x.shape).astype(x.dtype)
