@@ -91,7 +91,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", default="16x256,4x1024,2x2048",
                         help="batch x sequence pairs (default: 4,096 tokens per batch each)")
-    parser.add_argument("--large-vocab", default="1x1024",
+    parser.add_argument("--large-vocab", default="2x1024",
                         help="shapes run again with a 151,936-token vocabulary ('' to skip)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="alternating measurement rounds")
