@@ -91,7 +91,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", default="16x256,4x1024,2x2048",
                         help="batch x sequence pairs (default: 4,096 tokens per batch each)")
-    parser.add_argument("--large-vocab", default="1x1024",
+    parser.add_argument("--large-vocab", default="2x1024",
                         help="shapes run again with a 151,936-token vocabulary ('' to skip)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="alternating measurement rounds")
@@ -127,6 +127,7 @@ def main():
         cases += [(b, s, 151_936) for b, s in parse_shapes(args.large_vocab)]
     rows = [("machine f32 matmul peak (JAX)", f"{peak / 1e9:.1f} GFLOP/s")]
     for batch, seq, vocab in cases:
+        done = len(rows)
         shape = ("--batch", str(batch), "--seq", str(seq), "--steps", str(args.steps))
         got = measure(shape, args.rounds, use_torch, args.baseline, vocab)
         med = {k: float(np.median(v)) for k, v in got.items() if v}
@@ -152,6 +153,8 @@ def main():
                       f"{np.median(one):.2f}x ({' '.join(f'{r:.2f}' for r in one)})"),
                      (f"{name}: dew / torch, {threads()} host devices (per round)",
                       f"{np.median(per_core):.2f}x ({' '.join(f'{r:.2f}' for r in per_core)})")]
+        for key, value in rows[done:]:  # as each case ends: a long run keeps what it measured
+            print(f"{key}: {value}", flush=True)
     report(f"train_lm: Llama 8M body, {threads()} threads, float32, each side in its own process, "
            f"median of {args.rounds} alternating rounds", rows)
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew_lib.models.decoder import KVCache
+from dew_lib.models.decoder import DECODE_COMPILER_OPTIONS, KVCache
 from dew_lib.objectives.base import check_token_ids
 
 
@@ -152,7 +152,8 @@ def _pack_cache(kvs, prompt_length, width, slots, dtype) -> KVCache:
     return KVCache(keys, values, prompt_length.astype(jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "pad_id"))
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "pad_id"),
+                   compiler_options=DECODE_COMPILER_OPTIONS)
 def _generate(model, variables, prompt, prompt_length, key, *, max_new_tokens, sampling, pad_id):
     batch, width = prompt.shape
     segments, positions = prompt_layout(prompt_length, width)

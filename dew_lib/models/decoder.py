@@ -25,6 +25,12 @@ from dew_lib.models import head, rotary
 _INIT = nn.initializers.normal(stddev=0.02)
 _NEG = -1e30  # finite, so a row with nothing to attend to gives no NaN
 
+# XLA options for compiled decode loops. XLA:CPU hands matmuls to its YNN library by default;
+# for decode's few-row products ([B, E] by a weight, B <= 16) its dispatch costs more than it
+# saves, and XLA's own dot emitter runs the same loop 5-15% faster (bench: Llama 8M, batch 1
+# and 16). Training's large products keep YNN. Other backends ignore the option.
+DECODE_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
 
 class KVCache(NamedTuple):
     """Per-layer keys and values `[B, KV, T, D]` and how many slots of each row are filled `[B]`.
@@ -168,7 +174,6 @@ class Block(nn.Module):
     num_kv_heads: int
     head_dim: int
     mlp_features: int
-    inv_freq: Any
     qk_norm: bool
     attention_bias: bool
     norm_eps: float
@@ -191,8 +196,9 @@ class Block(nn.Module):
         self.up_proj = _dense(e, m, "up_proj", dt, pt)
         self.down_proj = _dense(m, e, "down_proj", dt, pt)
 
-    def qkv(self, x, positions):
-        """Rotated queries and keys and plain values for `x` `[B, S, E]`."""
+    def qkv(self, x, rope):
+        """Rotated queries and keys and plain values for `x` `[B, S, E]`; `rope` is the
+        `rotary.table` of the positions, shared by all layers."""
         b, s, _ = x.shape
         h = self.input_layernorm(x)
         q, k, v = fused(h, [self.q_proj, self.k_proj, self.v_proj])
@@ -201,8 +207,8 @@ class Block(nn.Module):
         v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary.rotate(q, positions, self.inv_freq)
-        k = rotary.rotate(k, positions, self.inv_freq)
+        q = rotary.apply(q, rope)
+        k = rotary.apply(k, rope)
         return q, k, v
 
     def finish(self, x, attended):
@@ -212,8 +218,8 @@ class Block(nn.Module):
         gate, up = fused(h, [self.gate_proj, self.up_proj])
         return x + self.down_proj(nn.silu(gate) * up)
 
-    def __call__(self, x, positions, segment_ids, block):
-        q, k, v = self.qkv(x, positions)
+    def __call__(self, x, rope, segment_ids, block):
+        q, k, v = self.qkv(x, rope)
         return self.finish(x, attend_causal(q, k, v, segment_ids, block)), (k, v)
 
 
@@ -269,7 +275,7 @@ class CausalTransformer(nn.Module):
             dtype=self.dtype, param_dtype=self.param_dtype,
         )
         block = nn.remat(Block, static_argnums=(4,)) if self.remat else Block
-        self.layers = [block(**self._block_options(inv_freq), name=f"layers_{i}")
+        self.layers = [block(**self._block_options(), name=f"layers_{i}")
                        for i in range(self.num_layers)]
         self.inv_freq = inv_freq
         self.norm = RMSNorm(self.norm_eps, self.dtype, self.param_dtype)
@@ -277,14 +283,14 @@ class CausalTransformer(nn.Module):
             self.lm_head = _dense(self.emb_features, self.vocab_size, "lm_head", self.dtype,
                                   self.param_dtype)
 
-    def _block_options(self, inv_freq):
+    def _block_options(self):
         return dict(features=self.emb_features, num_heads=self.num_heads,
                     num_kv_heads=self.kv_heads, head_dim=self.head_features,
-                    mlp_features=self.mlp_features, inv_freq=tuple(inv_freq.tolist()),
-                    qk_norm=self.qk_norm, attention_bias=self.attention_bias,
-                    norm_eps=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
+                    mlp_features=self.mlp_features, qk_norm=self.qk_norm,
+                    attention_bias=self.attention_bias, norm_eps=self.norm_eps, dtype=self.dtype,
+                    param_dtype=self.param_dtype)
 
-    def _scanned_layers(self, x, positions, segment_ids):
+    def _scanned_layers(self, x, rope, segment_ids):
         """All layers as one `lax.scan` over their parameters stacked on a leading axis.
 
         The parameters stay one `layers_i` subtree per layer (Hugging Face names, checkpoint
@@ -294,10 +300,10 @@ class CausalTransformer(nn.Module):
         params = self.variables["params"]
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
                                *[params[f"layers_{i}"] for i in range(self.num_layers)])
-        block = Block(**self._block_options(self.inv_freq), parent=None)
+        block = Block(**self._block_options(), parent=None)
 
         def body(x, layer_params):
-            return block.apply({"params": layer_params}, x, positions, segment_ids,
+            return block.apply({"params": layer_params}, x, rope, segment_ids,
                                self.attention_block)
 
         if self.remat:
@@ -362,13 +368,14 @@ class CausalTransformer(nn.Module):
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         # Padding (segment 0) attends to padding: never read, but keeps every row finite.
         x = self.embed_tokens(tokens)
+        rope = rotary.table(positions, self.inv_freq)
         if self.scan_layers and self.num_layers > 1 and not self.is_initializing():
-            x, (keys, values) = self._scanned_layers(x, positions, segment_ids)
+            x, (keys, values) = self._scanned_layers(x, rope, segment_ids)
             kvs = [(keys[i], values[i]) for i in range(self.num_layers)] if return_kv else []
         else:
             kvs = []
             for layer in self.layers:
-                x, kv = layer(x, positions, segment_ids, self.attention_block)
+                x, kv = layer(x, rope, segment_ids, self.attention_block)
                 kvs.append(kv)
         x = self.norm(x)
         return (x, kvs) if return_kv else x
@@ -394,9 +401,10 @@ class CausalTransformer(nn.Module):
         rows = jnp.arange(b)
         visible = jnp.arange(slots)[None, :] <= cache.lengths[:, None]  # [B, T]
         x = self.embed_tokens(tokens[:, None])
+        rope = rotary.table(positions, self.inv_freq)
         keys, values = [], []
         for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values, strict=True):
-            q, k, v = layer.qkv(x, positions)  # [B, 1, H or KV, D]
+            q, k, v = layer.qkv(x, rope)  # [B, 1, H or KV, D]
             k_cache = k_cache.at[rows, :, write_at].set(k[:, 0].astype(k_cache.dtype), mode="drop")
             v_cache = v_cache.at[rows, :, write_at].set(v[:, 0].astype(v_cache.dtype), mode="drop")
             x = layer.finish(x, attend_cached(q, k_cache, v_cache, visible))

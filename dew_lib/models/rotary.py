@@ -66,12 +66,32 @@ def _llama3(inv: np.ndarray, scaling: Mapping) -> np.ndarray:
     return np.where(middle, blended, scaled).astype(f32)
 
 
-def rotate(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray) -> jnp.ndarray:
-    """Rotate `x` `[..., S, H, D]` by `positions` `[..., S]`; computed in float32."""
+def table(positions: jnp.ndarray, inv_freq: np.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """The rotation of every position, float32: `cos` `[..., S, 1, 1, D/2]` and `sin` signed per
+    half, `[..., S, 1, 2, D/2]` (`-sin` for the first half, `+sin` for the second).
+
+    Computed once per forward pass and shared by every layer's queries and keys.
+    """
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., S, D/2]
-    cos = jnp.cos(angles)[..., None, :]  # [..., S, 1, D/2]
-    sin = jnp.sin(angles)[..., None, :]
-    x32 = x.astype(jnp.float32)
-    first, second = jnp.split(x32, 2, axis=-1)
-    out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return out.astype(x.dtype)
+    cos = jnp.cos(angles)[..., None, None, :]
+    sign = jnp.asarray([[-1.0], [1.0]], jnp.float32)  # [2, 1]
+    return cos, jnp.sin(angles)[..., None, None, :] * sign
+
+
+def apply(x: jnp.ndarray, rope: tuple[jnp.ndarray, jnp.ndarray]) -> jnp.ndarray:
+    """Rotate `x` `[..., S, H, D]` by a `table`; computed in float32.
+
+    Each head is viewed as its two halves `[..., 2, D/2]`; the halves swapped (a reversal of
+    that size-2 axis) times the signed `sin`, plus `x` times `cos`, gives
+    `(x1 cos - x2 sin, x2 cos + x1 sin)` (negating is exact, so these are the reference's bits)
+    as one elementwise fusion, forward and backward, with no concatenate of the halves.
+    """
+    cos, sin = rope
+    halves = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
+    out = halves * cos + jnp.flip(halves, axis=-2) * sin
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def rotate(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray) -> jnp.ndarray:
+    """Rotate `x` `[..., S, H, D]` by `positions` `[..., S]`: `apply(x, table(...))`."""
+    return apply(x, table(positions, inv_freq))
