@@ -13,12 +13,13 @@ was renamed. Adding a part, or replacing the only part of a key by one with the 
 rename. Anything that removes rows (compaction, or a retry that rewrites a key an earlier attempt
 stored in several parts) builds a new generation directory (hard links to the parts it keeps plus
 the new ones) and swaps the link with one rename: readers see the old generation or the new one,
-never a mix, as long as it resolves the link once. DuckDB's glob does not: it lists a directory,
+never a mix, as long as they resolve the link once. DuckDB's glob does not: it lists a directory,
 then stats each name through the link again and silently skips names that are gone. So every
 link move, and the removal of a table's placeholder, happens under a shared lock on
 `store/.locks/_swap.lock`, which also grows by a byte per change; a reader that finds the file
-grown or the lock held after its query ran reruns it (`swaps_since`, used by Store.sql). A reader that listed the old generation and opens a part the
-new one dropped gets a file-not-found error and reruns too.
+grown or the lock held after its query ran reruns it (`swaps_since`, used by Store.sql). A
+reader that listed the old generation and opens a part the new one dropped gets a file-not-found
+error and reruns too.
 
 The first write of a key in a writer's lifetime replaces whatever earlier lifetimes stored under
 that key; later writes of it in the same lifetime add parts. That is what makes a retried task
