@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 # An 8M-parameter Llama-architecture decoder (untied head), as the issue's targets assume.
 LLAMA_8M = dict(vocab_size=8192, emb_features=256, num_layers=5, num_heads=4, num_kv_heads=4,
                 mlp_features=704, max_seq_len=512)
@@ -55,6 +57,25 @@ def torch_llama(config: dict, torch_threads: int):
         tie_word_embeddings=False, attention_bias=False,
     )
     return LlamaForCausalLM(hf).float().eval()
+
+
+def torch_train_step(config: dict, batch: int, seq: int):
+    """(model, step): one AdamW step of `torch_llama` on fixed random ids, the peer of Dew's step."""
+    import torch
+
+    model = torch_llama(config, threads()).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, config["vocab_size"], (batch, seq + 1)))
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # the gradients are not state between steps
+
+    return model, step
 
 
 def report(title: str, rows: list[tuple[str, str]]) -> None:

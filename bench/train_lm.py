@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
-from common import LLAMA_8M, in_subprocess, jax_matmul_peak, median_seconds, report, threads, torch_llama  # noqa: E402
+from common import LLAMA_8M, in_subprocess, jax_matmul_peak, median_seconds, report, threads, torch_train_step  # noqa: E402
 
 
 def model_flops_per_token(config: dict, seq: int) -> float:
@@ -51,20 +51,7 @@ def dew_tokens_per_second(config, batch, seq, steps):
 
 
 def torch_tokens_per_second(config, batch, seq, steps):
-    import torch
-
-    model = torch_llama(config, threads()).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    rng = np.random.default_rng(0)
-    ids = torch.from_numpy(rng.integers(0, config["vocab_size"], size=(batch, seq + 1)))
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-        loss.backward()
-        optimizer.step()
-
+    _, step = torch_train_step(config, batch, seq)
     step()
     return batch * seq / median_seconds(step, steps)
 

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
-from common import LLAMA_8M, in_subprocess, report, threads, torch_llama  # noqa: E402
+from common import LLAMA_8M, in_subprocess, report, threads, torch_train_step  # noqa: E402
 
 VOCABS = (8192, 151_936)
 
@@ -66,20 +66,7 @@ def dew_bytes(config, batch, seq):
 
 
 def torch_bytes(config, batch, seq):
-    import torch
-
-    model = torch_llama(config, threads()).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.from_numpy(np.random.default_rng(0).integers(0, config["vocab_size"], (batch, seq + 1)))
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    model, step = torch_train_step(config, batch, seq)
     step()  # creates the optimizer state
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc_trim(0)

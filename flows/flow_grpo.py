@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.flow_pretrain import flow_pretrain
-from flows.params import FlowGRPOParams, FlowPipelineParams
+from flows.params import FlowGRPOParams, FlowPipelineParams, command_line
 from flows.pipeline import run_id
 from tasks.flow_train import grpo_stage
 from tasks.images import dit_ref, prepare_images
@@ -95,14 +95,8 @@ def _summary(table, results, store_root: str, seconds: float) -> str:
 
 def main(argv: list[str]) -> int:
     """Run the pipeline with its defaults, `--name`, `--seed` and `--root` overridable."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m flows.flow_grpo", description=__doc__.split("\n")[0])
-    parser.add_argument("--name", default=FlowPipelineParams().name)
-    parser.add_argument("--root", default=FlowPipelineParams().root)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    outcome = flow_grpo_pipeline(FlowPipelineParams(name=args.name, root=args.root, seed=args.seed))
+    outcome = flow_grpo_pipeline(command_line(argv, FlowPipelineParams(), prog="python -m flows.flow_grpo",
+                                              description=__doc__.split("\n")[0]))
     print({k: outcome[k] for k in ("run", "model", "seconds")})
     return 0
 

@@ -19,6 +19,25 @@ class Params(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+def _existing(value: str | None) -> str | None:
+    """A path field's check: empty, or a path that exists where the flow runs."""
+    if value is not None and not os.path.exists(value):
+        raise ValueError(f"{value!r} does not exist; give a path readable from where the flow runs")
+    return value
+
+
+def command_line(argv: list[str], defaults: Params, *, prog: str, description: str) -> Params:
+    """`defaults` with `--name`, `--root` and `--seed` taken from the command line."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--name", default=defaults.name)
+    parser.add_argument("--root", default=defaults.root)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    args = parser.parse_args(argv)
+    return type(defaults)(**{**dict(defaults), "name": args.name, "root": args.root, "seed": args.seed})
+
+
 class DataParams(Params):
     source: Literal["arithmetic", "files", "code"] = Field(
         "arithmetic", description="'arithmetic' generates the demo task from the seed; 'files' "
@@ -42,12 +61,8 @@ class DataParams(Params):
                                             "train split, task_id 601-974; HumanEval: the rows after the "
                                             "held-out ones); empty: all of them")
 
-    @field_validator("chat_path", "pairs_path", "prompts_path", "eval_path", "tokenizer", "code_path")
-    @classmethod
-    def _exists(cls, value: str | None) -> str | None:
-        if value is not None and not os.path.exists(value):
-            raise ValueError(f"{value!r} does not exist; give a path readable from where the flow runs")
-        return value
+    _exists = field_validator("chat_path", "pairs_path", "prompts_path", "eval_path", "tokenizer",
+                              "code_path")(_existing)
 
     @model_validator(mode="after")
     def _code_needs_a_file(self) -> DataParams:
@@ -100,6 +115,8 @@ class DPOParams(StageParams):
         "policy", description="'policy': reference answers against the starting policy's own wrong "
         "greedy answers to the GRPO prompts; 'data': the prepared pairs file")
     pair_prompts: int = Field(8000, ge=1, description="policy pairs: prompts the policy answers")
+    pair_temperature: float = Field(0.0, ge=0, description="policy pairs: temperature of the "
+                                    "policy's answers (0: greedy, what evaluation measures)")
 
 
 class GRPOParams(StageParams):
@@ -192,12 +209,7 @@ class ImageDataParams(Params):
     size: int = Field(8, ge=2, description="folder: side every image is resized to (pixels)")
     channels: Literal[1, 3] = Field(3, description="folder: 3 reads RGB, 1 reads grayscale")
 
-    @field_validator("path")
-    @classmethod
-    def _exists(cls, value: str | None) -> str | None:
-        if value is not None and not os.path.exists(value):
-            raise ValueError(f"{value!r} does not exist; give a path readable from where the flow runs")
-        return value
+    _exists = field_validator("path")(_existing)
 
 
 class DiTParams(Params):

@@ -20,7 +20,7 @@ from flows.data_prep import data_prep
 from flows.dpo import dpo
 from flows.evaluate import evaluate
 from flows.grpo import grpo
-from flows.params import PipelineParams
+from flows.params import PipelineParams, command_line
 from flows.sft import sft
 from tasks.policy import initial_policy
 from tasks.records import mark_run
@@ -89,14 +89,8 @@ def _summary(table, policy: str, store_root: str, directory: str, seconds: float
 
 def main(argv: list[str]) -> int:
     """Run the pipeline with its defaults, `--name`, `--seed` and `--root` overridable."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m flows", description=__doc__.split("\n")[0])
-    parser.add_argument("--name", default=PipelineParams().name)
-    parser.add_argument("--root", default=PipelineParams().root)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    pipeline(PipelineParams(name=args.name, root=args.root, seed=args.seed))
+    pipeline(command_line(argv, PipelineParams(), prog="python -m flows",
+                          description=__doc__.split("\n")[0]))
     return 0
 
 

@@ -17,7 +17,7 @@ pytest.importorskip("prefect")
 from pydantic import ValidationError  # noqa: E402
 
 from dew_lib.store import Store  # noqa: E402
-from flows.params import (DataParams, DPOParams, EvalParams, GRPOParams, ModelParams,  # noqa: E402
+from flows.params import (DataParams, DPOParams, EvalParams, GRPOParams, ModelParams, command_line,  # noqa: E402
                           PipelineParams, SFTParams)
 
 HERE = os.path.dirname(__file__)
@@ -187,6 +187,14 @@ def test_bad_parameters_are_refused_before_anything_runs(tmp_path):
     with pytest.raises(ValidationError, match="pattern"):
         PipelineParams(name="../elsewhere")
     assert DPOParams().beta > 0 and EvalParams().batch > 0
+
+
+def test_the_command_line_sets_name_root_and_seed_and_checks_them():
+    given = command_line(["--name", "mine", "--seed", "3"], PipelineParams(), prog="python -m flows",
+                         description="")
+    assert (given.name, given.root, given.seed) == ("mine", "runs", 3) and given.sft == SFTParams()
+    with pytest.raises(ValidationError, match="pattern"):
+        command_line(["--name", "../elsewhere"], PipelineParams(), prog="python -m flows", description="")
 
 
 @pytest.mark.slow

@@ -376,8 +376,8 @@ class FlowRollout:
 
     def __call__(self, state, batch: Mapping[str, Any], key: jax.Array) -> dict[str, np.ndarray]:
         if jax.process_count() > 1:
-            raise NotImplementedError("FlowRollout runs in a single process; multi-process Flow-GRPO "
-                                      "rollouts are not implemented")
+            raise RuntimeError(f"FlowRollout runs in one process and this job has {jax.process_count()}; "
+                               "start Flow-GRPO as a single-process job")
         objective, groups = self.objective, self.groups
         sources = objective.inputs.check(batch)
         rows = sources * groups
