@@ -21,7 +21,7 @@ def dpo(params: DPOParams, data: DataManifest, start: PolicyRef, directory: str,
         store_root: str = "runs", run: str = "dpo", seed: int = 0) -> StageResult:
     if params.pairs == "policy":
         data = data.model_copy(update={"pairs_path": policy_pairs(params, data, start,
-                                                                  os.path.join(directory, "pairs"))})
+                                                                  os.path.join(directory, "pairs"), seed)})
     elif data.pairs_path is None:
         raise ValueError("DPOParams(pairs='data') needs DataParams.pairs_path")
     return train_stage("dpo", "dpo", params, data, start, directory, store_root, run, seed)

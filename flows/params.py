@@ -107,7 +107,8 @@ class SFTParams(StageParams):
 class DPOParams(StageParams):
     steps: int = Field(120, ge=1, description="optimizer steps")
     learning_rate: float = Field(1e-5, gt=0, description="AdamW learning rate")
-    beta: float = Field(0.1, gt=0, description="DPO beta: the scale of the log-ratio to the reference")
+    beta: float = Field(1.0, gt=0, description="DPO beta: the scale of the log-ratio to the reference "
+                        "(larger stops pushing sooner; TRL's default is 0.1)")
     nll_weight: float = Field(1.0, ge=0, description="weight of the chosen answers' NLL added to the "
                               "DPO loss (RPO); 0 is plain DPO")
     seq_len: int = Field(40, ge=4, description="ids per chosen or rejected row")
@@ -115,7 +116,7 @@ class DPOParams(StageParams):
         "policy", description="'policy': reference answers against the starting policy's own wrong "
         "greedy answers to the GRPO prompts; 'data': the prepared pairs file")
     pair_prompts: int = Field(8000, ge=1, description="policy pairs: prompts the policy answers")
-    pair_temperature: float = Field(0.0, ge=0, description="policy pairs: temperature of the "
+    pair_temperature: float = Field(1.0, ge=0, description="policy pairs: temperature of the "
                                     "policy's answers (0: greedy, what evaluation measures)")
 
 

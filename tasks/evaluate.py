@@ -39,8 +39,9 @@ def answer_all(model, variables, tokenizer, prompts: list[list[int]], params: Ev
     return [text for text, _, _ in draw_answers(model, variables, tokenizer, prompts, params)]
 
 
-def draw_answers(model, variables, tokenizer, prompts: list[list[int]], params: EvalParams):
-    """`(text, sampled ids, stopped on EOS)` of each prompt's greedy answer."""
+def draw_answers(model, variables, tokenizer, prompts: list[list[int]], params: EvalParams,
+                 temperature: float = 0.0, seed: int = 0):
+    """`(text, sampled ids, stopped on EOS)` of each prompt's answer: greedy at temperature 0."""
     width = max(map(len, prompts))
     answers = []
     for start in range(0, len(prompts), params.batch):
@@ -50,9 +51,9 @@ def draw_answers(model, variables, tokenizer, prompts: list[list[int]], params: 
         for row, ids in enumerate(chunk):
             rows[row, width - len(ids):] = ids
             lengths[row] = len(ids)
-        out = generate(model, variables, rows, lengths, key=jax.random.key(0),
+        out = generate(model, variables, rows, lengths, key=jax.random.fold_in(jax.random.key(seed), start),
                        max_new_tokens=params.max_new_tokens,
-                       sampling=Sampling(temperature=0.0, eos_id=tokenizer.eos_token_id))
+                       sampling=Sampling(temperature=temperature, eos_id=tokenizer.eos_token_id))
         tokens, counts, stopped = jax.device_get((out.tokens, out.lengths, out.stopped))
         answers += [(tokenizer.decode(tokens[i, :counts[i]], skip_special_tokens=True),
                      [int(t) for t in tokens[i, :counts[i]]], bool(stopped[i]))

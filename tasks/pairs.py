@@ -1,8 +1,9 @@
 """Preference pairs from the policy's own mistakes: the DPO stage's default for the demo task.
 
-For each prompt the starting policy answers greedily (what evaluation measures). A wrong
-answer (one cut off by the budget included) becomes the rejected side, exactly as sampled (EOS
-included, no retokenizing), and the task's reference solution the chosen side. Prompts the
+For each prompt the starting policy answers once, at `DPOParams.pair_temperature` (1 by default:
+sampled answers show more of the policy's mistakes than greedy ones, which a strong policy rarely
+makes). A wrong answer (one cut off by the budget included) becomes the rejected side, exactly as
+sampled (EOS included, no retokenizing), and the task's reference solution the chosen side. Prompts the
 policy already answers right give no pair. Pairs written from a fixed answer generator instead
 (`DPOParams.pairs="data"`) rarely match the mistakes the policy makes, and DPO on them moves
 probability away from answers the policy would not have given.
@@ -24,10 +25,12 @@ from tasks.storage import read_json, write_json, write_lines
 
 
 @task(retries=1, retry_delay_seconds=1, task_run_name="pairs-from-policy")
-def policy_pairs(params: DPOParams, data: DataManifest, start: PolicyRef, directory: str) -> str:
+def policy_pairs(params: DPOParams, data: DataManifest, start: PolicyRef, directory: str,
+                 seed: int = 0) -> str:
     """Write pairs (reference chosen, the policy's wrong answer rejected); return their path."""
     logger = get_run_logger()
-    key = fingerprint("pairs", params.pair_prompts, params.seq_len, data.fingerprint, start.fingerprint)
+    key = fingerprint("pairs", params.pair_prompts, params.seq_len, params.pair_temperature, seed,
+                      data.fingerprint, start.fingerprint)
     path = os.path.join(directory, "pairs.jsonl")
     record = read_json(os.path.join(directory, "pairs.json"))
     if record is not None and record.get("fingerprint") == key and os.path.exists(path):
@@ -43,7 +46,8 @@ def policy_pairs(params: DPOParams, data: DataManifest, start: PolicyRef, direct
     tokenizer, reward = pretrained.tokenizer, MathReward()
     prompts = [prompt_ids(tokenizer, row["prompt"]) for row in rows]
     answers = draw_answers(pretrained.model, variables, tokenizer, prompts,
-                           EvalParams(batch=128, max_new_tokens=params.seq_len // 2))
+                           EvalParams(batch=128, max_new_tokens=params.seq_len // 2),
+                           temperature=params.pair_temperature, seed=seed)
     pairs = []
     for row, prompt, (text, sampled, stopped) in zip(rows, prompts, answers, strict=True):
         if stopped and reward("", text, str(row["ground_truth"]), "") >= 1.0:
