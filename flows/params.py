@@ -114,7 +114,7 @@ class DPOParams(StageParams):
     seq_len: int = Field(40, ge=4, description="ids per chosen or rejected row")
     pairs: Literal["policy", "data"] = Field(
         "policy", description="'policy': reference answers against the starting policy's own wrong "
-        "greedy answers to the GRPO prompts; 'data': the prepared pairs file")
+        "answers (drawn at pair_temperature) to the GRPO prompts; 'data': the prepared pairs file")
     pair_prompts: int = Field(8000, ge=1, description="policy pairs: prompts the policy answers")
     pair_temperature: float = Field(1.0, ge=0, description="policy pairs: temperature of the "
                                     "policy's answers (0: greedy, what evaluation measures)")
