@@ -209,9 +209,6 @@ class Store:
                 vanished = "No such file" in str(error) or "No files found" in str(error)
                 if not (vanished and swaps_since(self.directory, swaps)):
                     raise
-                if time.monotonic() > deadline:
-                    raise StoreError(f"a query kept meeting compactions for {RETRY_SECONDS:.0f} s: "
-                                     f"{error}") from error
             if time.monotonic() > deadline:
                 raise StoreError(f"a query kept overlapping compactions for {RETRY_SECONDS:.0f} s; "
                                  "run it again once the writers are idle")
