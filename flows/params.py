@@ -172,6 +172,11 @@ class RewardParams(Params):
 class EvalParams(Params):
     max_new_tokens: int = Field(16, ge=1, description="answer budget")
     batch: int = Field(100, ge=1, description="prompts generated at once")
+    samples: int = Field(8, ge=0, description="answers drawn per prompt at `temperature` besides "
+                         "the greedy one, for the sampled accuracy (mean@k); 0: greedy only")
+    temperature: float = Field(1.0, gt=0, description="temperature of the drawn answers (GRPO "
+                               "samples at 1.0 by default)")
+    seed: int = Field(0, description="seeds the drawn answers: every stage draws with the same keys")
 
 
 class PipelineParams(Params):
