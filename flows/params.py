@@ -123,8 +123,8 @@ class DPOParams(StageParams):
 class GRPOParams(StageParams):
     steps: int = Field(60, ge=1, description="optimizer steps")
     learning_rate: float = Field(2e-5, gt=0, description="AdamW learning rate")
-    batch: int = Field(16, ge=1, description="prompts per step")
-    groups: int = Field(4, ge=2, description="completions drawn per prompt")
+    batch: int = Field(8, ge=1, description="prompts per step")
+    groups: int = Field(8, ge=2, description="completions drawn per prompt")
     max_new_tokens: int = Field(16, ge=1, description="response budget per completion")
     max_prompt_len: int = Field(24, ge=2, description="prompt ids kept (left-padded)")
     beta: float = Field(0.01, ge=0, description="KL coefficient to the frozen starting policy")

@@ -26,7 +26,7 @@ TINY = dict(
     model=dict(emb_features=32, num_layers=1, num_heads=2, mlp_features=64),
     sft=dict(steps=4, batch=4, log_every=2, checkpoint_every=2),
     dpo=dict(steps=2, batch=4, log_every=1, checkpoint_every=1),
-    grpo=dict(steps=2, batch=2, log_every=1, checkpoint_every=1, max_new_tokens=8),
+    grpo=dict(steps=2, batch=2, groups=4, log_every=1, checkpoint_every=1, max_new_tokens=8),
     evaluation=dict(batch=20, max_new_tokens=8, samples=2),
 )
 
