@@ -109,6 +109,7 @@ def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: E
         write_json(saved_path, {"fingerprint": key, "answers": answers, "sampled": drawn})
     logger.info("%s: %.1f%% of %d held-out greedy answers correct%s", stage, 100 * accuracy,
                 len(rows), "" if sampled is None else
-                f"; {100 * sampled:.1f}% of {k} answers each drawn at temperature {params.temperature:g}")
+                f"; {100 * sampled:.1f}% of the {k} answers drawn per prompt at temperature "
+                f"{params.temperature:g}")
     return EvalResult(stage=stage, accuracy=accuracy, sampled_accuracy=sampled, answered=len(rows),
                       cached=cached)

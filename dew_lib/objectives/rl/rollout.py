@@ -153,7 +153,7 @@ class SampledRollout:
         if getattr(self.objective, "sampling_temperature", 1.0) != 1.0:
             # The sampler's raw log-probs are untempered; the update scores the old policy (these
             # weights) at the objective's temperature so the ratio compares like with like.
-            del packed["old_log_probs"]
+            packed.pop("old_log_probs", None)
             packed[PROXIMAL_IS_CURRENT] = np.ones(len(packed["input_ids"]), np.int8)
         self.last_sessions = sessions
         self.last_reward_details = [details for _, details in scored]
