@@ -89,7 +89,7 @@ def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: E
         answers, cached = answer_all(pretrained.model, variables, tokenizer, prompts, params), False
         drawn = [text for text, _, _ in draw_answers(  # draw j of prompt i at j * len(rows) + i
             pretrained.model, variables, tokenizer, prompts * k, params,
-            temperature=params.temperature, seed=params.seed)]
+            temperature=params.temperature, seed=params.seed)] if k else []
     graded_rows = rows * (1 + k)
     with TaskReward(reward or RewardParams()) as grader:
         scores, runs = score_all(grader, graded_rows, answers + drawn)
