@@ -51,6 +51,14 @@ ALIGNED_FIELDS = PACKED_FIELDS + ("old_log_probs", "versions", "call_index", "se
 PROXIMAL_IS_CURRENT = "proximal_is_current"
 
 
+def score_proximal_in_update(packed: dict) -> dict:
+    """Mark a packed batch `PROXIMAL_IS_CURRENT`, dropping any `old_log_probs` it carries (an
+    engine's raw likelihoods are behavior, not the proximal policy). Returns the batch."""
+    packed.pop("old_log_probs", None)
+    packed[PROXIMAL_IS_CURRENT] = np.ones(len(packed["input_ids"]), np.int8)
+    return packed
+
+
 def _band(value, name: str) -> tuple[float, float] | None:
     if value is None:
         return None

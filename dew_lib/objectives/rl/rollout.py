@@ -31,7 +31,7 @@ import numpy as np
 
 from dew_lib.data.prompts import METADATA, text_field
 from dew_lib.objectives.rl import algorithms
-from dew_lib.objectives.rl.grpo import PROXIMAL_IS_CURRENT
+from dew_lib.objectives.rl.grpo import score_proximal_in_update
 from dew_lib.objectives.rl.sessions import Call, Session, Status, pack
 from dew_lib.sampling import Sampling, generate
 
@@ -153,8 +153,7 @@ class SampledRollout:
         if getattr(self.objective, "sampling_temperature", 1.0) != 1.0:
             # The sampler's raw log-probs are untempered; the update scores the old policy (these
             # weights) at the objective's temperature so the ratio compares like with like.
-            packed.pop("old_log_probs", None)
-            packed[PROXIMAL_IS_CURRENT] = np.ones(len(packed["input_ids"]), np.int8)
+            score_proximal_in_update(packed)
         self.last_sessions = sessions
         self.last_reward_details = [details for _, details in scored]
         return packed

@@ -56,7 +56,7 @@ import numpy as np
 from dew_lib.data.dataset import Batch, Dataset, Partition
 from dew_lib.data.prompts import METADATA, text_field
 from dew_lib.objectives.rl import algorithms
-from dew_lib.objectives.rl.grpo import PROXIMAL_IS_CURRENT, GRPOObjective
+from dew_lib.objectives.rl.grpo import GRPOObjective, score_proximal_in_update
 from dew_lib.objectives.rl.sessions import (TRUNCATION, Session, SessionSource, Status, Task,
                                             chain_lengths, pack, rows_needed, session_metrics,
                                             trains)
@@ -487,8 +487,7 @@ class RolloutScheduler:
                     "failing: see the causes and details of the recorded sessions")
             packed = pack(sessions, self.width, rows=self.rows, estimator=self.estimator,
                           truncation=self.truncation, support_capacity=self.support_capacity)
-            packed.pop("old_log_probs", None)  # the engine's raw likelihoods: behavior, not proximal
-            packed[PROXIMAL_IS_CURRENT] = np.ones(self.rows, np.int8)
+            score_proximal_in_update(packed)
             self._drain()  # what finished while packing counts in this record
         except BaseException as error:
             self._broken = error
