@@ -12,7 +12,7 @@ the waiting can only hide behind an update that lasts as long as the scoring, an
 each update waits for its batch to be drawn on the trainer's device (`sampling.generate`) and
 scored. Asynchronous: batch i+1 is drawn and
 scored on the server's thread while the trainer updates on batch i (max_lag=1; the update
-rescores the proximal log-probs and applies a TIS cap of 2).
+scores the proximal policy in its own forward pass and applies a TIS cap of 2).
 
 The clock starts when the trainer asks for its second batch (the first update, which compiles,
 is left out) and stops when `fit` returns. A rollout call is timed from the moment the previous
