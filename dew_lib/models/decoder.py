@@ -381,29 +381,31 @@ class CausalTransformer(nn.Module):
 
         return jax.vmap(one)(jax.random.split(key, self.num_layers))
 
-    def layer(self, i: int):
+    def _layer(self, i: int):
         """Layer `i`'s parameters: a slice of the stacked `layers` subtree."""
         return jax.tree.map(lambda p: p[i], self.layers)
 
-    def _run_layers(self, x, rope, segment_ids):
+    def _run_layers(self, x, rope, segment_ids, return_kv: bool):
         """Every layer over `x`: one `lax.scan` over the stacked parameters (`scan_layers`), or
         a Python loop over static slices of them (one copy of the layer in the program per
-        layer). Returns the output and each layer's `(keys, values)` `[B, S, KV, D]`."""
+        layer). Returns the output and, if asked, each layer's `(keys, values)` `[B, S, KV, D]`."""
         block = self._block()
 
         def body(x, params):
-            return block.apply({"params": params}, x, rope, segment_ids, self.attention_block)
+            x, kv = block.apply({"params": params}, x, rope, segment_ids, self.attention_block)
+            return x, (kv if return_kv else None)
 
         if self.remat:
             body = jax.checkpoint(body)
         if self.scan_layers:
-            x, (keys, values) = jax.lax.scan(body, x, self.layers)
-            return x, [(keys[i], values[i]) for i in range(self.num_layers)]
+            x, kvs = jax.lax.scan(body, x, self.layers)
+            return x, ([(kvs[0][i], kvs[1][i]) for i in range(self.num_layers)] if return_kv
+                       else [])
         kvs = []
         for i in range(self.num_layers):
-            x, kv = body(x, self.layer(i))
+            x, kv = body(x, self._layer(i))
             kvs.append(kv)
-        return x, kvs
+        return x, (kvs if return_kv else [])
 
     def logits(self, hidden):
         """Project final hidden states to float32 vocabulary logits."""
@@ -464,7 +466,7 @@ class CausalTransformer(nn.Module):
         # Padding (segment 0) attends to padding: never read, but keeps every row finite.
         x = self.embed_tokens(tokens)
         rope = rotary.table(positions, self.inv_freq)
-        x, kvs = self._run_layers(x, rope, segment_ids)
+        x, kvs = self._run_layers(x, rope, segment_ids, return_kv)
         x = self.norm(x)
         return (x, kvs) if return_kv else x
 
@@ -504,7 +506,7 @@ class CausalTransformer(nn.Module):
         block = self._block()
         keys, values = [], []
         for i, (k_cache, v_cache) in enumerate(zip(cache.keys, cache.values, strict=True)):
-            params = {"params": self.layer(i) if layers is None else layers[i]}
+            params = {"params": self._layer(i) if layers is None else layers[i]}
             q, k, v = block.apply(params, x, rope, method=Block.qkv)  # [B, 1, H or KV, D]
             k_cache = k_cache.at[rows, :, write_at].set(k[:, 0].astype(k_cache.dtype), mode="drop")
             v_cache = v_cache.at[rows, :, write_at].set(v[:, 0].astype(v_cache.dtype), mode="drop")
