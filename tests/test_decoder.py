@@ -2,10 +2,13 @@
 
 import jax
 import jax.numpy as jnp
+import flax.linen as nn
 import numpy as np
 import pytest
 
 from conftest import tiny_model
+from dew_lib.models import rotary
+from dew_lib.models.decoder import Block
 
 
 def init(model, width=8):
@@ -31,6 +34,30 @@ def test_each_layer_starts_from_its_own_random_weights():
             for j in range(i):
                 assert not np.allclose(kernel[i], kernel[j]), (name, i, j)
     np.testing.assert_array_equal(layers["post_attention_layernorm"]["weight"], 1.0)
+
+
+def test_a_seed_gives_the_weights_of_one_module_per_layer():
+    # Before the layers were stacked, layer i was a child module named `layers_i`; the stacked
+    # initializer draws from the same streams, so a seed's initial weights did not change.
+    model = tiny_model(num_layers=3)
+
+    class PerLayer(nn.Module):
+        @nn.compact
+        def __call__(self, x, rope, segments):
+            for i in range(model.num_layers):
+                x, _ = Block(**model._block_options(), name=f"layers_{i}")(
+                    x, rope, segments, model.attention_block)
+            return x
+
+    x = jnp.zeros((1, 1, model.emb_features))
+    rope = rotary.table(jnp.zeros((1, 1), jnp.int32), np.ones(model.emb_features // model.num_heads // 2))
+    per_layer = PerLayer().init(jax.random.key(0), x, rope, jnp.ones((1, 1), jnp.int32))["params"]
+    stacked = init(model)["params"]["layers"]
+    for i in range(model.num_layers):
+        for (path, leaf), (_, expected) in zip(jax.tree_util.tree_leaves_with_path(stacked),
+                                               jax.tree_util.tree_leaves_with_path(per_layer[f"layers_{i}"]),
+                                               strict=True):
+            np.testing.assert_array_equal(leaf[i], expected, err_msg=f"layer {i} {path}")
 
 
 def test_scanned_and_unrolled_layers_read_the_same_parameters():

@@ -39,9 +39,9 @@ def leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-def fit(batches, batch_size, steps, optimizer=None, accumulate=1, ema_decay=None, seed=0, **kwargs):
+def fit(batches, batch_size, steps, optimizer=None, accumulate=1, ema_decay=None, **kwargs):
     trainer = Trainer(LMObjective(MODEL, seq_len=8, ema_decay=ema_decay),
-                      optimizer or optax.sgd(0.5), key=jax.random.key(seed), accumulate=accumulate)
+                      optimizer or optax.sgd(0.5), key=jax.random.key(0), accumulate=accumulate)
     kwargs.setdefault("sinks", [])
     return trainer, trainer.fit(dataset(batches, batch_size), steps=steps, log_every=2, **kwargs)
 
@@ -50,11 +50,8 @@ def fit(batches, batch_size, steps, optimizer=None, accumulate=1, ema_decay=None
 def test_accumulating_microbatches_equals_one_large_batch(optimizer):
     micro = padded_batches(0, rows=4, count=6)
     joined = [{k: np.concatenate([a[k], b[k]]) for k in a} for a, b in zip(micro[::2], micro[1::2])]
-    # Adam's first steps are normalized, so a gradient element that nearly cancels turns the
-    # rounding difference between the two batchings into a visible one; some initial weights
-    # have such an element past rtol 1e-5, those of seed 1 do not.
-    _, accumulated = fit(micro, 4, steps=6, optimizer=optimizer, accumulate=2, seed=1)
-    _, whole = fit(joined, 8, steps=3, optimizer=optimizer, seed=1)
+    _, accumulated = fit(micro, 4, steps=6, optimizer=optimizer, accumulate=2)
+    _, whole = fit(joined, 8, steps=3, optimizer=optimizer)
     assert int(accumulated.step) == 6 and int(accumulated.updates) == 3
     assert int(whole.step) == 3 and int(whole.updates) == 3
     for a, b in zip(leaves(accumulated.params), leaves(whole.params)):

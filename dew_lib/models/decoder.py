@@ -24,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core.scope import LazyRng
 
 from dew_lib.models import head, rotary
 
@@ -370,16 +371,23 @@ class CausalTransformer(nn.Module):
         return Block(**self._block_options(), parent=None)
 
     def _init_layers(self, key):
-        """Every layer's parameters, each from its own key, stacked on a leading layer axis."""
+        """Every layer's parameters, stacked on a leading layer axis.
+
+        Layer i draws from the random stream a child module named `layers_i` would get (the
+        per-layer layout the decoder had before stacking), so a seed gives the same initial
+        weights in both layouts. `key`, the stream of the `layers` parameter itself, serves only
+        when there is no params stream: `apply` runs this under `eval_shape` to check shapes.
+        """
         x = jnp.zeros((1, 1, self.emb_features), self.dtype)
         rope = rotary.table(jnp.zeros((1, 1), jnp.int32), self.inv_freq)
         segments = jnp.ones((1, 1), jnp.int32)
         block = self._block()
-
-        def one(layer_key):
-            return block.init(layer_key, x, rope, segments, self.attention_block)["params"]
-
-        return jax.vmap(one)(jax.random.split(key, self.num_layers))
+        stream = self.scope.rngs.get("params")
+        keys = ([LazyRng.create(stream, f"layers_{i}") for i in range(self.num_layers)]
+                if stream is not None else list(jax.random.split(key, self.num_layers)))
+        layers = [block.init({"params": k}, x, rope, segments, self.attention_block)["params"]
+                  for k in keys]
+        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
 
     def _layer(self, i: int):
         """Layer `i`'s parameters: a slice of the stacked `layers` subtree."""
