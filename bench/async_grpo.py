@@ -5,8 +5,12 @@ Both sides train the same model from the same prompts for `--steps` updates: `--
 x `--groups` completions of `--new` ids (temperature 1, no EOS, so every completion has the same
 length and the same work), with a reward that counts the even ids of the completion, once as it
 is ("plain") and once after sleeping `--wait` seconds per sample like an I/O-bound verifier
-("waiting"). Both score on 8 threads. Synchronous: each update waits for its batch to be drawn on
-the trainer's device (`sampling.generate`) and scored. Asynchronous: batch i+1 is drawn and
+("waiting"). Both score on `--workers` threads (8, the sources' default, so scoring a batch of
+32 takes four rounds of the wait). The model is the demo's decoder (`--layers` 4, width 128):
+the waiting can only hide behind an update that lasts as long as the scoring, and the
+2-layer model measured before updated in less time than four rounds of 50 ms. Synchronous:
+each update waits for its batch to be drawn on the trainer's device (`sampling.generate`) and
+scored. Asynchronous: batch i+1 is drawn and
 scored on the server's thread while the trainer updates on batch i (max_lag=1; the update
 rescores the proximal log-probs and applies a TIS cap of 2).
 
@@ -43,8 +47,7 @@ from common import in_subprocess, report  # noqa: E402
 
 NATIVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native_server.py")
 CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".pytest_cache", "jax")
-MODEL = dict(vocab_size=512, emb_features=128, num_layers=2, num_heads=4, num_kv_heads=4,
-             mlp_features=384)
+MODEL = dict(vocab_size=512, emb_features=128, num_heads=4, num_kv_heads=4, mlp_features=384)
 
 
 def even_share(wait: float):
@@ -71,7 +74,7 @@ def run_side(mode: str, wait: float, args) -> dict:
     from dew_lib.sampling import Sampling
 
     width = args.prompt_len + args.new
-    model = models.build("causal_transformer", **MODEL, max_seq_len=width)
+    model = models.build("causal_transformer", **MODEL, num_layers=args.layers, max_seq_len=width)
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, MODEL["vocab_size"], (args.steps + 2, args.prompts, args.prompt_len))
     batches = [{"prompt": p.astype(np.int32), "prompt_length": np.full(args.prompts, args.prompt_len, np.int32),
@@ -96,7 +99,7 @@ def run_side(mode: str, wait: float, args) -> dict:
         objective = GRPOObjective(model, width - 1)
         variables = objective.init(jax.random.key(0))
         rollout = SampledRollout(objective, reward=reward, groups=args.groups, max_new_tokens=args.new,
-                                 sampling=sampling, workers=8)
+                                 sampling=sampling, workers=args.workers)
         trainer = Trainer(objective, optax.adam(1e-4), key=jax.random.key(1), rollout=timed(rollout))
         trainer.fit(data, steps=args.steps, log_every=1, sinks=[])
         end = time.perf_counter()
@@ -105,7 +108,7 @@ def run_side(mode: str, wait: float, args) -> dict:
         variables = objective.init(jax.random.key(0))
         task = ServeTask(model=model, variables=variables, sampling=sampling)
         with NativeRolloutServer(Server.from_task(task, slots=args.slots, capacity=width)) as server, \
-                PromptSource(server, reward, max_new_tokens=args.new, workers=8) as source:
+                PromptSource(server, reward, max_new_tokens=args.new, workers=args.workers) as source:
             scheduler = RolloutScheduler(objective, source, server, width=width,
                                          rows=args.prompts * args.groups, tasks=prompt_tasks,
                                          groups=args.groups, ahead=1, max_lag=1, truncation="score",
@@ -132,6 +135,8 @@ def main():
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--wait", type=float, default=0.05, help="seconds the waiting reward sleeps per sample")
+    parser.add_argument("--workers", type=int, default=8, help="threads that score samples, on both sides")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the trained model")
     parser.add_argument("--rounds", type=int, default=3, help="alternating measurement rounds")
     parser.add_argument("--loads", type=int, nargs="*", default=[1, 8, 32],
                         help="concurrent requests for the server's decode rate (none: skip it)")
@@ -141,7 +146,8 @@ def main():
         print(json.dumps(run_side(args.child[0], float(args.child[1]), args)))
         return
     shape = ("--steps", str(args.steps), "--prompts", str(args.prompts), "--groups", str(args.groups),
-             "--prompt-len", str(args.prompt_len), "--new", str(args.new), "--slots", str(args.slots))
+             "--prompt-len", str(args.prompt_len), "--new", str(args.new), "--slots", str(args.slots),
+             "--workers", str(args.workers), "--layers", str(args.layers))
     rows = []
     for name, wait in (("plain", 0.0), ("waiting", args.wait)):
         sides: dict[str, list[dict]] = {"sync": [], "async": []}
@@ -166,7 +172,9 @@ def main():
         rows.append((f"native server decode, {requests} concurrent requests, tokens/s (median; rounds)",
                      f"{statistics.median(rates):,.0f} ({', '.join(f'{r:,.0f}' for r in rates)})"))
     report(f"GRPO, {args.steps} updates of {args.prompts} prompts x {args.groups} completions of "
-           f"{args.new} ids, {os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.1f}", rows)
+           f"{args.new} ids, {args.layers}-layer model, scored on {args.workers} threads, "
+           f"{os.cpu_count()} CPU cores, "
+           f"load {os.getloadavg()[0]:.1f}", rows)
 
 
 if __name__ == "__main__":

@@ -123,8 +123,8 @@ class DPOParams(StageParams):
 class GRPOParams(StageParams):
     steps: int = Field(60, ge=1, description="optimizer steps")
     learning_rate: float = Field(2e-5, gt=0, description="AdamW learning rate")
-    batch: int = Field(16, ge=1, description="prompts per step")
-    groups: int = Field(4, ge=2, description="completions drawn per prompt")
+    batch: int = Field(8, ge=1, description="prompts per step")
+    groups: int = Field(8, ge=2, description="completions drawn per prompt")
     max_new_tokens: int = Field(16, ge=1, description="response budget per completion")
     max_prompt_len: int = Field(24, ge=2, description="prompt ids kept (left-padded)")
     beta: float = Field(0.01, ge=0, description="KL coefficient to the frozen starting policy")
@@ -172,6 +172,11 @@ class RewardParams(Params):
 class EvalParams(Params):
     max_new_tokens: int = Field(16, ge=1, description="answer budget")
     batch: int = Field(100, ge=1, description="prompts generated at once")
+    samples: int = Field(8, ge=0, description="answers drawn per prompt at `temperature` besides "
+                         "the greedy one, for the sampled accuracy (mean@k); 0: greedy only")
+    temperature: float = Field(1.0, gt=0, description="temperature of the drawn answers (GRPO "
+                               "samples at 1.0 by default)")
+    seed: int = Field(0, description="seeds the drawn answers: every stage draws with the same keys")
 
 
 class PipelineParams(Params):

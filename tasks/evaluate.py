@@ -1,4 +1,8 @@
-"""Evaluation: greedy answers to held-out prompts, scored by each row's reward, into the store.
+"""Evaluation: answers to held-out prompts, scored by each row's reward, into the store.
+
+Two accuracies: the greedy answer's, and the mean over `samples` answers drawn at `temperature`
+per prompt (mean@k), which is what GRPO optimizes and moves first: a GRPO update raises the
+chance of a right answer on prompts where the greedy answer may stay as it was.
 
 Each row's `data_source` picks its reward (tasks/rewards.py); answers are scored on several
 threads, and the programs a code reward ran land in the store's `verdicts` table beside the
@@ -75,24 +79,37 @@ def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: E
     saved_path = os.path.join(directory, f"evaluation-{stage}.json")
     saved = read_json(saved_path)
     rows = read_eval(data.eval_path)
+    k = params.samples
     if saved is not None and saved.get("fingerprint") == key:
-        answers, cached = saved["answers"], True
+        answers, drawn, cached = saved["answers"], saved["sampled"], True
     else:
         pretrained, variables = load_policy(policy, data.tokenizer)
         tokenizer = pretrained.tokenizer
         prompts = [prompt_ids(tokenizer, row["prompt"]) for row in rows]
         answers, cached = answer_all(pretrained.model, variables, tokenizer, prompts, params), False
+        drawn = [text for text, _, _ in draw_answers(  # draw j of prompt i at j * len(rows) + i
+            pretrained.model, variables, tokenizer, prompts * k, params,
+            temperature=params.temperature, seed=params.seed)] if k else []
+    graded_rows = rows * (1 + k)
     with TaskReward(reward or RewardParams()) as grader:
-        scores, runs = score_all(grader, rows, answers)
-    results = [Evaluation(item=i, prompt=str(row["prompt"]), answer=answer, score=score,
+        scores, runs = score_all(grader, graded_rows, answers + drawn)
+    results = [Evaluation(item=n % len(rows), prompt=str(row["prompt"]), answer=answer, score=score,
                           reference=str(row["ground_truth"]), task=str(row.get("task_id", "")),
-                          correct=score >= 1.0)
-               for i, (row, answer, score) in enumerate(zip(rows, answers, scores, strict=True))]
-    accuracy = float(np.mean([r.correct for r in results]))
+                          correct=score >= 1.0, sample=n // len(rows),
+                          temperature=params.temperature if n >= len(rows) else 0.0)
+               for n, (row, answer, score) in enumerate(zip(graded_rows, answers + drawn, scores,
+                                                            strict=True))]
+    accuracy = float(np.mean([r.correct for r in results[:len(rows)]]))
+    sampled = float(np.mean([r.correct for r in results[len(rows):]])) if k else None
     with open_stage(store_root, run, f"eval-{stage}", "evaluate") as writer:
         writer.evaluations(results, step=step, verdicts=[verdicts(r) for r in runs])
-        writer.finish("completed", {"accuracy": accuracy})
+        writer.finish("completed", {"accuracy": accuracy,
+                                    **({} if sampled is None else {"sampled_accuracy": sampled})})
     if not cached:
-        write_json(saved_path, {"fingerprint": key, "answers": answers})
-    logger.info("%s: %.1f%% of %d held-out answers correct", stage, 100 * accuracy, len(rows))
-    return EvalResult(stage=stage, accuracy=accuracy, answered=len(rows), cached=cached)
+        write_json(saved_path, {"fingerprint": key, "answers": answers, "sampled": drawn})
+    logger.info("%s: %.1f%% of %d held-out greedy answers correct%s", stage, 100 * accuracy,
+                len(rows), "" if sampled is None else
+                f"; {100 * sampled:.1f}% of the {k} answers drawn per prompt at temperature "
+                f"{params.temperature:g}")
+    return EvalResult(stage=stage, accuracy=accuracy, sampled_accuracy=sampled, answered=len(rows),
+                      cached=cached)

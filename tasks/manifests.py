@@ -46,8 +46,9 @@ class StageResult(Manifest):
 
 class EvalResult(Manifest):
     stage: str
-    accuracy: float
+    accuracy: float  # greedy answers
     answered: int
+    sampled_accuracy: float | None = None  # mean over EvalParams.samples draws per prompt
     cached: bool = False
 
 

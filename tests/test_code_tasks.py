@@ -205,8 +205,8 @@ def test_verdicts_land_beside_their_sessions_and_evaluations(tmp_path):
 
 # The shapes of test_pipeline.py's tiny run, so the compilation cache serves both.
 TINY = dict(model=dict(emb_features=32, num_layers=1, num_heads=2, mlp_features=64),
-            grpo=dict(steps=2, batch=2, log_every=1, checkpoint_every=1, max_new_tokens=8),
-            evaluation=dict(batch=4, max_new_tokens=8), reward=dict(workers=2))
+            grpo=dict(steps=2, batch=2, groups=4, log_every=1, checkpoint_every=1, max_new_tokens=8),
+            evaluation=dict(batch=4, max_new_tokens=8, samples=0), reward=dict(workers=2))
 
 
 @pytest.fixture(scope="module")

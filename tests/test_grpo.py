@@ -9,6 +9,7 @@ from conftest import tiny_model
 from dew_lib.objectives import loss
 from dew_lib.objectives.lm import score_targets
 from dew_lib.objectives.rl import GRPOObjective
+from dew_lib.objectives.rl.grpo import PROXIMAL_IS_CURRENT
 from dew_lib.objectives.rl.sessions import Call, Session, pack
 
 MODEL = tiny_model()
@@ -117,6 +118,26 @@ def test_on_policy_ppo_loss_is_minus_the_mean_advantage_and_kl_to_itself_is_zero
     assert abs(float(metrics["kl"])) < 1e-6
     assert float(metrics["clipfrac"]) == 0.0
     np.testing.assert_allclose(metrics["ratio"], 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("options", [dict(behavior_importance=2.0, beta=0.05),
+                                     dict(behavior_importance=(0.5, 2.0), policy_loss="cispo")])
+def test_a_proximal_policy_scored_in_the_update_equals_a_rescoring_pass(options):
+    # What the scheduler relies on: marking the batch PROXIMAL_IS_CURRENT instead of rescoring
+    # old_log_probs under the same weights changes neither the loss nor its gradients.
+    objective = GRPOObjective(MODEL, seq_len=WIDTH - 1, **options)
+    rescored = pack(sessions(), WIDTH)
+    rescored["old_log_probs"] = np.asarray(objective.packed_log_probs(VARIABLES, rescored))
+    in_step = {k: v for k, v in rescored.items() if k != "old_log_probs"}
+    in_step[PROXIMAL_IS_CURRENT] = np.ones(len(in_step["input_ids"]), np.int8)
+    objective.check_batch(in_step)
+    value, grads = value_and_grad(objective, in_step)
+    expected, expected_grads = value_and_grad(objective, rescored)
+    np.testing.assert_allclose(value, expected, rtol=1e-6, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+    with pytest.raises(ValueError, match="two different proximal policies"):
+        objective.check_batch({**in_step, "old_log_probs": rescored["old_log_probs"]})
 
 
 def test_packed_log_probs_score_each_id_against_its_own_chain():

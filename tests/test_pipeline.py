@@ -26,8 +26,8 @@ TINY = dict(
     model=dict(emb_features=32, num_layers=1, num_heads=2, mlp_features=64),
     sft=dict(steps=4, batch=4, log_every=2, checkpoint_every=2),
     dpo=dict(steps=2, batch=4, log_every=1, checkpoint_every=1),
-    grpo=dict(steps=2, batch=2, log_every=1, checkpoint_every=1, max_new_tokens=8),
-    evaluation=dict(batch=20, max_new_tokens=8),
+    grpo=dict(steps=2, batch=2, groups=4, log_every=1, checkpoint_every=1, max_new_tokens=8),
+    evaluation=dict(batch=20, max_new_tokens=8, samples=2),
 )
 
 
@@ -67,8 +67,20 @@ def test_the_pipeline_trains_every_stage_and_records_it(finished):
     assert len(calls) == sessions[0] and all(a == b and a > 0 for a, b in calls)
     steps = dict(query(root, f"SELECT stage, max(step) FROM metrics WHERE run = '{run}' GROUP BY stage"))
     assert steps == {"sft": 4, "dpo": 2, "grpo": 2}
-    answers = query(root, f"SELECT stage, count(*) FROM evaluations WHERE run = '{run}' GROUP BY stage")
-    assert dict(answers) == {"eval-start": 20, "eval-sft": 20, "eval-dpo": 20, "eval-grpo": 20}
+    # Each held-out prompt's greedy answer (sample 0) and two drawn at temperature 1 landed; the
+    # stage's accuracies are their means.
+    answers = query(root, f"SELECT stage, sample, temperature, count(*), avg(correct::INT) FROM evaluations "
+                          f"WHERE run = '{run}' GROUP BY ALL ORDER BY ALL")
+    assert [row[:4] for row in answers] == [(f"eval-{stage}", sample, 0.0 if sample == 0 else 1.0, 20)
+                                            for stage in ("dpo", "grpo", "sft", "start")
+                                            for sample in range(3)]
+    for stage, sample, _, _, accuracy in answers:
+        stage = stage.removeprefix("eval-")
+        if sample == 0:
+            assert accuracy == pytest.approx(outcome["accuracy"][stage])
+        else:
+            drawn = [a for s, n, _, _, a in answers if s == f"eval-{stage}" and n > 0]
+            assert outcome["sampled_accuracy"][stage] == pytest.approx(sum(drawn) / 2)
     # The final policy is a Hugging Face checkpoint that loads back; curves were plotted.
     from dew_lib.models import load_pretrained
 

@@ -16,22 +16,21 @@ import jax
 import numpy as np
 import pytest
 
+from dew_lib import models
 from dew_lib.data.dataset import Dataset, Partition
-from dew_lib.objectives.rl import (Call, RolloutScheduler, Session, Status, Task, algorithms,
-                                   prompt_tasks, task_ids)
+from dew_lib.objectives.rl import (Call, GRPOObjective, RolloutScheduler, Session, Status, Task,
+                                   algorithms, prompt_tasks, task_ids)
+from dew_lib.objectives.rl.grpo import PROXIMAL_IS_CURRENT
 
 KEY = np.array([0, 7], np.uint32)
 WIDTH = 12
 
 
-class Stub:
-    """The parts of GRPOObjective the scheduler uses; rescoring gives -0.5 on every id."""
-
-    behavior_importance = 2.0
-    width = WIDTH
-
-    def packed_log_probs(self, params, batch):
-        return np.full(batch["input_ids"].shape, -0.5, np.float32)
+def objective() -> GRPOObjective:
+    """A GRPOObjective of the packed width on a model the fake sources never run."""
+    model = models.build("causal_transformer", vocab_size=16, emb_features=8, num_layers=1,
+                         num_heads=1, mlp_features=8, max_seq_len=WIDTH)
+    return GRPOObjective(model, WIDTH - 1, behavior_importance=2.0)
 
 
 def session(reward=1.0, status=Status.COMPLETED, version=0, sampled=(3, 4)):
@@ -96,7 +95,7 @@ def batches(*rows):
 def scheduler(source, *, data, logs=None, records=None, **options):
     options.setdefault("rows", 8)
     options.setdefault("groups", 2)
-    sched = RolloutScheduler(Stub(), source, source, width=WIDTH,
+    sched = RolloutScheduler(objective(), source, source, width=WIDTH,
                              log=None if records is None else records.append,
                              session_log=None if logs is None else logs.append, **options)
     dataset = Dataset(train=lambda partition: iter(data), batch=len(data[0]["task_id"]))
@@ -142,7 +141,8 @@ def test_admission_by_status_and_exact_advantages():
     mask = packed["response_mask"] > 0
     got = {int(i): float(a) for i, a in zip(packed["session_index"][mask], packed["advantages"][mask])}
     assert got == pytest.approx(dict(zip([0, 1, 3, 4], expected, strict=True)))
-    np.testing.assert_array_equal(packed["old_log_probs"][mask], -0.5)  # the proximal rescoring
+    # The proximal policy is the weights the update trains with: scored in the update itself.
+    assert "old_log_probs" not in packed and packed[PROXIMAL_IS_CURRENT].tolist() == [1] * 8
     causes = by_cause(logs)
     assert sorted(causes["resubmitted"]) == [("7", 3, 0, "infra_error"), ("7", 4, 0, "cancelled")]
     assert sorted(causes["admitted"]) == [("7", 0, 0, "completed"), ("7", 1, 0, "agent_error"),
@@ -315,22 +315,22 @@ def test_a_push_that_does_not_move_the_version_is_tried_once_more_then_raises():
 def test_construction_refuses_a_bound_below_ahead_plus_sync_every_minus_one():
     source = FakeSource(lambda *_: None)
     with pytest.raises(ValueError, match=r"max_lag=1 is below ahead \+ sync_every - 1 = 2"):
-        RolloutScheduler(Stub(), source, source, width=WIDTH, rows=4, ahead=2)
-    RolloutScheduler(Stub(), source, source, width=WIDTH, rows=4, ahead=2, sync_every=2, max_lag=3)
-    unweighted = Stub()
+        RolloutScheduler(objective(), source, source, width=WIDTH, rows=4, ahead=2)
+    RolloutScheduler(objective(), source, source, width=WIDTH, rows=4, ahead=2, sync_every=2, max_lag=3)
+    unweighted = objective()
     unweighted.behavior_importance = None
     with pytest.raises(ValueError, match="behavior_importance"):
         RolloutScheduler(unweighted, source, source, width=WIDTH, rows=4)
     RolloutScheduler(unweighted, source, source, width=WIDTH, rows=4, ahead=0, max_lag=0)
     with pytest.raises(ValueError, match="seq_len"):
-        RolloutScheduler(Stub(), source, source, width=WIDTH + 1, rows=4)
+        RolloutScheduler(objective(), source, source, width=WIDTH + 1, rows=4)
 
 
 def test_multi_process_trainers_are_refused(monkeypatch):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     source = FakeSource(lambda *_: None)
     with pytest.raises(ValueError, match="single-process"):
-        RolloutScheduler(Stub(), source, source, width=WIDTH, rows=4)
+        RolloutScheduler(objective(), source, source, width=WIDTH, rows=4)
 
 
 # ----- shape, failures, streams -----------------------------------------------------------------
@@ -397,7 +397,7 @@ class Seekable:
 def test_the_stream_state_is_where_the_trainer_stands_not_where_the_read_ahead_is():
     source = FakeSource(lambda *_: session(1.0))
     data = batches([1], [2], [3], [4])
-    sched = RolloutScheduler(Stub(), source, source, width=WIDTH, rows=8, groups=2, ahead=2, max_lag=2)
+    sched = RolloutScheduler(objective(), source, source, width=WIDTH, rows=8, groups=2, ahead=2, max_lag=2)
     inner = Dataset(train=lambda p: Seekable(data), batch=1)
     stream = sched.tasks(inner).stream(Partition(), 0)
     assert stream.state() == {"batch": 0}

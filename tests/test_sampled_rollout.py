@@ -8,7 +8,9 @@ import optax
 import pytest
 
 from dew_lib import Dataset, Trainer, models
+from dew_lib.objectives import loss
 from dew_lib.objectives.rl import GRPOObjective, RewardFailed, SampledRollout
+from dew_lib.objectives.rl.grpo import PROXIMAL_IS_CURRENT
 from dew_lib.sampling import Sampling
 from dew_lib.sinks import MemorySink
 
@@ -65,6 +67,20 @@ def test_each_completion_is_scored_on_its_text_and_packed_with_eos_in_the_mask()
         assert session.task == str(n // 3) and session.sample == n % 3
     assert 0 < stopped < 6  # both kinds occurred with this seed
     assert batch["response_mask"].sum() == sum(len(s.calls[0].sampled_ids) for s in rollout.last_sessions)
+
+
+def test_at_another_temperature_the_update_scores_the_old_policy_itself():
+    # The sampler reports untempered log-probs; at temperature 0.7 the batch instead says that
+    # the proximal policy is the weights being trained, so the on-policy ratio is exactly 1.
+    objective = GRPOObjective(MODEL, seq_len=9, sampling_temperature=0.7)
+    rollout = SampledRollout(objective, reward=Recorder(), groups=2, max_new_tokens=6,
+                             sampling=Sampling(temperature=0.7, eos_id=EOS), workers=1)
+    trainer = Trainer(objective, optax.sgd(0.0), key=jax.random.key(0))
+    state = trainer.initial_state()
+    batch = rollout(state, prompts(), jax.random.key(4))
+    assert "old_log_probs" not in batch and batch[PROXIMAL_IS_CURRENT].tolist() == [1] * 4
+    _, metrics = loss(objective, state.params, batch)
+    assert float(metrics["ratio"]) == 1.0 and float(metrics["clipfrac"]) == 0.0
 
 
 @pytest.mark.slow

@@ -1,14 +1,15 @@
 """Continuous batching in JAX: a fixed set of slots that requests join and leave between calls.
 
 `Server` owns a KV cache of `slots` rows, `capacity` ids each, and the weights it serves. A
-request joins a free slot with one compiled prefill (its prompt right-padded to a power-of-two
-bucket, so a handful of widths cover every prompt) that writes the prompt's keys and values into
-that row and samples its first id. Each `step` is then one compiled call that decodes every slot
-together, up to `steps` ids per slot, and returns early as soon as any request finishes, so its
-slot can be refilled and its draw delivered. Free and finished slots are carried along untouched.
-Shapes never change: a server compiles one decode and one prefill per bucket for its whole life
-(shared with every other server of the same model, sampling and shape), and `compilations`
-counts them.
+request claims a free slot when it is added; the requests added between two steps are prefilled
+together by one compiled call at the next `step` (their prompts right-padded to a power-of-two
+width bucket, their count padded to a power of two, so a handful of shapes cover every batch of
+joiners), which writes each prompt's keys and values into its row and samples its first id.
+Each `step` then decodes every slot together in one compiled call, up to `steps` ids per slot,
+and returns early as soon as any request finishes, so its slot can be refilled and its draw
+delivered. Free and finished slots are carried along untouched. Shapes never change: a server
+compiles one decode and one prefill per (width, count) bucket for its whole life (shared with
+every other server of the same model, sampling and shape), and `compilations` counts them.
 
 Several decode steps per call keep the device busy between the host's visits: on a shared CPU a
 call costs milliseconds of thread hand-offs, as much as a small model's step. `steps=1` makes
@@ -146,33 +147,38 @@ def _decode(model, sampling, steps, variables, state: _State):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "sampling"), donate_argnames=("state",))
-def _prefill(model, sampling, variables, state: _State, prompt, length, slot, seed, budget):
-    """Fill row `slot` with one right-padded prompt `[1, W]` and sample its first id."""
-    width = prompt.shape[1]
-    slots, capacity = state.live.shape[0], state.cache.keys[0].shape[2]
-    TRACES["prefill", width, *_signature(model, sampling, variables, slots, capacity)] += 1
-    columns = jnp.arange(width, dtype=jnp.int32)[None]
-    segments = (columns < length).astype(jnp.int32)  # 0 marks the padding after the prompt
-    logits, kvs = model.apply(variables, prompt, segments, columns, method=model.prefill)
-    key = jax.random.key(seed)
-    last = jax.lax.dynamic_slice_in_dim(logits[0], length - 1, 1)  # [1, V]
-    ids, raw, behavior = sample(last, jax.random.fold_in(key, 0), sampling)
+def _prefill(model, sampling, variables, state: _State, prompts, lengths, slots, seeds, budgets):
+    """Fill rows `slots` `[R]` with right-padded prompts `[R, W]` and sample each first id.
 
-    def write(rows, new):  # new [1, W, KV, D] -> row `slot`, columns [0, W) of [S, KV, T, D]
-        new = new.transpose(0, 2, 1, 3).astype(rows.dtype)
-        return jax.lax.dynamic_update_slice(rows, new, (slot, 0, 0, 0))
+    A row whose slot is out of range (`>= S`) is padding: it is computed and dropped.
+    """
+    rows, width = prompts.shape
+    capacity = state.cache.keys[0].shape[2]
+    TRACES["prefill", width, rows, *_signature(model, sampling, variables, state.live.shape[0], capacity)] += 1
+    columns = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
+    segments = (columns < lengths[:, None]).astype(jnp.int32)  # 0 marks the padding after a prompt
+    logits, kvs = model.apply(variables, prompts, segments, columns, method=model.prefill)
+    keys = jax.vmap(jax.random.key)(seeds)
+    last = logits[jnp.arange(rows), lengths - 1]  # [R, V]
+    ids, raw, behavior = _sample_rows(last, jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(seeds)),
+                                      sampling)
+
+    def write(cache, new):  # new [R, W, KV, D] -> rows `slots`, columns [0, W) of [S, KV, T, D]
+        new = new.transpose(0, 2, 1, 3).astype(cache.dtype)
+        return cache.at[slots, :, :width].set(new, mode="drop")
+
+    def put(column, value):
+        return column.at[slots].set(value, mode="drop")
 
     cache = KVCache(
-        tuple(write(rows, k) for rows, (k, _) in zip(state.cache.keys, kvs, strict=True)),
-        tuple(write(rows, v) for rows, (_, v) in zip(state.cache.values, kvs, strict=True)),
-        state.cache.lengths.at[slot].set(length),
+        tuple(write(cache, k) for cache, (k, _) in zip(state.cache.keys, kvs, strict=True)),
+        tuple(write(cache, v) for cache, (_, v) in zip(state.cache.values, kvs, strict=True)),
+        put(state.cache.lengths, lengths),
     )
-    first = ids[0]
-    stop = _is_eos(first, sampling) | (budget <= 1)
-    state = _State(cache, state.last.at[slot].set(first), state.keys.at[slot].set(key),
-                   state.count.at[slot].set(1), state.budget.at[slot].set(budget),
-                   state.live.at[slot].set(~stop))
-    return state, (first, raw[0], behavior[0])
+    stop = _is_eos(ids, sampling) | (budgets <= 1)
+    state = _State(cache, put(state.last, ids), put(state.keys, keys), put(state.count, jnp.ones_like(ids)),
+                   put(state.budget, budgets), put(state.live, ~stop))
+    return state, (ids, raw, behavior)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -185,9 +191,10 @@ def _check_version(version, name):
         raise ValueError(f"{name} must be an int, got {version!r}")
 
 
-def _buckets(capacity: int) -> tuple[int, ...]:
-    widths = [w for w in (MIN_BUCKET << i for i in range(32)) if w < capacity]
-    return (*widths, capacity)
+def _buckets(capacity: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
+    """Powers-of-two multiples of `smallest` below `capacity`, then `capacity`."""
+    sizes = [w for w in (smallest << i for i in range(32)) if w < capacity]
+    return (*sizes, capacity)
 
 
 class _Request:
@@ -231,7 +238,8 @@ class Server:
         # A copy of its own: a trainer that donates its state must not delete the served weights.
         self.variables = jax.tree.map(lambda x: jnp.array(x, copy=True), variables)
         self.vocab_size = getattr(model, "vocab_size", None)
-        self.buckets = _buckets(capacity)
+        self.buckets = _buckets(capacity)  # prompt widths of a prefill
+        self.row_buckets = _buckets(slots, 1)  # requests prefilled together
 
         def zeros():  # a buffer of its own: the state is donated leaf by leaf
             return jnp.zeros((slots,), jnp.int32)
@@ -242,7 +250,8 @@ class Server:
             jnp.zeros((slots,), bool))
         self._owners: list[_Request | None] = [None] * slots
         self._by_key: dict[Hashable, _Request] = {}
-        self._events: deque = deque()  # dispatched prefills whose first ids are not read yet
+        self._joining: list[tuple[_Request, np.ndarray, int]] = []  # (request, prompt, seed) to prefill
+        self._events: deque = deque()  # dispatched calls whose ids are not read yet
 
     @classmethod
     def from_task(cls, task: ServeTask, *, slots: int, capacity: int, steps: int = 16) -> Server:
@@ -305,7 +314,8 @@ class Server:
         """
         sig = _signature(self.model, self.sampling, self.variables, self.slots, self.capacity)
         return {"decode": TRACES["decode", self.steps, *sig],
-                "prefill": sum(TRACES["prefill", w, *sig] for w in self.buckets)}
+                "prefill": sum(TRACES["prefill", w, r, *sig] for w in self.buckets
+                               for r in self.row_buckets)}
 
     @property
     def free(self) -> int:
@@ -318,7 +328,8 @@ class Server:
         return bool(self._events) or any(owner is not None for owner in self._owners)
 
     def add(self, key: Hashable, prompt_ids, max_new_tokens: int, *, seed: int = 0) -> None:
-        """Start a request in a free slot: prefill its prompt and sample its first id.
+        """Start a request in a free slot; the next `step` prefills its prompt (with every other
+        request added since the last step) and samples its first id.
 
         key names the request in `step`'s results and in `cancel`. Raises if no slot is free.
         """
@@ -328,16 +339,10 @@ class Server:
         slot = next((i for i, owner in enumerate(self._owners) if owner is None), None)
         if slot is None:
             raise RuntimeError(f"all {self.slots} slots are busy; step until `free` is positive")
-        width = next(w for w in self.buckets if w >= prompt.size)
-        padded = np.zeros((1, width), np.int32)
-        padded[0, :prompt.size] = prompt
         request = _Request(key, slot, int(max_new_tokens), self.version)
-        self._state, out = _prefill(
-            self.model, self.sampling, self.variables, self._state, padded, np.int32(prompt.size), np.int32(slot),
-            np.uint32(seed), np.int32(max_new_tokens))
         self._owners[slot] = request
         self._by_key[key] = request
-        self._events.append((request, out))
+        self._joining.append((request, prompt, int(seed)))
 
     def cancel(self, key: Hashable) -> bool:
         """Stop the request named `key` and free its slot; False if it is not in a slot."""
@@ -350,12 +355,13 @@ class Server:
         return True
 
     def step(self) -> list[tuple[Hashable, Draw]]:
-        """Decode every slot until a request finishes (at most `steps` ids each); return the draws
-        that finished.
+        """Prefill the requests added since the last step, decode every slot until a request
+        finishes (at most `steps` ids each), and return the draws that finished.
 
-        One compiled call; with no request in a slot it only reads back what `add` left unread.
+        At most two compiled calls, dispatched before anything is read back.
         """
         finished: list[tuple[Hashable, Draw]] = []
+        self._prefill_joining()
         if any(owner is not None for owner in self._owners):
             self._state, out = _decode(self.model, self.sampling, self.steps, self.variables,
                                        self._state)
@@ -364,10 +370,30 @@ class Server:
             self._read(*self._events.popleft(), finished)
         return finished
 
+    def _prefill_joining(self) -> None:
+        joining = [j for j in self._joining if not j[0].done]  # not cancelled since `add`
+        self._joining = []
+        if not joining:
+            return
+        width = next(w for w in self.buckets if w >= max(prompt.size for _, prompt, _ in joining))
+        rows = next(r for r in self.row_buckets if r >= len(joining))
+        prompts = np.zeros((rows, width), np.int32)
+        lengths = np.ones(rows, np.int32)
+        slots = np.full(rows, self.slots, np.int32)  # out of range: a padding row, dropped
+        seeds = np.zeros(rows, np.uint32)
+        budgets = np.ones(rows, np.int32)
+        for row, (request, prompt, seed) in enumerate(joining):
+            prompts[row, :prompt.size] = prompt
+            lengths[row], slots[row], seeds[row], budgets[row] = prompt.size, request.slot, seed, request.budget
+        self._state, out = _prefill(self.model, self.sampling, self.variables, self._state, prompts,
+                                    lengths, slots, seeds, budgets)
+        self._events.append((tuple(request for request, _, _ in joining), out))
+
     def _read(self, owners, out, finished):
         ids, raw, behavior, *emitted = jax.device_get(out)
-        if isinstance(owners, _Request):  # a prefill: one id for one request
-            self._record(owners, int(ids), float(raw), float(behavior), finished)
+        if not emitted:  # a prefill: the first id of each joining request, in row order
+            for row, request in enumerate(owners):
+                self._record(request, int(ids[row]), float(raw[row]), float(behavior[row]), finished)
             return
         (emitted,) = emitted
         for step, slot in zip(*np.nonzero(emitted), strict=True):  # in step order per slot

@@ -26,7 +26,9 @@ from dew_lib.store.schema import CAUSES, TABLES
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Evaluation:
     """One evaluated answer. item: the prompt's index in its split; score: the reward's score;
-    correct: whether the answer counts as right (None: the grader does not say)."""
+    correct: whether the answer counts as right (None: the grader does not say); temperature:
+    0 for a greedy answer, else the temperature it was drawn at; sample: 0 for the greedy
+    answer, 1..k for the k answers drawn for the item at `temperature`."""
 
     item: int
     prompt: str
@@ -37,6 +39,8 @@ class Evaluation:
     correct: bool | None = None
     components: Mapping[str, float] = dataclasses.field(default_factory=dict)
     detail: str = ""
+    temperature: float = 0.0
+    sample: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -311,7 +315,8 @@ def evaluations_table(results: Sequence[Evaluation], *, run: str, stage: str, st
         "reference": [r.reference for r in results], "score": [float(r.score) for r in results],
         "correct": [r.correct for r in results],
         "components": _map([{k: float(v) for k, v in r.components.items()} for r in results]),
-        "detail": [r.detail for r in results], "written_at": _stamps(when, n)})
+        "detail": [r.detail for r in results], "temperature": [float(r.temperature) for r in results],
+        "sample": [int(r.sample) for r in results], "written_at": _stamps(when, n)})
 
 
 def verdicts_table(session: Any, verdicts: Sequence[Verdict], *, run: str, stage: str, update: int,
@@ -399,9 +404,10 @@ def samples_table(columns: Mapping[str, np.ndarray], *, run: str, stage: str, up
 
 
 def evaluation_owners(results: Sequence[Evaluation]) -> list[tuple[str, int, int, int, bool]]:
-    """How an evaluated answer owns verdict rows: task = its task, group_id = its item, sample and
-    attempt 0, never trained. Join with `v.update = e.step AND v.group_id = e.item`."""
-    return [(str(r.task), int(r.item), 0, 0, False) for r in results]
+    """How an evaluated answer owns verdict rows: task = its task, group_id = its item, sample =
+    its sample, attempt 0, never trained. Join with `v.update = e.step AND v.group_id = e.item
+    AND v.sample = e.sample`."""
+    return [(str(r.task), int(r.item), int(r.sample), 0, False) for r in results]
 
 
 def check_verdicts(verdicts: Any, count: int, what: str) -> list[tuple[Verdict, ...]]:

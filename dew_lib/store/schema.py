@@ -15,7 +15,7 @@ import dataclasses
 
 import pyarrow as pa
 
-FORMAT = 1  # bump when a table's columns change; readers refuse a store of another format
+FORMAT = 2  # bump when a table's columns change; readers refuse a store of another format
 
 _ts = pa.timestamp("us", tz="UTC")
 _floats = pa.map_(pa.string(), pa.float64())
@@ -152,6 +152,8 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         ("correct", pa.bool_(), "whether the answer counts as correct"),
         ("components", _floats, "score broken down by name"),
         ("detail", pa.string(), "grader's note"),
+        ("temperature", pa.float64(), "0: the greedy answer; else the temperature it was drawn at"),
+        ("sample", pa.int32(), "0: the greedy answer; 1..k: the answers drawn at temperature"),
         ("written_at", _ts, "when the row was written"),
     ), "one row per evaluated answer"),
     Table("samples", "update", _IDENTITY + (

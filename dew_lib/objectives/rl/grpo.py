@@ -8,7 +8,9 @@ One update:
   1. score the sampled ids under the current policy (at `sampling_temperature`, over the
      recorded support when the batch has `support_ids`);
   2. the policy ratio compares them with `old_log_probs` (the raw policy at sampling time or a
-     rescored proximal policy); without that column the loss runs in bypass mode, where the
+     rescored proximal policy), or, when the batch has the `PROXIMAL_IS_CURRENT` column, with
+     the detached scores of step 1 (the proximal policy is the weights being trained, scored in
+     the update's own forward pass); without either the loss runs in bypass mode, where the
      ratio is current over behavior;
   3. behavior corrections weight or mask tokens: `behavior_importance` as a TIS cap or an
      IcePop band, `sequence_mask` and `geometric_mask` reject whole chains;
@@ -42,6 +44,19 @@ PACKED_FIELDS = ("input_ids", "text_segment_ids", "text_positions", "response_ma
                  "behavior_log_probs", "advantages", "session_index")
 ALIGNED_FIELDS = PACKED_FIELDS + ("old_log_probs", "versions", "call_index", "session_weights",
                                   "rewards")
+# A `[R]` column of ones: the proximal policy is the weights this batch is trained with, so the
+# update scores it in its own forward pass instead of a separate rescoring pass. True when the
+# batch is trained exactly once, with the weights its rollout saw (the Trainer's case, with or
+# without accumulation); a batch trained again after an update needs rescored old_log_probs.
+PROXIMAL_IS_CURRENT = "proximal_is_current"
+
+
+def score_proximal_in_update(packed: dict) -> dict:
+    """Mark a packed batch `PROXIMAL_IS_CURRENT`, dropping any `old_log_probs` it carries (an
+    engine's raw likelihoods are behavior, not the proximal policy). Returns the batch."""
+    packed.pop("old_log_probs", None)
+    packed[PROXIMAL_IS_CURRENT] = np.ones(len(packed["input_ids"]), np.int8)
+    return packed
 
 
 def _band(value, name: str) -> tuple[float, float] | None:
@@ -170,12 +185,25 @@ class GRPOObjective:
                 "batch field 'behavior_log_probs' is not aligned with the sampled ids: it must hold "
                 "a finite log-probability (<= 0) on every id response_mask marks and 0 elsewhere"
             )
-        if isinstance(self.behavior_importance, float) and "old_log_probs" not in batch:
+        if PROXIMAL_IS_CURRENT in batch:
+            if "old_log_probs" in batch:
+                raise ValueError(
+                    f"batch has both old_log_probs and {PROXIMAL_IS_CURRENT!r}; they name two "
+                    "different proximal policies: keep old_log_probs if the batch was rescored, "
+                    "or drop them to score the proximal policy in the update"
+                )
+            if np.shape(batch[PROXIMAL_IS_CURRENT]) != shape[:1]:
+                raise ValueError(
+                    f"batch field {PROXIMAL_IS_CURRENT!r} has shape "
+                    f"{np.shape(batch[PROXIMAL_IS_CURRENT])}, expected one flag per row {shape[:1]}"
+                )
+        elif isinstance(self.behavior_importance, float) and "old_log_probs" not in batch:
             raise ValueError(
                 "GRPOObjective(behavior_importance=<cap>) needs old_log_probs: without them the "
                 "loss runs in bypass mode, where the ratio already is current over behavior and a "
-                "TIS weight would count that correction twice; rescore with packed_log_probs or "
-                "use a (low, high) band"
+                "TIS weight would count that correction twice; rescore with packed_log_probs, add "
+                f"the {PROXIMAL_IS_CURRENT!r} column when the batch trains once under the weights "
+                "that would rescore it, or use a (low, high) band"
             )
         if "support_ids" in batch and "support_columns" not in batch:
             raise KeyError("batch has support_ids without support_columns; pack writes both")
@@ -199,7 +227,9 @@ class GRPOObjective:
         """Every id scored against its own chain's prefix, `[R, W]` aligned with input_ids.
 
         The first id of each chain and padding have no prefix and get 0. A scheduler that
-        rescores the proximal policy stores this as `old_log_probs`.
+        rescores the proximal policy stores this as `old_log_probs`; one whose batch trains
+        under the weights it would rescore with marks it `PROXIMAL_IS_CURRENT` instead and
+        saves the pass.
         """
         return _packed_log_probs(self, params, {k: batch[k] for k in _SCORING_FIELDS if k in batch})
 
@@ -213,10 +243,14 @@ class GRPOObjective:
         sessions = batch["session_index"][:, 1:]
         rows, t = mask.shape
         chains = jnp.arange(rows)[:, None] * t + batch["text_segment_ids"][:, 1:]
-        bypass = "old_log_probs" not in batch
-        old = behavior if bypass else batch["old_log_probs"][:, 1:].astype(jnp.float32)
-        # The policy the corrections compare with behavior: the recorded old one, or (bypass)
-        # the detached current one.
+        in_step = PROXIMAL_IS_CURRENT in batch
+        bypass = "old_log_probs" not in batch and not in_step
+        if in_step:  # the same numbers a rescoring pass with these weights would give
+            old = jax.lax.stop_gradient(log_probs)
+        else:
+            old = behavior if bypass else batch["old_log_probs"][:, 1:].astype(jnp.float32)
+        # The policy the corrections compare with behavior: the recorded or in-step old one, or
+        # (bypass) the detached current one.
         proximal = jax.lax.stop_gradient(log_probs) if bypass else old
 
         weight = jnp.ones_like(mask)   # multiplies the surrogate

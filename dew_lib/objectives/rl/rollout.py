@@ -31,6 +31,7 @@ import numpy as np
 
 from dew_lib.data.prompts import METADATA, text_field
 from dew_lib.objectives.rl import algorithms
+from dew_lib.objectives.rl.grpo import score_proximal_in_update
 from dew_lib.objectives.rl.sessions import Call, Session, Status, pack
 from dew_lib.sampling import Sampling, generate
 
@@ -150,9 +151,9 @@ class SampledRollout:
         packed = pack(sessions, self.objective.width, rows=rows * g, estimator=self.estimator,
                       truncation="score")
         if getattr(self.objective, "sampling_temperature", 1.0) != 1.0:
-            # The sampler's raw log-probs are untempered; rescore at the objective's temperature
-            # so the ratio compares like with like.
-            packed["old_log_probs"] = np.asarray(self.objective.packed_log_probs(state.params, packed))
+            # The sampler's raw log-probs are untempered; the update scores the old policy (these
+            # weights) at the objective's temperature so the ratio compares like with like.
+            score_proximal_in_update(packed)
         self.last_sessions = sessions
         self.last_reward_details = [details for _, details in scored]
         return packed

@@ -13,9 +13,10 @@ trainer hands the scheduler batch i (with its state), the scheduler
      stream opens it is submitted now);
   4. waits until batch i's groups are admitted, cut, abandoned or surplus, handling every
      rollout that finishes meanwhile, of any batch (see "Asynchronous GRPO" in docs/rl.md);
-  5. packs the admitted groups into fixed `[rows, width]` rows with `pack`, rescores
-     `old_log_probs` under the state's weights (the proximal policy) with
-     `GRPOObjective.packed_log_probs`, and returns the batch.
+  5. packs the admitted groups into fixed `[rows, width]` rows with `pack` and returns them
+     marked `PROXIMAL_IS_CURRENT`: the proximal policy is the state's weights, which the update
+     trains with, so the update scores it in its own forward pass (the numbers
+     `GRPOObjective.packed_log_probs` would give, without a second pass over the batch).
 
 Dew's Trainer reads one batch per step and no further, so the scheduler reads the `ahead` batches
 after the current one from the wrapped stream itself; the trainer then receives exactly those
@@ -55,6 +56,7 @@ import numpy as np
 from dew_lib.data.dataset import Batch, Dataset, Partition
 from dew_lib.data.prompts import METADATA, text_field
 from dew_lib.objectives.rl import algorithms
+from dew_lib.objectives.rl.grpo import GRPOObjective, score_proximal_in_update
 from dew_lib.objectives.rl.sessions import (TRUNCATION, Session, SessionSource, Status, Task,
                                             chain_lengths, pack, rows_needed, session_metrics,
                                             trains)
@@ -245,8 +247,8 @@ class _ScheduledDataset(Dataset):
 class RolloutScheduler:
     """Train on complete rollout groups from source, ahead task batches early.
 
-    objective: the GRPOObjective being trained (its `packed_log_probs` rescores the proximal
-    policy). source: a SessionSource. weights: a Publisher (a RolloutServer is one).
+    objective: the GRPOObjective being trained (its update scores the proximal policy).
+    source: a SessionSource. weights: a Publisher (a RolloutServer is one).
     width, rows: the packed batch shape `[rows, width]`; width must be the objective's
     seq_len + 1. tasks: turns one registered batch into its tasks (`task_ids`, `prompt_tasks`).
     groups: rollouts admitted per task. oversample: extra rollouts run per group; the first
@@ -302,9 +304,9 @@ class RolloutScheduler:
             raise ValueError(
                 f"RolloutScheduler.width={width} but the objective reads rows of seq_len + 1 = "
                 f"{objective_width}; set GRPOObjective(seq_len={width - 1}) or width={objective_width}")
-        if not hasattr(objective, "packed_log_probs"):
-            raise TypeError("RolloutScheduler needs a GRPOObjective (it rescores the proximal "
-                            f"policy with packed_log_probs); got {type(objective).__name__}")
+        if not isinstance(objective, GRPOObjective):
+            raise TypeError("RolloutScheduler needs a GRPOObjective (its update scores the "
+                            f"proximal policy); got {type(objective).__name__}")
         if max_lag > 0 and getattr(objective, "behavior_importance", None) is None:
             raise ValueError(
                 f"RolloutScheduler(max_lag={max_lag}) trains on rollouts drawn by older weights, "
@@ -485,9 +487,8 @@ class RolloutScheduler:
                     "failing: see the causes and details of the recorded sessions")
             packed = pack(sessions, self.width, rows=self.rows, estimator=self.estimator,
                           truncation=self.truncation, support_capacity=self.support_capacity)
-            packed["old_log_probs"] = np.asarray(self.objective.packed_log_probs(state.params, packed),
-                                                 np.float32)
-            self._drain()  # what finished while packing and rescoring counts in this record
+            score_proximal_in_update(packed)
+            self._drain()  # what finished while packing counts in this record
         except BaseException as error:
             self._broken = error
             try:
