@@ -2,6 +2,8 @@
 
 Same Llama configuration and weights layout, greedy decoding of a fixed number of new tokens
 (no EOS) after a fixed prompt, at batch 1 and batch 16. Prints tokens/s and the Dew / HF ratio.
+`--baseline DIR` also runs another Dew checkout's `generate` in the same alternating rounds and
+prints Dew / baseline.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def main():
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3, help="alternating measurement rounds")
+    parser.add_argument("--baseline", help="another Dew checkout, run in the same rounds")
     parser.add_argument("--child", nargs=2, metavar=("SIDE", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     config = dict(LLAMA_8M)
@@ -72,15 +75,23 @@ def main():
     rows = []
     common = ("--prompt", str(args.prompt), "--new", str(args.new), "--repeats", str(args.repeats))
     for batch in (1, 16):
-        dew, hf = [], []
+        dew, hf, base = [], [], []
         for _ in range(args.rounds):  # alternate the sides so drift in machine load hits both
             dew.append(in_subprocess(__file__, "dew", str(batch), *common)["rate"])
             hf.append(in_subprocess(__file__, "hf", str(batch), *common)["rate"])
+            if args.baseline:
+                base.append(in_subprocess(__file__, "dew", str(batch), *common,
+                                          pythonpath=args.baseline)["rate"])
         ratios = [d / h for d, h in zip(dew, hf)]
         rows += [(f"batch {batch}: dew tokens/s (median)", f"{statistics.median(dew):,.0f}"),
                  (f"batch {batch}: transformers tokens/s (median)", f"{statistics.median(hf):,.0f}"),
                  (f"batch {batch}: dew / transformers per round", " ".join(f"{r:.2f}" for r in ratios)),
                  (f"batch {batch}: dew / transformers (median)", f"{statistics.median(ratios):.2f}x")]
+        if base:
+            ratios = [d / b for d, b in zip(dew, base)]
+            rows += [(f"batch {batch}: baseline dew tokens/s (median)", f"{statistics.median(base):,.0f}"),
+                     (f"batch {batch}: dew / baseline per round", " ".join(f"{r:.2f}" for r in ratios)),
+                     (f"batch {batch}: dew / baseline (median)", f"{statistics.median(ratios):.2f}x")]
     report(f"generate: Llama 8M, prompt {args.prompt}, {args.new} new tokens, greedy, "
            f"{threads()} threads, each side in its own process", rows)
 

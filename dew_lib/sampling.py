@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew_lib.models.decoder import DECODE_COMPILER_OPTIONS, KVCache
+from dew_lib.models.decoder import DECODE_COMPILER_OPTIONS, KVCache, split_layers
 from dew_lib.objectives.base import check_token_ids
 
 
@@ -182,10 +182,13 @@ def _generate(model, variables, prompt, prompt_length, key, *, max_new_tokens, s
         i, _, out = state
         return (i < max_new_tokens) & ~jnp.all(out[3])
 
+    layers = split_layers(variables)  # sliced once here, not in every step
+
     def step(state):
         i, cache, out = state
         tokens, done = out[0], out[3]
-        logits, cache = model.apply(variables, tokens[:, i - 1], cache, ~done, method=model.decode)
+        logits, cache = model.apply(variables, tokens[:, i - 1], cache, ~done, layers,
+                                    method=model.decode)
         return i + 1, cache, record(out, logits, i)
 
     _, _, (tokens, raw, behavior, done, lengths) = jax.lax.while_loop(

@@ -78,10 +78,13 @@ def test_decoder_logits_and_gradients_match_dense_attention_unrolled_and_without
                      grads, want_grads)
 
 
-def test_scanned_and_remat_models_keep_hugging_face_parameter_names():
-    for options in ({"scan_layers": True}, {"remat": True}, {"scan_layers": False}):
-        variables = tiny_model(**options).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-        assert sorted(variables["params"]) == ["embed_tokens", "layers_0", "layers_1", "lm_head", "norm"]
+def test_scanned_unrolled_and_remat_models_share_one_stacked_parameter_layout():
+    shapes = [jax.tree.map(jnp.shape, tiny_model(**options).init(
+        jax.random.key(0), jnp.zeros((1, 4), jnp.int32))) for options in
+        ({"scan_layers": True}, {"remat": True}, {"scan_layers": False})]
+    assert sorted(shapes[0]["params"]) == ["embed_tokens", "layers", "lm_head", "norm"]
+    assert shapes[0]["params"]["layers"]["q_proj"]["kernel"] == (2, 16, 16)
+    assert shapes[1] == shapes[0] and shapes[2] == shapes[0]
 
 
 def test_attention_block_must_be_positive():

@@ -2,22 +2,74 @@
 
 import jax
 import jax.numpy as jnp
+import flax.linen as nn
 import numpy as np
 import pytest
 
 from conftest import tiny_model
+from dew_lib.models import rotary
+from dew_lib.models.decoder import Block
 
 
 def init(model, width=8):
     return model.init(jax.random.key(0), jnp.zeros((1, width), jnp.int32))
 
 
-def test_parameter_names_follow_hugging_face_modules():
+def test_parameter_names_follow_hugging_face_modules_stacked_by_layer():
     model = tiny_model()
-    names = set(init(model)["params"]["layers_0"])
-    assert names == {"input_layernorm", "post_attention_layernorm", "q_proj", "k_proj", "v_proj",
-                     "o_proj", "q_norm", "k_norm", "gate_proj", "up_proj", "down_proj"}
-    assert init(model)["params"]["layers_0"]["k_proj"]["kernel"].shape == (16, 2 * 4)
+    layers = init(model)["params"]["layers"]
+    assert set(layers) == {"input_layernorm", "post_attention_layernorm", "q_proj", "k_proj",
+                           "v_proj", "o_proj", "q_norm", "k_norm", "gate_proj", "up_proj",
+                           "down_proj"}
+    assert layers["k_proj"]["kernel"].shape == (2, 16, 2 * 4)  # [layers, in, out]
+    assert layers["input_layernorm"]["weight"].shape == (2, 16)
+
+
+def test_each_layer_starts_from_its_own_random_weights():
+    layers = init(tiny_model(num_layers=3))["params"]["layers"]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        kernel = np.asarray(layers[name]["kernel"])
+        assert np.std(kernel) > 0.01, name
+        for i in range(3):
+            for j in range(i):
+                assert not np.allclose(kernel[i], kernel[j]), (name, i, j)
+    np.testing.assert_array_equal(layers["post_attention_layernorm"]["weight"], 1.0)
+
+
+def test_a_seed_gives_the_weights_of_one_module_per_layer():
+    # Before the layers were stacked, layer i was a child module named `layers_i`; the stacked
+    # initializer draws from the same streams, so a seed's initial weights did not change.
+    model = tiny_model(num_layers=3)
+
+    class PerLayer(nn.Module):
+        @nn.compact
+        def __call__(self, x, rope, segments):
+            for i in range(model.num_layers):
+                x, _ = Block(**model._block_options(), name=f"layers_{i}")(
+                    x, rope, segments, model.attention_block)
+            return x
+
+    x = jnp.zeros((1, 1, model.emb_features))
+    rope = rotary.table(jnp.zeros((1, 1), jnp.int32), np.ones(model.emb_features // model.num_heads // 2))
+    per_layer = PerLayer().init(jax.random.key(0), x, rope, jnp.ones((1, 1), jnp.int32))["params"]
+    stacked = init(model)["params"]["layers"]
+    for i in range(model.num_layers):
+        for (path, leaf), (_, expected) in zip(jax.tree_util.tree_leaves_with_path(stacked),
+                                               jax.tree_util.tree_leaves_with_path(per_layer[f"layers_{i}"]),
+                                               strict=True):
+            np.testing.assert_array_equal(leaf[i], expected, err_msg=f"layer {i} {path}")
+
+
+def test_scanned_and_unrolled_layers_read_the_same_parameters():
+    variables = init(tiny_model(num_layers=3))
+    tokens = np.array([[4, 9, 2, 7, 7, 1]])
+    scanned = tiny_model(num_layers=3).apply(variables, tokens)
+    unrolled = tiny_model(num_layers=3, scan_layers=False).apply(variables, tokens)
+    np.testing.assert_allclose(scanned, unrolled, atol=1e-5)
+    # Layer i of the stack is the i-th layer applied: reversing the stack changes the output.
+    flipped = jax.tree.map(lambda x: x, variables)
+    flipped["params"]["layers"] = jax.tree.map(lambda p: p[::-1], variables["params"]["layers"])
+    assert not np.allclose(tiny_model(num_layers=3).apply(flipped, tokens), scanned, atol=1e-3)
 
 
 def test_packed_documents_equal_separate_forward_passes():
@@ -62,11 +114,10 @@ def test_grouped_query_attention_equals_repeated_key_value_heads():
     full = tiny_model(num_kv_heads=4, qk_norm=False)
     variables = init(gqa)
     expanded = jax.tree.map(lambda x: x, variables)
-    layers = expanded["params"]
-    for name in [k for k in layers if k.startswith("layers_")]:
-        for proj in ("k_proj", "v_proj"):
-            kernel = layers[name][proj]["kernel"].reshape(16, 2, 4)  # [E, KV, D]
-            layers[name][proj] = {"kernel": jnp.repeat(kernel, 2, axis=1).reshape(16, 16)}
+    layers = expanded["params"]["layers"]
+    for proj in ("k_proj", "v_proj"):
+        kernel = layers[proj]["kernel"].reshape(2, 16, 2, 4)  # [layers, E, KV, D]
+        layers[proj] = {"kernel": jnp.repeat(kernel, 2, axis=2).reshape(2, 16, 16)}
     tokens = np.array([[1, 2, 3, 4, 5]])
     np.testing.assert_allclose(gqa.apply(variables, tokens), full.apply(expanded, tokens), atol=1e-5)
 

@@ -24,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 
 from dew_lib import models
 from dew_lib.models import rotary
+from dew_lib.models.decoder import unstack_layers
 from dew_lib.models.pretrained import (
     SUPPORTED,
     CheckpointError,
@@ -135,7 +136,7 @@ def test_bf16_load_keeps_stored_values():
     pretrained, variables = load_pretrained(FIXTURES / "llama", dtype="bf16")
     assert pretrained.model.param_dtype == jnp.bfloat16 and pretrained.model.dtype == jnp.bfloat16
     stored = load_file(FIXTURES / "llama" / "model.safetensors")
-    q = variables["params"]["layers_0"]["q_proj"]["kernel"]
+    q = variables["params"]["layers"]["q_proj"]["kernel"][0]  # layer 0 of the stack
     assert q.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(q), stored["model.layers.0.self_attn.q_proj.weight"].T)
 
@@ -160,9 +161,10 @@ def test_sharding_options_place_every_leaf():
         _, variables = load_pretrained(FIXTURES / "qwen2", sharding=spec, tokenizer=False)
         for leaf in jax.tree_util.tree_leaves(variables):
             assert leaf.sharding.device_set == {device}
-    paths = dict(seen)
-    assert paths[("layers_0", "q_proj", "kernel")] == (64, 64)
-    assert paths[("layers_0", "k_proj", "kernel")] == (64, 16)
+    paths = dict(seen)  # layer leaves are placed whole, with their leading layer axis
+    assert paths[("layers", "q_proj", "kernel")] == (2, 64, 64)
+    assert paths[("layers", "k_proj", "kernel")] == (2, 64, 16)
+    assert paths[("norm", "weight")] == (64,)
 
 
 def test_tensor_parallel_placement_on_two_devices(tmp_path):
@@ -173,14 +175,14 @@ def test_tensor_parallel_placement_on_two_devices(tmp_path):
         from dew_lib.models import load_pretrained
         mesh = Mesh(np.array(jax.devices()), ("model",))
         def layout(path, shape):
-            if path[-1] == "kernel" and shape[-1] % 2 == 0:
-                return NamedSharding(mesh, P(None, "model"))
+            if path[-1] == "kernel" and shape[-1] % 2 == 0:  # split the output features
+                return NamedSharding(mesh, P(*[None] * (len(shape) - 1), "model"))
             return NamedSharding(mesh, P())
         pretrained, variables = load_pretrained({str(FIXTURES / "qwen3")!r}, sharding=layout,
                                                 tokenizer=False)
-        kernel = variables["params"]["layers_0"]["up_proj"]["kernel"]
+        kernel = variables["params"]["layers"]["up_proj"]["kernel"]
         assert len(kernel.sharding.device_set) == 2, kernel.sharding
-        assert kernel.addressable_shards[0].data.shape == (64, 64)
+        assert kernel.addressable_shards[0].data.shape == (2, 64, 64)
         ref = np.load({str(FIXTURES / "references" / "qwen3.npz")!r})
         out = pretrained.model.apply(variables, ref["plain_ids"])
         print(float(np.abs(np.asarray(out) - ref["logits_plain"]).max()))
@@ -230,7 +232,7 @@ def test_default_save_is_bfloat16(loaded, tmp_path):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     stored = load_file(out / "model.safetensors")
     assert {a.dtype for a in stored.values()} == {np.dtype(ml_dtypes.bfloat16)}
-    kernel = np.asarray(variables["params"]["layers_1"]["down_proj"]["kernel"])
+    kernel = np.asarray(variables["params"]["layers"]["down_proj"]["kernel"][1])
     np.testing.assert_array_equal(stored["model.layers.1.mlp.down_proj.weight"],
                                   kernel.T.astype(ml_dtypes.bfloat16))
     assert "lm_head.weight" not in stored  # tied: the embedding is the output projection
@@ -488,6 +490,12 @@ def test_variables_that_do_not_fit_are_refused(loaded, tmp_path):
     with pytest.raises(ValueError, match=r"norm.weight has shape \(3,\).*\(64,\)"):
         pretrained.save(wrong, tmp_path / "never")
     assert not (tmp_path / "never").exists()
+    one_layer = jax.tree_util.tree_map(lambda x: x, variables)
+    one_layer["params"]["layers"] = jax.tree_util.tree_map(lambda x: x[:1], params["layers"])
+    with pytest.raises(ValueError, match=r"layers.q_proj.kernel has shape \(1, 64, 64\).*\(2, 64, 64\)"):
+        list(pretrained.export(one_layer))
+    with pytest.raises(ValueError, match="layers_0.*stack_layers"):  # the layout before stacking
+        list(pretrained.export(unstack_layers(variables)))
     other = models.build("causal_transformer", vocab_size=128, emb_features=64, num_layers=2,
                          num_heads=4, mlp_features=32, max_seq_len=64, num_kv_heads=1,
                          attention_bias=True)

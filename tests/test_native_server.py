@@ -51,10 +51,10 @@ def reference(prompt, budget, seed, sampling, variables=VARIABLES):
 def test_draws_equal_generate_while_sharing_the_batch(sampling):
     engine = server(sampling)
     for name, prompt in enumerate(PROMPTS[:3]):
-        engine.add(name, prompt, 12, seed=100 + name)
+        engine.add(name, prompt, 12, seed=110 + name)
     draws = run(engine)
     for name, prompt in enumerate(PROMPTS[:3]):
-        ids, raw, behavior, eos = reference(prompt, 12, 100 + name, sampling)
+        ids, raw, behavior, eos = reference(prompt, 12, 110 + name, sampling)
         np.testing.assert_array_equal(draws[name].ids, ids)
         np.testing.assert_allclose(draws[name].raw_log_probs, raw, atol=1e-5)
         np.testing.assert_allclose(draws[name].behavior_log_probs, behavior, atol=1e-5)

@@ -11,7 +11,8 @@ import pytest
 
 from conftest import tiny_model
 from dew_lib import Dataset, LMObjective, Trainer, TrainingDiverged
-from dew_lib.checkpoint import CheckpointMismatch
+from dew_lib.checkpoint import CheckpointMismatch, Checkpoints
+from dew_lib.models.decoder import unstack_layers
 from dew_lib.objectives import LossTerms
 from dew_lib.sinks import LineLog, MemorySink, ProgressBar
 
@@ -101,6 +102,26 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path, accumula
     _, resumed = fit(batches, 4, steps=6, optimizer=optax.adam(1e-2), accumulate=accumulate,
                      ema_decay=0.99, directory=str(tmp_path))
     assert int(resumed.step) == 6 and int(resumed.updates) == 6 // accumulate
+    for a, b in zip(leaves(resumed), leaves(whole), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_checkpoint_with_one_subtree_per_layer_resumes_stacked(tmp_path):
+    """Checkpoints written before the layers were stacked (`layers_0`, `layers_1`, ... in the
+    params, EMA and Adam moments) restore into the stacked layout and train on identically."""
+    batches = padded_batches(3, rows=4)
+    run = dict(optimizer=optax.adam(1e-2), ema_decay=0.99)
+    _, whole = fit(batches, 4, steps=6, **run)
+    fit(batches, 4, steps=3, directory=str(tmp_path / "stacked"), **run)
+    trainer = Trainer(LMObjective(MODEL, seq_len=8, ema_decay=0.99), optax.adam(1e-2),
+                      key=jax.random.key(0))
+    stacked = Checkpoints(tmp_path / "stacked")
+    state, info = stacked.restore(3, trainer._abstract_state())
+    old = unstack_layers(state)
+    assert "layers_1" in old.params["params"] and "layers_1" in old.opt_state[0].mu["params"]
+    per_layer = Checkpoints(tmp_path / "per_layer")
+    per_layer.save(3, old, info)
+    _, resumed = fit(batches, 4, steps=6, directory=str(tmp_path / "per_layer"), **run)
     for a, b in zip(leaves(resumed), leaves(whole), strict=True):
         np.testing.assert_array_equal(a, b)
 

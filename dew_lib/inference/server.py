@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew_lib.inference.base import Draw
-from dew_lib.models.decoder import KVCache
+from dew_lib.models.decoder import KVCache, split_layers
 from dew_lib.sampling import Sampling, _is_eos, sample
 
 MIN_BUCKET = 16  # the narrowest prefill; shorter prompts share it
@@ -118,9 +118,12 @@ def _decode(model, sampling, steps, variables, state: _State):
     slots, capacity = state.live.shape[0], state.cache.keys[0].shape[2]
     TRACES["decode", steps, *_signature(model, sampling, variables, slots, capacity)] += 1
 
+    layers = split_layers(variables)  # sliced once per call, not in every step
+
     def one(carry):
         i, _, state, (ids_out, raw_out, behavior_out, emitted_out) = carry
-        logits, cache = model.apply(variables, state.last, state.cache, state.live, method=model.decode)
+        logits, cache = model.apply(variables, state.last, state.cache, state.live, layers,
+                                    method=model.decode)
         keys = jax.vmap(jax.random.fold_in)(state.keys, state.count)
         ids, raw, behavior = _sample_rows(logits, keys, sampling)
         live = state.live

@@ -3,7 +3,9 @@
 The decoder's parameter names mirror the Hugging Face module names, so the map is a rename plus a
 transpose for every linear layer: PyTorch's `nn.Linear.weight` is `[out, in]`, Flax's
 `Dense.kernel` is `[in, out]`. Biases, norm weights and the embedding table keep their layout.
-The list is in the order transformers writes its state dict, which is also the order Dew saves in.
+The decoder stacks its layers: `model.layers.{i}.…` is index i on the leading axis of the leaf
+under `params["layers"]`. The list is in the order transformers writes its state dict, which is
+also the order Dew saves in.
 """
 
 from __future__ import annotations
@@ -25,21 +27,35 @@ class Tensor:
     path: tuple[str, ...]  # keys under the variables' "params" collection
     shape: tuple[int, ...]  # the Hugging Face shape
     transpose: bool  # a linear weight: the Flax kernel is the transpose
+    layer: int | None = None  # index on the leading axis of a stacked layer leaf at `path`
 
     @property
     def flax_shape(self) -> tuple[int, ...]:
+        """The shape of this tensor in Flax's layout (one layer's slice of a stacked leaf)."""
         return self.shape[::-1] if self.transpose else self.shape
 
 
-def _linear(hf: str, fl: str, module: str, name: str, rows: int, cols: int, bias: bool = False):
-    weight = Tensor(f"{hf}.{module}.weight", (fl, name, "kernel"), (rows, cols), True)
+def leaf_shapes(tensors: list[Tensor]) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """The shape of every params leaf the tensors fill: a layer leaf gains its leading axis."""
+    layers: dict[tuple[str, ...], int] = {}
+    shapes: dict[tuple[str, ...], tuple[int, ...]] = {}
+    for tensor in tensors:
+        shapes[tensor.path] = tensor.flax_shape
+        if tensor.layer is not None:
+            layers[tensor.path] = max(layers.get(tensor.path, 0), tensor.layer + 1)
+    return {path: ((layers[path],) if path in layers else ()) + shape
+            for path, shape in shapes.items()}
+
+
+def _linear(hf: str, layer: int, module: str, name: str, rows: int, cols: int, bias: bool = False):
+    weight = Tensor(f"{hf}.{module}.weight", ("layers", name, "kernel"), (rows, cols), True, layer)
     if not bias:
         return [weight]
-    return [weight, Tensor(f"{hf}.{module}.bias", (fl, name, "bias"), (rows,), False)]
+    return [weight, Tensor(f"{hf}.{module}.bias", ("layers", name, "bias"), (rows,), False, layer)]
 
 
-def _norm(hf: str, fl: str, module: str, name: str, size: int):
-    return [Tensor(f"{hf}.{module}.weight", (fl, name, "weight"), (size,), False)]
+def _norm(hf: str, layer: int, module: str, name: str, size: int):
+    return [Tensor(f"{hf}.{module}.weight", ("layers", name, "weight"), (size,), False, layer)]
 
 
 def tensors(model: Any) -> list[Tensor]:
@@ -49,7 +65,7 @@ def tensors(model: Any) -> list[Tensor]:
     out = [Tensor("model.embed_tokens.weight", ("embed_tokens", "embedding"),
                   (model.vocab_size, e), False)]
     for i in range(model.num_layers):
-        at = (f"model.layers.{i}", f"layers_{i}")
+        at = (f"model.layers.{i}", i)
         out += _linear(*at, "self_attn.q_proj", "q_proj", h * d, e, bias)
         out += _linear(*at, "self_attn.k_proj", "k_proj", kv * d, e, bias)
         out += _linear(*at, "self_attn.v_proj", "v_proj", kv * d, e, bias)

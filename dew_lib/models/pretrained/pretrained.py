@@ -15,6 +15,7 @@ leaf's data on this process).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -256,9 +257,11 @@ class Pretrained:
         Every tensor is checked against the model before any is read: a missing or unexpected
         tensor (by name), a wrong shape (name and both shapes) or a non-float dtype raise
         `CheckpointError`. Tensors are then read one at a time, cast to the model's
-        `param_dtype`, transposed where Flax's layout differs, and placed with `sharding`: None
-        (the default device), a `Sharding` for every leaf, a `Mesh` (replicated on it), or a
-        callable `(params_path, flax_shape) -> Sharding` for per-tensor layouts.
+        `param_dtype` and transposed where Flax's layout differs; the layers' tensors go into
+        their index of the stacked `layers` leaves (`model.layers.{i}.…` -> `[i]`). Each leaf is
+        placed with `sharding`: None (the default device), a `Sharding` for every leaf, a `Mesh`
+        (replicated on it), or a callable `(params_path, flax_shape) -> Sharding` for per-leaf
+        layouts (a layer leaf's shape has the leading layer axis).
         """
         directory = Path(directory)
         expected = self.tensors
@@ -278,35 +281,66 @@ class Pretrained:
         def direct(tensor):  # stored exactly as Flax wants it: read into the final buffer
             return not tensor.transpose and files.FLOAT_DTYPES[stored[tensor.name][0]] == target
 
-        by_file: dict[Path, list[layout.Tensor]] = {}
+        # Each params leaf with the tensors that fill it: one, or one per layer for a stacked
+        # layer leaf (read into its slice of the leaf's buffer).
+        by_leaf: dict[tuple[str, ...], list[layout.Tensor]] = {}
         for tensor in expected:
-            by_file.setdefault(located[tensor.name], []).append(tensor)
-        # Everything else passes through one scratch buffer, sized for the largest such tensor.
+            by_leaf.setdefault(tensor.path, []).append(tensor)
+        shapes = layout.leaf_shapes(expected)
+        # Tensors not read straight into place pass through one scratch buffer, sized for the
+        # largest of them.
         scratch_bytes = max(
             [math.prod(t.shape) * files.FLOAT_DTYPES[stored[t.name][0]].itemsize
              for t in expected if not direct(t)] or [0]
         )
         scratch = files.aligned_empty(scratch_bytes) if scratch_bytes else None
         params: dict[str, Any] = {}
-        for path, group in by_file.items():
-            with files.Reader(path) as reader:
-                for tensor in group:
-                    placement = _sharding_for(sharding, tensor.path, tensor.flax_shape)
-                    if direct(tensor):
-                        leaf = _place(reader.read(tensor.name), placement, owned=True)
-                    else:
-                        array = reader.read(tensor.name, scratch[: reader.nbytes(tensor.name)])
-                        owned = array.dtype != target
-                        if owned:
-                            array = array.astype(target)
-                        leaf = _place(array.T if tensor.transpose else array, placement,
-                                      owned=owned)
-                        leaf.block_until_ready()  # the scratch buffer is reused next
-                    node = params
-                    for key in tensor.path[:-1]:
-                        node = node.setdefault(key, {})
-                    node[tensor.path[-1]] = leaf
+        with contextlib.ExitStack() as stack:
+            readers = {path: stack.enter_context(files.Reader(path))
+                       for path in dict.fromkeys(located[t.name] for t in expected)}
+            for path, group in by_leaf.items():
+                placement = _sharding_for(sharding, path, shapes[path])
+                if group[0].layer is None:
+                    leaf = self._read_one(readers[located[group[0].name]], group[0], direct,
+                                          scratch, target, placement)
+                else:
+                    leaf = self._read_stack(readers, located, group, shapes[path], direct,
+                                            scratch, target, placement)
+                node = params
+                for key in path[:-1]:
+                    node = node.setdefault(key, {})
+                node[path[-1]] = leaf
         return {"params": params}
+
+    @staticmethod
+    def _read_one(reader, tensor, direct, scratch, target, placement) -> jax.Array:
+        """One tensor as one params leaf."""
+        if direct(tensor):
+            return _place(reader.read(tensor.name), placement, owned=True)
+        array = reader.read(tensor.name, scratch[: reader.nbytes(tensor.name)])
+        owned = array.dtype != target
+        if owned:
+            array = array.astype(target)
+        leaf = _place(array.T if tensor.transpose else array, placement, owned=owned)
+        leaf.block_until_ready()  # the scratch buffer is reused next
+        return leaf
+
+    @staticmethod
+    def _read_stack(readers, located, group, shape, direct, scratch, target, placement
+                    ) -> jax.Array:
+        """The tensors of every layer into one stacked leaf `[L, ...]`, each at its index."""
+        buffer = files.aligned_empty(math.prod(shape) * target.itemsize)
+        stacked = buffer.view(target).reshape(shape)
+        per_layer = len(buffer) // shape[0]
+        for tensor in group:
+            reader = readers[located[tensor.name]]
+            if direct(tensor):
+                start = tensor.layer * per_layer
+                reader.read(tensor.name, buffer[start:start + per_layer])
+            else:
+                array = reader.read(tensor.name, scratch[: reader.nbytes(tensor.name)])
+                stacked[tensor.layer] = array.T if tensor.transpose else array
+        return _place(stacked, placement, owned=True)
 
     def _check_stored(self, stored: Mapping[str, tuple[str, tuple[int, ...]]],
                       expected: list[layout.Tensor]) -> None:
@@ -353,6 +387,8 @@ class Pretrained:
         flat = self._leaves(variables)
         for tensor in self.tensors:
             leaf = flat[tensor.path]
+            if tensor.layer is not None:
+                leaf = leaf[tensor.layer]
             if isinstance(leaf, jax.Array):
                 out = leaf if target is None else leaf.astype(target)
                 yield tensor.name, (out.T if tensor.transpose else out)
@@ -364,20 +400,22 @@ class Pretrained:
     def _leaves(self, variables: Mapping[str, Any]) -> dict[tuple[str, ...], Any]:
         """The params leaves by path, checked to be exactly the model's, with its shapes."""
         flat = _flatten(_params_of(variables))
-        expected = {t.path: t for t in self.tensors}
+        expected = layout.leaf_shapes(self.tensors)
         missing = [".".join(p) for p in expected if p not in flat]
         extra = [".".join(p) for p in flat if p not in expected]
         if missing or extra:
+            hint = ("; these variables keep one layers_i subtree per layer: convert them with "
+                    "dew_lib.models.decoder.stack_layers" if any(p[0] == "layers_0" for p in flat)
+                    else "")
             raise ValueError(
                 f"variables do not match the model: missing params {missing[:10]}, "
-                f"unexpected params {extra[:10]}"
+                f"unexpected params {extra[:10]}{hint}"
             )
-        for path, tensor in expected.items():
+        for path, want in expected.items():
             shape = tuple(np.shape(flat[path]))
-            if shape != tensor.flax_shape:
+            if shape != want:
                 raise ValueError(
-                    f"param {'.'.join(path)} has shape {shape}, the model expects "
-                    f"{tensor.flax_shape} (checkpoint tensor {tensor.name})"
+                    f"param {'.'.join(path)} has shape {shape}, the model expects {want}"
                 )
         return flat
 
