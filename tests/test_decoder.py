@@ -1,8 +1,8 @@
 """The decoder: packed documents behave like separate ones, padding is inert, options hold."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 import numpy as np
 import pytest
 
@@ -50,14 +50,14 @@ def test_a_seed_gives_the_weights_of_one_module_per_layer():
             return x
 
     x = jnp.zeros((1, 1, model.emb_features))
-    rope = rotary.table(jnp.zeros((1, 1), jnp.int32), np.ones(model.emb_features // model.num_heads // 2))
+    half_head = model.emb_features // model.num_heads // 2
+    rope = rotary.table(jnp.zeros((1, 1), jnp.int32), np.ones(half_head))
     per_layer = PerLayer().init(jax.random.key(0), x, rope, jnp.ones((1, 1), jnp.int32))["params"]
-    stacked = init(model)["params"]["layers"]
+    stacked = jax.tree_util.tree_leaves_with_path(init(model)["params"]["layers"])
     for i in range(model.num_layers):
-        for (path, leaf), (_, expected) in zip(jax.tree_util.tree_leaves_with_path(stacked),
-                                               jax.tree_util.tree_leaves_with_path(per_layer[f"layers_{i}"]),
-                                               strict=True):
-            np.testing.assert_array_equal(leaf[i], expected, err_msg=f"layer {i} {path}")
+        expected = jax.tree_util.tree_leaves(per_layer[f"layers_{i}"])
+        for (path, leaf), want in zip(stacked, expected, strict=True):
+            np.testing.assert_array_equal(leaf[i], want, err_msg=f"layer {i} {path}")
 
 
 def test_scanned_and_unrolled_layers_read_the_same_parameters():
