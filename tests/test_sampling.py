@@ -7,7 +7,7 @@ import pytest
 
 from conftest import tiny_model
 from dew_lib.objectives.lm import token_log_probs
-from dew_lib.sampling import Sampling, _generate, filter_logits, generate, sample
+from dew_lib.sampling import Sampling, _generate, argmax, cache_stages, filter_logits, generate, sample
 
 MODEL = tiny_model(max_seq_len=48)
 VARIABLES = MODEL.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
@@ -21,14 +21,14 @@ def left_padded(lengths, width, seed=0):
     return prompt, np.array(lengths, np.int32)
 
 
-def rescore(prompt, lengths, generation):
+def rescore(prompt, lengths, generation, model=MODEL, variables=VARIABLES):
     """Raw log-probs of each row's sampled ids from a full forward pass over that row alone."""
     width = prompt.shape[1]
     scores = []
     for row, length in enumerate(lengths):
         n = int(generation.lengths[row])
         ids = np.concatenate([prompt[row, width - length:], np.asarray(generation.tokens[row, :n])])
-        logits = MODEL.apply(VARIABLES, ids[None, :-1])
+        logits = model.apply(variables, ids[None, :-1])
         scores.append(np.asarray(token_log_probs(logits, ids[None, 1:]))[0, length - 1:])
     return scores
 
@@ -46,6 +46,41 @@ def test_cached_log_probs_equal_full_rescoring(sampling):
         n = int(out.lengths[row])
         np.testing.assert_allclose(np.asarray(out.log_probs[row, :n]), expected, atol=2e-5)
         assert np.all(np.asarray(out.log_probs[row, n:]) == 0)
+
+
+def test_long_loops_grow_their_cache_in_stages():
+    assert cache_stages(32, 128) == (64, 96, 128, 160)
+    assert cache_stages(5, 70) == (23, 41, 59, 75)
+    assert cache_stages(6, 12) == (18,)  # short loops keep one cache
+
+
+def test_a_grown_cache_gives_the_log_probs_of_full_rescoring():
+    model = tiny_model(max_seq_len=96)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    prompt, lengths = left_padded([6, 3, 1, 5], width=6, seed=2)
+    out = generate(model, variables, prompt, lengths, key=jax.random.key(3), max_new_tokens=70,
+                   sampling=Sampling(temperature=1.0, eos_id=5))
+    n = np.asarray(out.lengths)
+    assert n.max() > 18 + 18 and n.min() < n.max(), "seed chosen so rows stop in different stages"
+    for row, expected in enumerate(rescore(prompt, lengths, out, model, variables)):
+        np.testing.assert_allclose(np.asarray(out.log_probs[row, :n[row]]), expected, atol=2e-5)
+
+
+def test_argmax_is_jnp_argmax_on_ties_nan_and_filtered_rows():
+    x = np.random.default_rng(0).normal(size=(5, 40)).astype(np.float32)
+    x[0, [5, 9]] = 10.0  # a tie: the first index
+    x[1] = -np.inf  # every id filtered out
+    x[2, [7, 3]] = np.nan  # the first NaN, as jnp.argmax
+    x[3, 4] = np.inf
+    np.testing.assert_array_equal(argmax(x), jnp.argmax(x, axis=-1))
+    np.testing.assert_array_equal(argmax(x)[:4], [5, 0, 3, 4])
+
+
+def test_sampled_ids_are_the_draws_of_jax_random_categorical():
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(8, 64)) * 3, jnp.float32)
+    for seed in range(20):
+        ids, _, _ = sample(logits, jax.random.key(seed), Sampling(temperature=1.0))
+        np.testing.assert_array_equal(ids, jax.random.categorical(jax.random.key(seed), logits))
 
 
 def test_greedy_picks_the_argmax_and_reports_zero_behavior_log_prob():
