@@ -6,9 +6,12 @@ x `--groups` completions of `--new` ids (temperature 1, no EOS, so every complet
 length and the same work), with a reward that counts the even ids of the completion, once as it
 is ("plain") and once after sleeping `--wait` seconds per sample like an I/O-bound verifier
 ("waiting"). Both score on `--workers` threads (8, the sources' default, so scoring a batch of
-32 takes four rounds of the wait). The model is the demo's decoder (`--layers` 4, width 128):
-the waiting can only hide behind an update that lasts as long as the scoring, and the
-2-layer model measured before updated in less time than four rounds of 50 ms. Synchronous:
+32 takes four rounds of the wait). The model is the demo's decoder (`--layers` 4, width 128).
+With ahead=1 a batch is drawn and scored while the trainer updates on the one before, so the
+waiting hides only behind an update that lasts longer than the drawing plus four rounds of
+50 ms: the default rows (32-id prompts, 64 new ids) give it that; 16-id prompts with 32 new ids
+update in about the time of the scoring alone, and the trainer then waits about a fifth of
+the time (README, "Speed"). Synchronous:
 each update waits for its batch to be drawn on the trainer's device (`sampling.generate`) and
 scored. Asynchronous: batch i+1 is drawn and
 scored on the server's thread while the trainer updates on batch i (max_lag=1; the update
@@ -131,8 +134,8 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--wait", type=float, default=0.05, help="seconds the waiting reward sleeps per sample")
     parser.add_argument("--workers", type=int, default=8, help="threads that score samples, on both sides")
