@@ -2,10 +2,11 @@
 
 `generate` prefills a left-padded prompt batch once, moves each row's real tokens to the front
 of its cache (so every prompt length shares one compiled shape), then decodes in a
-`lax.while_loop` that ends when every row has hit EOS or the budget (long loops run as a few
-loops over a growing cache: `cache_stages`). A row that stopped keeps its cache untouched. It returns the sampled ids with two log-probabilities per id: the raw
-policy's (`log_probs`, what a full forward pass would score) and the behavior policy's after
-temperature and filters (`behavior_log_probs`; 0 for greedy).
+`lax.while_loop` that ends when every row has hit EOS or the budget (a long budget runs as a
+few loops over a growing cache: `cache_stages`). A row that stopped keeps its cache untouched.
+It returns the sampled ids with two log-probabilities per id: the raw policy's (`log_probs`,
+what a full forward pass would score) and the behavior policy's after temperature and filters
+(`behavior_log_probs`; 0 for greedy).
 
 Not here: beam search, repetition penalties, speculative decoding.
 """
@@ -234,8 +235,8 @@ def _generate(model, variables, prompt, prompt_length, key, *, max_new_tokens, s
         return i + 1, cache, record(out, logits, i)
 
     state = (jnp.int32(1), cache, out)
-    for slots in stages:  # step i writes slot width + i - 1 at most, so it fits up to i = slots - width
-        def fits(state, last=slots - width):
+    for slots in stages:
+        def fits(state, last=slots - width):  # step i writes slot width + i - 1 at most
             return keep_going(state) & (state[0] <= last)
 
         i, cache, out = state
