@@ -99,7 +99,7 @@ class StageParams(Params):
 
 
 class SFTParams(StageParams):
-    steps: int = Field(1600, ge=1, description="optimizer steps")
+    steps: int = Field(3200, ge=1, description="optimizer steps")
     learning_rate: float = Field(3e-3, gt=0, description="peak AdamW learning rate")
     seq_len: int = Field(96, ge=8, description="tokens per packed row, less one")
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_model
+from dew_lib.models import attention
 from dew_lib.models.decoder import attend, attend_causal
 from dew_lib.objectives.lm import score_targets
 
@@ -50,6 +51,34 @@ def test_blockwise_attention_equals_dense_attention_with_gradients(layout):
              for f in (blockwise, dense)]
     for got, want in zip(*grads, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def softmax_attention(qh, kh, vh, mask, groups):
+    """Attention as autodiff sees it: the weights are a residual of the backward pass."""
+    b, sq, t = mask.shape
+    n, d = qh.shape[0], qh.shape[-1]
+    scores = jnp.einsum("nqd,ntd->nqt", qh, kh).reshape(b, n // b, groups, sq, t) * d**-0.5
+    scores = jnp.where(mask[:, None, None], scores, attention.NEG)
+    weights = jax.nn.softmax(scores, axis=-1).reshape(n, groups * sq, t)
+    return jnp.einsum("nqt,ntd->nqd", weights, vh)
+
+
+def test_attention_kernel_keeps_no_weights_for_the_backward_pass_and_changes_no_numbers():
+    b, kv, groups, sq, t, d = 3, 2, 2, 7, 9, 8  # 3 rows, 4 query heads over 2 key heads
+    keys = jax.random.split(jax.random.key(0), 5)
+    qh = jax.random.normal(keys[0], (b * kv, groups * sq, d))
+    kh, vh = (jax.random.normal(k, (b * kv, t, d)) for k in keys[1:3])
+    mask = jax.random.bernoulli(keys[3], 0.6, (b, sq, t)).at[0, 0].set(False)  # a row sees nothing
+    mix = jax.random.normal(keys[4], qh.shape)
+    out, pullback = jax.vjp(lambda *a: attention.heads(*a, mask, groups), qh, kh, vh)
+    want, want_pullback = jax.vjp(lambda *a: softmax_attention(*a, mask, groups), qh, kh, vh)
+
+    np.testing.assert_array_equal(out, want)  # the forward pass is the same arithmetic
+    for got, expected in zip(pullback(mix), want_pullback(mix), strict=True):
+        np.testing.assert_allclose(got, expected, atol=2e-6)
+    weights = b * kv * groups * sq * t
+    assert max(x.size for x in jax.tree.leaves(want_pullback)) >= weights  # autodiff keeps them
+    assert max(x.size for x in jax.tree.leaves(pullback)) < weights  # queries, keys, values, mask
 
 
 def model_outputs(model, variables, layout):

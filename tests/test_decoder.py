@@ -149,3 +149,24 @@ def test_unknown_model_and_option_are_named():
         models.build("transformer")
     with pytest.raises(TypeError, match="layers"):
         models.build("causal_transformer", vocab_size=8, emb_features=8, layers=1)
+
+
+def test_a_layers_backward_pass_keeps_matmul_inputs_not_what_it_can_recompute():
+    # What the backward pass of one layer reads: each matmul's input and the attention's queries,
+    # keys and values. The attention weights, the MLP's SiLU and the norms' normalized copies
+    # are recomputed (dew_lib/models/attention.py, `_gated`, `_rms_norm`).
+    b, s, e, heads, m = 2, 6, 16, 4, 40
+    block = Block(features=e, num_heads=heads, num_kv_heads=2, head_dim=4, mlp_features=m,
+                  qk_norm=True, attention_bias=False, norm_eps=1e-6, dtype=jnp.float32,
+                  param_dtype=jnp.float32)
+    x = jax.random.normal(jax.random.key(0), (b, s, e))
+    rope = rotary.table(jnp.broadcast_to(jnp.arange(s), (b, s)), rotary.inverse_frequencies(4, 1e4, {}))
+    segments = jnp.ones((b, s), jnp.int32)
+    params = block.init(jax.random.key(1), x, rope, segments, 8)
+    _, pullback = jax.vjp(lambda p, x: block.apply(p, x, rope, segments, 8)[0], params, x)
+    kept = [leaf for leaf in jax.tree.leaves(pullback) if leaf.dtype == jnp.float32]
+    shapes = [leaf.shape for leaf in kept]
+    assert shapes.count((b, s, m)) == 3  # gate, up and their gated product (down_proj's input)
+    assert shapes.count((b, s, e)) == 5  # the layer's input, the two norms' outputs, the
+    # attention output (o_proj's input) and the residual stream between attention and MLP
+    assert not [leaf for leaf in kept if leaf.size == b * heads * s * s]  # no attention weights

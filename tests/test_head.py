@@ -47,6 +47,36 @@ def test_chunked_head_equals_the_full_head_with_gradients(vocab_major, temperatu
         np.testing.assert_allclose(g, w, atol=5e-5)
 
 
+@pytest.mark.parametrize("vocab_major", [False, True])
+def test_weighted_sum_head_equals_the_full_head_and_forms_its_gradient_before_the_backward_pass(
+        vocab_major):
+    keys = jax.random.split(jax.random.key(5), 4)
+    hidden = jax.random.normal(keys[0], (3, 7, 16))  # 21 tokens in chunks of 8
+    weight = 0.5 * jax.random.normal(keys[1], (40, 16) if vocab_major else (16, 40))
+    targets = jax.random.randint(keys[2], (3, 7), 0, 40)
+    weights = jax.random.bernoulli(keys[3], 0.7, (3, 7)).astype(jnp.float32) * 1.5
+
+    def chunked(h, w):
+        return head.weighted_log_prob_sum(h, w, targets, weights, vocab_major=vocab_major, chunk=8)
+
+    def reference(h, w):
+        picked, top, _ = full_head(h, w, targets, 1.0, vocab_major)
+        return jnp.sum(picked * weights), top
+
+    (total, top), (want_total, want_top) = chunked(hidden, weight), reference(hidden, weight)
+    np.testing.assert_allclose(total, want_total, rtol=1e-6)
+    np.testing.assert_array_equal(top, want_top)
+    for scale in (1.0, -0.25):  # the cotangent scales the gradient formed in the forward pass
+        got = jax.grad(lambda h, w: scale * chunked(h, w)[0], argnums=(0, 1))(hidden, weight)
+        want = jax.grad(lambda h, w: scale * reference(h, w)[0], argnums=(0, 1))(hidden, weight)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, atol=2e-5)
+    # under a loss the forward pass holds three head products per chunk and the backward none
+    program = jax.jit(jax.grad(lambda h, w: chunked(h, w)[0], argnums=(0, 1))).lower(
+        hidden, weight).as_text()
+    assert program.count("dot_general") == 3
+
+
 def test_without_entropy_the_head_returns_two_outputs_and_the_same_gradient():
     hidden = jax.random.normal(jax.random.key(1), (2, 5, 8))
     weight = jax.random.normal(jax.random.key(2), (8, 24))

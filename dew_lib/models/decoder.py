@@ -17,6 +17,7 @@ Not here: sliding-window attention, mixture-of-experts layers, dropout.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -26,10 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core.scope import LazyRng
 
-from dew_lib.models import head, rotary
+from dew_lib.models import attention, head, rotary
 
 _INIT = nn.initializers.normal(stddev=0.02)
-_NEG = -1e30  # finite, so a row with nothing to attend to gives no NaN
 
 # XLA options for compiled decode loops. XLA:CPU hands matmuls to its YNN library by default;
 # for decode's few-row products ([B, E] by a weight, B <= 16) its dispatch costs more than it
@@ -126,9 +126,16 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * weight.astype(jnp.float32)).astype(self.dtype)
+        return _rms_norm(x, weight, self.eps, self.dtype)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2, 3))
+def _rms_norm(x, weight, eps, dtype):
+    """RMSNorm recomputed in the backward pass from its input: a layer keeps `x` for each of
+    its two norms rather than `x` and its normalized copy."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * weight.astype(jnp.float32)).astype(dtype)
 
 
 class Linear(nn.Module):
@@ -185,19 +192,8 @@ def attend(q, k, v, mask):
     qh = q.reshape(b, sq, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * sq, d)
     kh = k.transpose(0, 2, 1, 3).reshape(b * kv, t, d)
     vh = v.transpose(0, 2, 1, 3).reshape(b * kv, t, d)
-    return _attend_heads(qh, kh, vh, mask, b, g).reshape(b, kv, g, sq, d).transpose(
+    return attention.heads(qh, kh, vh, mask, g).reshape(b, kv, g, sq, d).transpose(
         0, 3, 1, 2, 4).reshape(b, sq, h * d)
-
-
-def _attend_heads(qh, kh, vh, mask, b, g):
-    """Softmax attention of merged-head queries `[B*KV, G*Q, D]` over keys `[B*KV, T, D]`."""
-    n, gq, d = qh.shape
-    kv, sq, t = n // b, gq // g, kh.shape[1]
-    scores = jnp.einsum("nqd,ntd->nqt", qh, kh, preferred_element_type=jnp.float32)
-    scores = scores.reshape(b, kv, g, sq, t) * (d**-0.5)
-    scores = jnp.where(mask[:, None, None], scores, _NEG)  # [B, KV, G, Q, T]
-    weights = jax.nn.softmax(scores, axis=-1).astype(vh.dtype).reshape(n, gq, t)
-    return jnp.einsum("nqt,ntd->nqd", weights, vh)  # [B*KV, G*Q, D]
 
 
 def attend_causal(q, k, v, segment_ids, block: int):
@@ -221,7 +217,7 @@ def attend_causal(q, k, v, segment_ids, block: int):
         rows = jnp.arange(lo, hi)[:, None] >= jnp.arange(hi)[None, :]  # [Q, T] causal
         mask = rows[None] & (segment_ids[:, lo:hi, None] == segment_ids[:, None, :hi])
         query = qh[:, :, :, lo:hi].reshape(b * kv, g * (hi - lo), d)
-        out = _attend_heads(query, kh[:, :hi], vh[:, :hi], mask, b, g)
+        out = attention.heads(query, kh[:, :hi], vh[:, :hi], mask, g)
         outs.append(out.reshape(b, kv, g, hi - lo, d))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, s, h * d)
@@ -234,9 +230,16 @@ def attend_cached(q, k, v, visible):
     g, t = h // kv, k.shape[2]
     q = q.reshape(b * kv, g, d)  # one merged batch axis, as in `attend`
     scores = jnp.einsum("ngd,ntd->ngt", q, k.reshape(b * kv, t, d), preferred_element_type=jnp.float32)
-    scores = jnp.where(visible[:, None, None, :], scores.reshape(b, kv, g, t) * (d**-0.5), _NEG)
+    scores = jnp.where(visible[:, None, None, :], scores.reshape(b, kv, g, t) * (d**-0.5), attention.NEG)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b * kv, g, t)
     return jnp.einsum("ngt,ntd->ngd", weights, v.reshape(b * kv, t, d)).reshape(b, 1, h * d)
+
+
+@jax.checkpoint
+def _gated(gate, up):
+    """The MLP's `silu(gate) * up`, recomputed in the backward pass from its two inputs, so a
+    layer keeps two `[B, S, mlp_features]` arrays for it rather than the five autodiff keeps."""
+    return nn.silu(gate) * up
 
 
 class Block(nn.Module):
@@ -289,7 +292,7 @@ class Block(nn.Module):
         x = x + self.o_proj(attended)
         h = self.post_attention_layernorm(x)
         gate, up = fused(h, [self.gate_proj, self.up_proj])
-        return x + self.down_proj(nn.silu(gate) * up)
+        return x + self.down_proj(_gated(gate, up))
 
     def __call__(self, x, rope, segment_ids, block):
         q, k, v = self.qkv(x, rope)
@@ -438,11 +441,22 @@ class CausalTransformer(nn.Module):
         from the same chunks; differentiable like the log-probs."""
         return self._head(hidden, targets, temperature, entropy=True)
 
-    def _head(self, hidden, targets, temperature, *, entropy):
+    def weighted_log_prob_sum(self, hidden, targets, token_weights):
+        """`(sum(token_weights * log p(targets)), is_top)`, the LM loss with its gradient formed
+        in the forward pass (models/head.py); `token_weights` is not differentiated."""
+        weight, vocab_major = self._head_weight()
+        return head.weighted_log_prob_sum(hidden, weight, targets, token_weights,
+                                          vocab_major=vocab_major, chunk=self.head_chunk,
+                                          compute_dtype=self.dtype)
+
+    def _head_weight(self):
+        """The output head's weight and whether it is vocabulary-major (a tied embedding)."""
         if self.tie_embeddings:
-            weight, vocab_major = self.embed_tokens.embedding, True
-        else:
-            weight, vocab_major = self.lm_head.kernel, False
+            return self.embed_tokens.embedding, True
+        return self.lm_head.kernel, False
+
+    def _head(self, hidden, targets, temperature, *, entropy):
+        weight, vocab_major = self._head_weight()
         return head.target_scores(hidden, weight, targets, temperature=temperature,
                                   vocab_major=vocab_major, chunk=self.head_chunk,
                                   compute_dtype=self.dtype, entropy=entropy)

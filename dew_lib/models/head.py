@@ -15,7 +15,6 @@ sharding across devices.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
@@ -51,24 +50,54 @@ def target_scores(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *,
     e = hidden.shape[-1]
     if hidden.shape[:-1] != shape:
         raise ValueError(f"hidden {hidden.shape} and targets {shape} disagree on the token axes")
-    vocab = weight.shape[0] if vocab_major else weight.shape[1]
-    tokens = math.prod(shape)
-    size = chunk or chunk_tokens(vocab, tokens)
-    count = -(-tokens // size)
-    flat_h = hidden.reshape(tokens, e)
-    flat_t = targets.reshape(tokens).astype(jnp.int32)
-    pad = count * size - tokens
-    if pad:
-        flat_h = jnp.pad(flat_h, ((0, pad), (0, 0)))
-        flat_t = jnp.pad(flat_t, (0, pad))
+    size, (chunks_h, chunks_t), unchunk = _chunked(hidden, weight, vocab_major, chunk,
+                                                    hidden.reshape(-1, e), targets.reshape(-1))
     options = _Options(float(temperature), bool(vocab_major), size,
                        jnp.dtype(compute_dtype or hidden.dtype), bool(entropy))
-    log_probs, is_top, ent = _scores(flat_h.reshape(count, size, e), weight,
-                                     flat_t.reshape(count, size), options)
-    out = [x.reshape(count * size)[:tokens].reshape(shape) for x in (log_probs, is_top)]
+    log_probs, is_top, ent = _scores(chunks_h, weight, chunks_t.astype(jnp.int32), options)
+    out = [unchunk(x).reshape(shape) for x in (log_probs, is_top)]
     if entropy:
-        out.append(ent.reshape(count * size)[:tokens].reshape(shape))
+        out.append(unchunk(ent).reshape(shape))
     return tuple(out)
+
+
+def weighted_log_prob_sum(hidden: jax.Array, weight: jax.Array, targets: jax.Array,
+                          token_weights: jax.Array, *, vocab_major: bool = False,
+                          chunk: int | None = None, compute_dtype: Any = None):
+    """`(sum(token_weights * log p(targets)), is_top)`: the LM loss's one differentiable
+    number, and whether each target has the highest logit.
+
+    The gradient of a weighted sum of log-probs is known before any cotangent arrives, so it is
+    formed in the forward pass, chunk by chunk, while the chunk's logits are at hand: three head
+    products per chunk where `target_scores` under a loss needs four (its backward pass
+    recomputes the logits). Without differentiation only the scores are computed. Arguments as
+    in `target_scores` (temperature 1); `token_weights` (same shape as `targets`) is data, not
+    differentiated.
+    """
+    shape = targets.shape
+    e = hidden.shape[-1]
+    if hidden.shape[:-1] != shape or token_weights.shape != shape:
+        raise ValueError(f"hidden {hidden.shape}, targets {shape} and token_weights "
+                         f"{token_weights.shape} disagree on the token axes")
+    size, (chunks_h, chunks_t, chunks_w), unchunk = _chunked(
+        hidden, weight, vocab_major, chunk, hidden.reshape(-1, e), targets.reshape(-1),
+        jax.lax.stop_gradient(token_weights).reshape(-1).astype(jnp.float32))
+    options = _Options(1.0, bool(vocab_major), size, jnp.dtype(compute_dtype or hidden.dtype), False)
+    total, is_top = _weighted(chunks_h, weight, chunks_t.astype(jnp.int32), chunks_w, options)
+    return total, unchunk(is_top).reshape(shape)
+
+
+def _chunked(hidden, weight, vocab_major, chunk, *flat):
+    """Tokens per chunk, the flat per-token arrays `flat` padded and cut into `[count, size, ...]`
+    chunks, and the function that flattens a `[count, size]` result back to the tokens."""
+    vocab = weight.shape[0] if vocab_major else weight.shape[1]
+    tokens = flat[0].shape[0]
+    size = chunk or chunk_tokens(vocab, tokens)
+    count = -(-tokens // size)
+    pad = count * size - tokens
+    padded = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x for x in flat]
+    chunks = tuple(x.reshape(count, size, *x.shape[1:]) for x in padded)
+    return size, chunks, lambda x: x.reshape(count * size)[:tokens]
 
 
 class _Options(tuple):
@@ -94,7 +123,11 @@ def _logits(h, weight, options: _Options):
 
 def _chunk_forward(h, t, weight, options: _Options):
     """log p(target), is_top, log-normalizer and entropy (zeros unless asked) of one chunk."""
-    logits = _logits(h, weight, options)
+    return _chunk_scores(_logits(h, weight, options), t, options)
+
+
+def _chunk_scores(logits, t, options: _Options):
+    """`_chunk_forward` from the chunk's logits."""
     top = jnp.max(logits, axis=-1)
     picked = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
     is_top = picked >= top  # on the raw logits: temperature never changes the argmax test
@@ -149,19 +182,7 @@ def _scores_bwd(options, residuals, cotangents):
             dz = dz - p * (z - (lse_c - ent_c)[:, None]) * g_e[:, None]
         if options.temperature != 1.0:
             dz = dz * inverse_t
-        dz = dz.astype(options.dtype)
-        hc = h.astype(options.dtype)
-        w = weight.astype(options.dtype)
-        if options.vocab_major:  # weight [V, E]
-            grad_h = jax.lax.dot_general(dz, w, (((1,), (0,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
-            step = jax.lax.dot_general(dz, hc, (((0,), (0,)), ((), ())),
-                                       preferred_element_type=jnp.float32)
-        else:  # weight [E, V]
-            grad_h = jax.lax.dot_general(dz, w, (((1,), (1,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
-            step = jax.lax.dot_general(hc, dz, (((0,), (0,)), ((), ())),
-                                       preferred_element_type=jnp.float32)
+        grad_h, step = _head_products(dz, h, weight, options)
         return grad_w + step, grad_h.astype(hidden.dtype)
 
     zero = jnp.zeros(weight.shape, jnp.float32)
@@ -172,4 +193,53 @@ def _scores_bwd(options, residuals, cotangents):
 
 _scores.defvjp(_scores_fwd, _scores_bwd)
 
-__all__ = ["CHUNK_BYTES", "chunk_tokens", "target_scores"]
+
+def _head_products(dz, h, weight, options: _Options):
+    """The gradients `(d hidden, d weight)` of one chunk from `dz`, d(loss)/d(logits) `[C, V]`."""
+    dz = dz.astype(options.dtype)
+    hc = h.astype(options.dtype)
+    w = weight.astype(options.dtype)
+    if options.vocab_major:  # weight [V, E]
+        grad_h = jax.lax.dot_general(dz, w, (((1,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+        grad_w = jax.lax.dot_general(dz, hc, (((0,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+    else:  # weight [E, V]
+        grad_h = jax.lax.dot_general(dz, w, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+        grad_w = jax.lax.dot_general(hc, dz, (((0,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+    return grad_h, grad_w
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _weighted(hidden, weight, targets, token_weights, options):
+    log_probs, is_top, _, _ = _forward_all(hidden, weight, targets, options)
+    return jnp.sum(log_probs * token_weights), is_top
+
+
+def _weighted_fwd(hidden, weight, targets, token_weights, options):
+    def body(grad_w, chunk):
+        h, t, w_t = chunk
+        logits = _logits(h, weight, options)
+        log_probs, is_top, lse, _ = _chunk_scores(logits, t, options)
+        hit = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :] == t[:, None]
+        dz = (hit.astype(jnp.float32) - jnp.exp(logits - lse[:, None])) * w_t[:, None]
+        grad_h, step = _head_products(dz, h, weight, options)
+        return grad_w + step, (log_probs, is_top, grad_h.astype(hidden.dtype))
+
+    zero = jnp.zeros(weight.shape, jnp.float32)
+    grad_w, (log_probs, is_top, grad_h) = jax.lax.scan(body, zero, (hidden, targets, token_weights))
+    return (jnp.sum(log_probs * token_weights), is_top), (grad_h, grad_w.astype(weight.dtype))
+
+
+def _weighted_bwd(options, residuals, cotangents):
+    del options
+    grad_h, grad_w = residuals
+    scale = cotangents[0]
+    return (grad_h * scale.astype(grad_h.dtype), grad_w * scale.astype(grad_w.dtype), None, None)
+
+
+_weighted.defvjp(_weighted_fwd, _weighted_bwd)
+
+__all__ = ["CHUNK_BYTES", "chunk_tokens", "target_scores", "weighted_log_prob_sum"]

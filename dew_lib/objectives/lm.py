@@ -47,6 +47,21 @@ def score_targets(model, params, inputs, targets, segments=None, positions=None,
     return token_log_probs(logits, targets, temperature), jnp.argmax(logits, axis=-1) == targets
 
 
+def weighted_log_prob_sum(model, params, inputs, targets, weights, segments=None, positions=None):
+    """`(sum(weights * log p(target)), is_top)` for any decoder: the LM loss's sum, scalar, and
+    whether each target was the argmax, `[B, S]`.
+
+    `weights` `[B, S]` is data and gets no gradient. The causal transformer forms the sum's
+    gradient in the forward pass of its chunked head (one head product fewer than
+    `score_targets` under the same loss); other models sum `score_targets`.
+    """
+    if hasattr(model, "weighted_log_prob_sum"):
+        hidden = model.apply(params, inputs, segments, positions, method=model.hidden)
+        return model.apply(params, hidden, targets, weights, method=model.weighted_log_prob_sum)
+    log_probs, top = score_targets(model, params, inputs, targets, segments, positions)
+    return jnp.sum(log_probs * jax.lax.stop_gradient(weights)), top
+
+
 def score_targets_with_entropy(model, params, inputs, targets, segments=None, positions=None, *,
                                temperature: float = 1.0):
     """`score_targets` plus each position's entropy `[B, S]` (nats, under the same temperature).
@@ -109,41 +124,40 @@ class LMObjective:
                     f"{shape}; every text field must share one shape"
                 )
 
-    def _targets(self, params, batch):
-        """Per-target log-probs, weights and whether each target was the top prediction."""
+    def _weights(self, batch):
+        """Which targets count `[B, L]`: same document, not padding, and the loss role if set."""
         text = batch["text"]
-        inputs, targets = text[:, :-1], text[:, 1:]
+        weights = jnp.ones(text[:, 1:].shape, jnp.float32)
         segments = batch.get("text_segment_ids")
-        positions = batch.get("text_positions")
-        log_probs, top = score_targets(
-            self.model, params, inputs, targets,
-            None if segments is None else segments[:, :-1],
-            None if positions is None else positions[:, :-1],
-        )  # [B, L] each
-        weights = jnp.ones(targets.shape, jnp.float32)
         if segments is not None:
             same_document = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
             weights = weights * same_document
         if self.loss_role is not None:
             weights = weights * (batch["text_roles"][:, 1:] == int(self.loss_role))
-        return log_probs, weights, top * weights
+        return weights
+
+    def _loss_sums(self, params, batch) -> Metrics:
+        """Summed negative log-likelihood, right argmax predictions and counted targets."""
+        text = batch["text"]
+        segments = batch.get("text_segment_ids")
+        positions = batch.get("text_positions")
+        weights = self._weights(batch)
+        log_prob_sum, top = weighted_log_prob_sum(
+            self.model, params, text[:, :-1], text[:, 1:], weights,
+            None if segments is None else segments[:, :-1],
+            None if positions is None else positions[:, :-1],
+        )
+        count = weights.sum()
+        return {"loss": (-log_prob_sum, count), "accuracy": ((top * weights).sum(), count)}
 
     def terms(self, params, batch, *, step, reference, key) -> LossTerms:
         del step, reference, key
-        log_probs, weights, correct = self._targets(params, batch)
-        count = weights.sum()
-        total = -(log_probs * weights).sum()
-        metrics: Metrics = {
-            "loss": (total, count),
-            "accuracy": (correct.sum(), count),
-            "tokens": (count, jnp.ones(())),
-        }
-        return LossTerms(total, count, metrics)
+        sums = self._loss_sums(params, batch)
+        total, count = sums["loss"]
+        return LossTerms(total, count, {**sums, "tokens": (count, jnp.ones(()))})
 
     def evaluate(self, params, batch) -> Metrics:
-        log_probs, weights, correct = self._targets(params, batch)
-        count = weights.sum()
-        return {"loss": (-(log_probs * weights).sum(), count), "accuracy": (correct.sum(), count)}
+        return self._loss_sums(params, batch)
 
     def derive(self, means: dict[str, float]) -> dict[str, float]:
         """Add perplexity to averaged evaluation metrics."""
