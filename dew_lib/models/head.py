@@ -8,6 +8,10 @@ backward pass recomputes one chunk's logits at a time to form its gradient, so n
 logits nor their gradient ever exist for more than one chunk. Peak memory is `chunk x V` floats
 a few times over instead of `N x V`, and the weight gradient accumulates chunk by chunk.
 
+`weighted_log_prob_sum(hidden, weight, targets, token_weights)` is the LM loss's special case:
+a sum of log-probs with fixed weights, whose gradient the forward pass can form from each
+chunk's logits while it has them, so training runs three head products per chunk, not four.
+
 Not here: the full logits (`CausalTransformer.logits`), sampling (sampling.py), vocabulary
 sharding across devices.
 """
