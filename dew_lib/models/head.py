@@ -54,7 +54,7 @@ def target_scores(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *,
     e = hidden.shape[-1]
     if hidden.shape[:-1] != shape:
         raise ValueError(f"hidden {hidden.shape} and targets {shape} disagree on the token axes")
-    size, (chunks_h, chunks_t), unchunk = _chunked(hidden, weight, vocab_major, chunk,
+    size, (chunks_h, chunks_t), unchunk = _chunked(weight, vocab_major, chunk,
                                                     hidden.reshape(-1, e), targets.reshape(-1))
     options = _Options(float(temperature), bool(vocab_major), size,
                        jnp.dtype(compute_dtype or hidden.dtype), bool(entropy))
@@ -84,14 +84,14 @@ def weighted_log_prob_sum(hidden: jax.Array, weight: jax.Array, targets: jax.Arr
         raise ValueError(f"hidden {hidden.shape}, targets {shape} and token_weights "
                          f"{token_weights.shape} disagree on the token axes")
     size, (chunks_h, chunks_t, chunks_w), unchunk = _chunked(
-        hidden, weight, vocab_major, chunk, hidden.reshape(-1, e), targets.reshape(-1),
+        weight, vocab_major, chunk, hidden.reshape(-1, e), targets.reshape(-1),
         jax.lax.stop_gradient(token_weights).reshape(-1).astype(jnp.float32))
     options = _Options(1.0, bool(vocab_major), size, jnp.dtype(compute_dtype or hidden.dtype), False)
     total, is_top = _weighted(chunks_h, weight, chunks_t.astype(jnp.int32), chunks_w, options)
     return total, unchunk(is_top).reshape(shape)
 
 
-def _chunked(hidden, weight, vocab_major, chunk, *flat):
+def _chunked(weight, vocab_major, chunk, *flat):
     """Tokens per chunk, the flat per-token arrays `flat` padded and cut into `[count, size, ...]`
     chunks, and the function that flattens a `[count, size]` result back to the tokens."""
     vocab = weight.shape[0] if vocab_major else weight.shape[1]
@@ -179,9 +179,8 @@ def _scores_bwd(options, residuals, cotangents):
         logits = _logits(h, weight, options)
         z = logits * inverse_t if options.temperature != 1.0 else logits
         p = jnp.exp(z - lse_c[:, None])
-        hit = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :] == t[:, None]
         # d log p(t) / dz = onehot(t) - p; d H / dz = -p (log p + H) = -p (z - lse + H)
-        dz = (hit.astype(jnp.float32) - p) * g_c[:, None]
+        dz = _onehot_minus(p, t) * g_c[:, None]
         if options.entropy:
             dz = dz - p * (z - (lse_c - ent_c)[:, None]) * g_e[:, None]
         if options.temperature != 1.0:
@@ -196,6 +195,12 @@ def _scores_bwd(options, residuals, cotangents):
 
 
 _scores.defvjp(_scores_fwd, _scores_bwd)
+
+
+def _onehot_minus(p, t):
+    """`onehot(t) - p` `[C, V]`: d log p(t) / d logits of a chunk whose softmax is `p`."""
+    hit = jnp.arange(p.shape[-1], dtype=jnp.int32)[None, :] == t[:, None]
+    return hit.astype(jnp.float32) - p
 
 
 def _head_products(dz, h, weight, options: _Options):
@@ -227,8 +232,7 @@ def _weighted_fwd(hidden, weight, targets, token_weights, options):
         h, t, w_t = chunk
         logits = _logits(h, weight, options)
         log_probs, is_top, lse, _ = _chunk_scores(logits, t, options)
-        hit = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :] == t[:, None]
-        dz = (hit.astype(jnp.float32) - jnp.exp(logits - lse[:, None])) * w_t[:, None]
+        dz = _onehot_minus(jnp.exp(logits - lse[:, None]), t) * w_t[:, None]
         grad_h, step = _head_products(dz, h, weight, options)
         return grad_w + step, (log_probs, is_top, grad_h.astype(hidden.dtype))
 
