@@ -74,6 +74,16 @@ def _brief(line: str) -> str:
     return text[:150]
 
 
+def uncovered_ms(spans: list[tuple[float, float]]) -> float:
+    """Milliseconds between the first start and the last end of `spans` (ns) that no span covers."""
+    gaps, reach = 0.0, None
+    for start, end in sorted(spans):
+        if reach is not None and start > reach:
+            gaps += start - reach
+        reach = end if reach is None else max(reach, end)
+    return gaps / 1e6
+
+
 def build_step(config, batch, seq, **objective_options):
     import jax
     import optax
@@ -125,18 +135,23 @@ def main():
         path = sorted(glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True))[-1]
         profile = ProfileData.from_file(path)
     per_op: collections.Counter = collections.Counter()
+    spans = []
     for plane in profile.planes:
         for line in plane.lines:
             for event in line.events:
                 stats = dict(event.stats)
                 if "hlo_op" in stats and str(stats.get("hlo_module", "")).startswith("jit_step_fn"):
                     per_op[stats["hlo_op"]] += event.duration_ns / 1e6 / args.steps
+                    spans.append((event.start_ns, event.start_ns + event.duration_ns))
     total = sum(per_op.values())
+    idle = uncovered_ms(spans) / args.steps
     by_kind: collections.Counter = collections.Counter()
     for name, ms in per_op.items():
         by_kind[kinds.get(name, "?")] += ms
     print(f"step: batch {args.batch} x {args.seq}, vocab {config['vocab_size']}: {wall * 1e3:.0f} ms wall, "
           f"{total:.0f} ms op time summed over threads")
+    print(f"  {idle:.0f} ms of each step ran with no op recorded on any thread: mostly the matmuls XLA "
+          f"emits itself, which finish on Eigen's thread pool after their op's event has closed")
     for name, ms in by_kind.most_common():
         print(f"  {name:<24} {ms:8.1f} ms  {ms / total:5.1%}")
     print("largest instructions:")
