@@ -93,15 +93,21 @@ def weighted_log_prob_sum(hidden: jax.Array, weight: jax.Array, targets: jax.Arr
 
 def _chunked(weight, vocab_major, chunk, *flat):
     """Tokens per chunk, the flat per-token arrays `flat` padded and cut into `[count, size, ...]`
-    chunks, and the function that flattens a `[count, size]` result back to the tokens."""
+    chunks, and the function that flattens a `[count, size]` result back to the tokens.
+
+    Chunk j holds every count-th token from token j on, not a contiguous run: a batch split
+    across devices splits each chunk the same way, so the loop over chunks stays on each
+    device's own tokens. Contiguous chunks would each live on one device, and data-parallel
+    steps all-gathered the hidden states and scored every token on every device.
+    """
     vocab = weight.shape[0] if vocab_major else weight.shape[1]
     tokens = flat[0].shape[0]
     size = chunk or chunk_tokens(vocab, tokens)
     count = -(-tokens // size)
     pad = count * size - tokens
     padded = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x for x in flat]
-    chunks = tuple(x.reshape(count, size, *x.shape[1:]) for x in padded)
-    return size, chunks, lambda x: x.reshape(count * size)[:tokens]
+    chunks = tuple(jnp.swapaxes(x.reshape(size, count, *x.shape[1:]), 0, 1) for x in padded)
+    return size, chunks, lambda x: jnp.swapaxes(x, 0, 1).reshape(count * size)[:tokens]
 
 
 class _Options(tuple):
