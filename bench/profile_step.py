@@ -109,6 +109,7 @@ def main():
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=None)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before timing and profiling")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--options", default="{}", help="model options as JSON, e.g. '{\"scan_layers\": false}'")
     args = parser.parse_args()
@@ -119,7 +120,8 @@ def main():
     step, state, batch = build_step(config, args.batch, args.seq)
     compiled = step.lower(state, batch).compile()
     kinds, briefs = hlo_kinds(compiled.as_text())
-    state, _ = step(state, batch)
+    for _ in range(args.warmup):  # the first steps touch fresh pages and run up to 4x slower
+        state, _ = step(state, batch)
     jax.block_until_ready(state)
     start = time.perf_counter()
     for _ in range(args.steps):
