@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -58,3 +60,16 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+def run_on_host_devices(script: str, devices: int = 2) -> str:
+    """Run a Python `script` in a fresh process whose CPU is split into `devices` XLA devices
+    (the count is fixed when JAX starts, so it cannot change inside this process); returns its
+    stdout. The tests' directory is importable, so the script can use `conftest`."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout

@@ -1,16 +1,11 @@
 """The chunked loss head equals the full-logits head: values, gradients, entropy, accuracy."""
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_model
+from conftest import run_on_host_devices, tiny_model
 from dew_lib.models import head
 from dew_lib.objectives.lm import score_targets, score_targets_with_entropy
 
@@ -132,9 +127,7 @@ def test_model_scores_equal_full_logits_and_count_accuracy_the_same(tie):
 def test_a_data_parallel_step_scores_each_device_s_own_tokens():
     # 8 rows x 8 tokens split over 2 host devices, the head in chunks of 16 tokens: every chunk
     # holds tokens of both devices, so no device gathers the other's hidden states to score them
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+    out = run_on_host_devices("""
         import jax, numpy as np, optax
         from conftest import tiny_model
         from dew_lib import LMObjective, Trainer
@@ -142,13 +135,9 @@ def test_a_data_parallel_step_scores_each_device_s_own_tokens():
                           optax.adam(1e-2), key=jax.random.key(0))
         state = trainer.initial_state()
         text = np.random.default_rng(0).integers(1, 32, (8, 9)).astype(np.int32)
-        program = trainer._steps[True].lower(state, trainer._shard({{"text": text}})).compile().as_text()
+        program = trainer._steps[True].lower(state, trainer._shard({"text": text})).compile().as_text()
         print(jax.device_count(), program.count("all-gather("), program.count("f32[8,32]"))
     """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    devices, gathers, local_logits = map(int, done.stdout.split())
+    devices, gathers, local_logits = map(int, out.split())
     assert (devices, gathers) == (2, 0)
     assert local_logits > 0  # each device's chunk logits: 8 of the chunk's 16 tokens

@@ -9,9 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import jax
@@ -22,6 +19,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from conftest import run_on_host_devices
 from dew_lib import models
 from dew_lib.models import rotary
 from dew_lib.models.decoder import unstack_layers
@@ -169,7 +167,7 @@ def test_sharding_options_place_every_leaf():
 
 def test_tensor_parallel_placement_on_two_devices(tmp_path):
     """A per-tensor sharding splits kernels across devices and the logits still match."""
-    script = textwrap.dedent(f"""
+    script = f"""
         import jax, numpy as np
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
         from dew_lib.models import load_pretrained
@@ -186,13 +184,8 @@ def test_tensor_parallel_placement_on_two_devices(tmp_path):
         ref = np.load({str(FIXTURES / "references" / "qwen3.npz")!r})
         out = pretrained.model.apply(variables, ref["plain_ids"])
         print(float(np.abs(np.asarray(out) - ref["logits_plain"]).max()))
-    """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.strip().splitlines()[-1]) <= TOLERANCE
+    """
+    assert float(run_on_host_devices(script).strip().splitlines()[-1]) <= TOLERANCE
 
 
 def test_tokenizer_travels_with_the_model(loaded, tmp_path):
