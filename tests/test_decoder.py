@@ -153,8 +153,8 @@ def test_unknown_model_and_option_are_named():
 
 def test_a_layers_backward_pass_keeps_matmul_inputs_not_what_it_can_recompute():
     # What the backward pass of one layer reads: each matmul's input and the attention's queries,
-    # keys and values. The attention weights, the MLP's SiLU and the norms' normalized copies
-    # are recomputed (dew_lib/models/attention.py, `_gated`, `_rms_norm`).
+    # keys and values. The attention weights, the MLP's gated product and the norms' normalized
+    # copies are recomputed (dew_lib/models/attention.py, `_gated_down`, `_rms_norm`).
     b, s, e, heads, m = 2, 6, 16, 4, 40
     block = Block(features=e, num_heads=heads, num_kv_heads=2, head_dim=4, mlp_features=m,
                   qk_norm=True, attention_bias=False, norm_eps=1e-6, dtype=jnp.float32,
@@ -170,7 +170,7 @@ def test_a_layers_backward_pass_keeps_matmul_inputs_not_what_it_can_recompute():
     def count(features):
         return shapes.count((b, s, features)) + shapes.count((b * s, features))
 
-    assert count(m) == 3  # gate, up and their gated product (down_proj's input)
+    assert count(m) == 2  # gate and up; their gated product, down_proj's input, is recomputed
     assert count(e) == 5  # the layer's input, the two norms' outputs, the attention output
     # (o_proj's input) and the residual stream between attention and MLP
     assert not [leaf for leaf in kept if leaf.size == b * heads * s * s]  # no attention weights

@@ -194,10 +194,10 @@ def _scores_bwd(options, residuals, cotangents):
         grad_h, step = _head_products(dz, h, weight, options)
         return grad_w + step, grad_h.astype(hidden.dtype)
 
-    zero = jnp.zeros(weight.shape, jnp.float32)
     g_ent = g_ent if options.entropy else jnp.zeros_like(g_lp)
-    grad_w, grad_h = jax.lax.scan(body, zero, (hidden, targets, lse, ent, g_lp, g_ent))
-    return grad_h, grad_w.astype(weight.dtype), None
+    grad_w, grad_h = jax.lax.scan(body, _zero_weight_gradient(weight, options),
+                                  (hidden, targets, lse, ent, g_lp, g_ent))
+    return grad_h, _weight_gradient(grad_w, weight, options), None
 
 
 _scores.defvjp(_scores_fwd, _scores_bwd)
@@ -210,21 +210,33 @@ def _onehot_minus(p, t):
 
 
 def _head_products(dz, h, weight, options: _Options):
-    """The gradients `(d hidden, d weight)` of one chunk from `dz`, d(loss)/d(logits) `[C, V]`."""
+    """The gradients `(d hidden, d weight)` of one chunk from `dz`, d(loss)/d(logits) `[C, V]`.
+
+    The weight gradient comes out `[E, V]` whatever the weight's layout (`_weight_gradient`
+    turns the sum over chunks back). It is formed as `h^T @ dz` from a materialized `[E, C]`
+    copy of the chunk's hidden states: left to itself, XLA folds the transpose into the product,
+    and XLA:CPU runs a product contracting both operands' leading axes on its own emitter at
+    about half the rate its YNN library reaches on the plain layout (46 against 101 GFLOP/s
+    for `[2048, 256]^T x [2048, 8192]`). The copy is `C x E` floats, small beside `dz`.
+    """
     dz = dz.astype(options.dtype)
     hc = h.astype(options.dtype)
     w = weight.astype(options.dtype)
-    if options.vocab_major:  # weight [V, E]
-        grad_h = jax.lax.dot_general(dz, w, (((1,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
-        grad_w = jax.lax.dot_general(dz, hc, (((0,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
-    else:  # weight [E, V]
-        grad_h = jax.lax.dot_general(dz, w, (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
-        grad_w = jax.lax.dot_general(hc, dz, (((0,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
+    contract = (((1,), (0,)), ((), ())) if options.vocab_major else (((1,), (1,)), ((), ()))
+    grad_h = jax.lax.dot_general(dz, w, contract, preferred_element_type=jnp.float32)
+    h_t = jax.lax.optimization_barrier(hc.T)
+    grad_w = jax.lax.dot_general(h_t, dz, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return grad_h, grad_w
+
+
+def _weight_gradient(grad_w, weight, options: _Options):
+    """The `[E, V]` sum of `_head_products`' weight gradients in the weight's own layout."""
+    return (grad_w.T if options.vocab_major else grad_w).astype(weight.dtype)
+
+
+def _zero_weight_gradient(weight, options: _Options):
+    e, v = weight.shape[::-1] if options.vocab_major else weight.shape
+    return jnp.zeros((e, v), jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -242,9 +254,9 @@ def _weighted_fwd(hidden, weight, targets, token_weights, options):
         grad_h, step = _head_products(dz, h, weight, options)
         return grad_w + step, (log_probs, is_top, grad_h.astype(hidden.dtype))
 
-    zero = jnp.zeros(weight.shape, jnp.float32)
-    grad_w, (log_probs, is_top, grad_h) = jax.lax.scan(body, zero, (hidden, targets, token_weights))
-    return (jnp.sum(log_probs * token_weights), is_top), (grad_h, grad_w.astype(weight.dtype))
+    grad_w, (log_probs, is_top, grad_h) = jax.lax.scan(body, _zero_weight_gradient(weight, options),
+                                                       (hidden, targets, token_weights))
+    return (jnp.sum(log_probs * token_weights), is_top), (grad_h, _weight_gradient(grad_w, weight, options))
 
 
 def _weighted_bwd(options, residuals, cotangents):
