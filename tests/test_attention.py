@@ -53,6 +53,19 @@ def test_blockwise_attention_equals_dense_attention_with_gradients(layout):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_blockwise_attention_keeps_its_inputs_once_for_the_backward_pass():
+    # Query block i reads the keys and values up to its end. What the backward pass keeps is
+    # the queries, keys, values and output once each plus two statistics per query and head,
+    # not a copy of the key and value prefix per block (2x each at three blocks, 4.5x at eight).
+    b, s, h, kv, d = 2, 12, 4, 2, 8
+    q = jax.random.normal(jax.random.key(0), (b, s, h, d))
+    k, v = (jax.random.normal(jax.random.key(i), (b, s, kv, d)) for i in (1, 2))
+    segments = jnp.ones((b, s), jnp.int32)
+    _, pullback = jax.vjp(lambda q, k, v: attend_causal(q, k, v, segments, block=4), q, k, v)
+    kept = [leaf for leaf in jax.tree.leaves(pullback) if leaf.dtype == jnp.float32]
+    assert sum(leaf.size for leaf in kept) == 2 * q.size + 2 * k.size + 2 * b * h * s
+
+
 def softmax_attention(qh, kh, vh, mask, groups):
     """Attention as autodiff sees it: the weights are a residual of the backward pass."""
     b, sq, t = mask.shape

@@ -217,15 +217,7 @@ def attend_causal(q, k, v, segment_ids, block: int):
     qh = q.reshape(b, s, kv, g, d).transpose(0, 2, 3, 1, 4)  # [B, KV, G, S, D]
     kh = k.transpose(0, 2, 1, 3).reshape(b * kv, s, d)
     vh = v.transpose(0, 2, 1, 3).reshape(b * kv, s, d)
-    outs = []
-    for lo in range(0, s, block):
-        hi = min(lo + block, s)
-        rows = jnp.arange(lo, hi)[:, None] >= jnp.arange(hi)[None, :]  # [Q, T] causal
-        mask = rows[None] & (segment_ids[:, lo:hi, None] == segment_ids[:, None, :hi])
-        query = qh[:, :, :, lo:hi].reshape(b * kv, g * (hi - lo), d)
-        out = attention.heads(query, kh[:, :hi], vh[:, :hi], mask, g)
-        outs.append(out.reshape(b, kv, g, hi - lo, d))
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+    out = attention.causal_heads(qh, kh, vh, segment_ids, g, block)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, s, h * d)
 
 
