@@ -113,10 +113,10 @@ def causal_heads(qh, kh, vh, segment_ids, groups: int, block: int):
     return _causal_forward(qh, kh, vh, segment_ids, groups, block)[0]
 
 
-def _causal_blocks(qh, segment_ids, block):
+def _causal_blocks(segment_ids, block):
     """`(lo, hi, mask)` per query block: its query span and its `[B, Q, hi]` mask (a query sees
     earlier keys of its own segment; padding, segment 0, sees padding)."""
-    s = qh.shape[3]
+    s = segment_ids.shape[1]
     for lo in range(0, s, block):
         hi = min(lo + block, s)
         causal = jnp.arange(lo, hi)[:, None] >= jnp.arange(hi)[None, :]
@@ -126,7 +126,7 @@ def _causal_blocks(qh, segment_ids, block):
 def _causal_forward(qh, kh, vh, segment_ids, groups, block):
     b, kv, g, _, d = qh.shape
     outs, stats = [], []
-    for lo, hi, mask in _causal_blocks(qh, segment_ids, block):
+    for lo, hi, mask in _causal_blocks(segment_ids, block):
         query = qh[:, :, :, lo:hi].reshape(b * kv, g * (hi - lo), d)
         out, top_total = _forward(query, kh[:, :hi], vh[:, :hi], mask, groups)
         outs.append(out.reshape(b, kv, g, hi - lo, d))
@@ -145,7 +145,7 @@ def _causal_bwd(groups, block, residuals, d_out):
     d_qs = []
     d_k = jnp.zeros(kh.shape, jnp.float32)
     d_v = jnp.zeros(vh.shape, jnp.float32)
-    for (lo, hi, mask), (top, total) in zip(_causal_blocks(qh, segment_ids, block), stats):
+    for (lo, hi, mask), (top, total) in zip(_causal_blocks(segment_ids, block), stats):
         span = (b * kv, g * (hi - lo), d)
         d_q, d_k_block, d_v_block = _backward(
             qh[:, :, :, lo:hi].reshape(span), kh[:, :hi], vh[:, :hi], mask, top, total,

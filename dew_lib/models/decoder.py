@@ -170,14 +170,19 @@ def fused(x, projections):
     kernels = [p.kernel for p in projections]
     kernel = kernels[0] if len(kernels) == 1 else jnp.concatenate(kernels, axis=1)
     dtype = projections[0].dtype
-    rows = x.reshape(-1, x.shape[-1]).astype(dtype)
-    out = jnp.dot(rows, kernel.astype(dtype)).reshape(*x.shape[:-1], kernel.shape[-1])
+    out = _on_rows(x, kernel, dtype)
     if any(p.use_bias for p in projections):
         out = out + jnp.concatenate([
             p.bias if p.use_bias else jnp.zeros((p.features,), p.param_dtype) for p in projections
         ]).astype(dtype)
     cuts = np.cumsum([p.features for p in projections])[:-1].tolist()
     return jnp.split(out, cuts, axis=-1)
+
+
+def _on_rows(x, kernel, dtype):
+    """`x @ kernel` computed on `[B*S, in]` rows (see `fused`), shaped back like `x`."""
+    rows = x.reshape(-1, x.shape[-1]).astype(dtype)
+    return jnp.dot(rows, kernel.astype(dtype)).reshape(*x.shape[:-1], kernel.shape[-1])
 
 
 def _dense(in_features, features, name, dtype, param_dtype, bias=False):
@@ -242,9 +247,7 @@ def _gated_down(gate, up, kernel, dtype):
     than keeping it as the down projection's input, one `[B*S, mlp_features]` array fewer
     in the layer scan's stacked residuals, and five fewer than autodiff keeps for the SiLU.
     """
-    gated = nn.silu(gate) * up
-    rows = gated.reshape(-1, gated.shape[-1]).astype(dtype)
-    return jnp.dot(rows, kernel.astype(dtype)).reshape(*gated.shape[:-1], kernel.shape[-1])
+    return _on_rows(nn.silu(gate) * up, kernel, dtype)
 
 
 class Block(nn.Module):
