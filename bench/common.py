@@ -85,21 +85,28 @@ def report(title: str, rows: list[tuple[str, str]]) -> None:
         print(f"{key:<{width}}  {value}")
 
 
-def in_subprocess(script: str, *args: str, host_devices: int = 1, pythonpath: str | None = None) -> dict:
+def in_subprocess(script: str, *args: str, host_devices: int = 1, pythonpath: str | None = None,
+                  one_core: bool = False) -> dict:
     """Run `script --child ARGS` in a fresh interpreter and return the JSON it prints last.
 
     Each side of a comparison gets its own process, so one framework's thread pool never
     competes with the other's measurement. `host_devices` > 1 splits the CPU into that many
     XLA devices, which the Trainer then uses data parallel. `pythonpath` puts another checkout's
-    dew_lib first.
+    dew_lib first. `one_core` pins the process to one core before it starts, so XLA and
+    PyTorch size their thread pools to it (Linux only).
     """
     env = dict(os.environ)
+    pin = None
+    if one_core:
+        core = min(os.sched_getaffinity(0))
+        env["BENCH_THREADS"] = "1"
+        pin = lambda: os.sched_setaffinity(0, {core})  # noqa: E731
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
     if host_devices > 1:  # one XLA CPU device per core: data parallel inside one process
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={host_devices}"
     out = subprocess.run([sys.executable, script, "--child", *args], capture_output=True,
-                         text=True, check=False, env=env)
+                         text=True, check=False, env=env, preexec_fn=pin)
     if out.returncode != 0:
         raise RuntimeError(f"{script} {' '.join(args)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

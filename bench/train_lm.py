@@ -4,7 +4,10 @@ Prints tokens/s for both (Dew on one XLA device, and on one host device per core
 FLOP/s and its share of the float32 matmul peak that JAX measures on this machine in the same
 run, and the Dew / PyTorch ratios, at sequence 256, 1,024 and 2,048 with 4,096 tokens per batch,
 and again with a 151,936-token (Qwen) vocabulary. `--baseline DIR` adds another Dew checkout
-(say, the commit before a change) on one device to the same alternating rounds.
+(say, the commit before a change) on one device to the same alternating rounds. `--one-core`
+adds Dew and PyTorch pinned to a single core: their ratio there is the per-core efficiency, and
+Dew's host devices against that many single-core runs is how well its data parallelism scales,
+together the bound on what one host device per core can reach against PyTorch.
 Run: `make bench` (installs the bench extra) or `python bench/train_lm.py [--steps N]`.
 """
 
@@ -60,10 +63,10 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return [tuple(int(x) for x in shape.split("x")) for shape in text.split(",")]
 
 
-def measure(shape_args, rounds, use_torch, baseline, vocab):
+def measure(shape_args, rounds, use_torch, baseline, vocab, one_core):
     """Alternating rounds of every side for one shape; returns per-round rates."""
     common = (*shape_args, "--vocab", str(vocab))
-    out = {"one": [], "per_core": [], "torch": [], "baseline": []}
+    out = {"one": [], "per_core": [], "torch": [], "baseline": [], "dew_core": [], "torch_core": []}
     for _ in range(rounds):  # alternate the sides so drift in machine load hits both
         out["one"].append(in_subprocess(__file__, "dew", *common)["rate"])
         out["per_core"].append(in_subprocess(__file__, "dew", *common, host_devices=threads())["rate"])
@@ -71,7 +74,15 @@ def measure(shape_args, rounds, use_torch, baseline, vocab):
             out["baseline"].append(in_subprocess(__file__, "dew", *common, pythonpath=baseline)["rate"])
         if use_torch:
             out["torch"].append(in_subprocess(__file__, "torch", *common)["rate"])
+        if one_core:
+            out["dew_core"].append(in_subprocess(__file__, "dew", *common, one_core=True)["rate"])
+            if use_torch:
+                out["torch_core"].append(in_subprocess(__file__, "torch", *common, one_core=True)["rate"])
     return out
+
+
+def per_round(ratios) -> str:
+    return f"{np.median(ratios):.2f}x ({' '.join(f'{r:.2f}' for r in ratios)})"
 
 
 def main():
@@ -84,6 +95,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3, help="alternating measurement rounds")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     parser.add_argument("--baseline", help="another Dew checkout to measure on one device beside this one")
+    parser.add_argument("--one-core", action="store_true",
+                        help="also run Dew and PyTorch pinned to one core (Linux)")
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--vocab", type=int, default=LLAMA_8M["vocab_size"], help=argparse.SUPPRESS)
@@ -116,7 +129,7 @@ def main():
     for batch, seq, vocab in cases:
         done = len(rows)
         shape = ("--batch", str(batch), "--seq", str(seq), "--steps", str(args.steps))
-        got = measure(shape, args.rounds, use_torch, args.baseline, vocab)
+        got = measure(shape, args.rounds, use_torch, args.baseline, vocab, args.one_core)
         med = {k: float(np.median(v)) for k, v in got.items() if v}
         best = float(np.median([max(a, b) for a, b in zip(got["one"], got["per_core"])]))
         config = dict(LLAMA_8M, vocab_size=vocab)
@@ -130,16 +143,21 @@ def main():
         if "baseline" in med:
             ratios = [a / b for a, b in zip(got["one"], got["baseline"])]
             rows.append((f"{name}: baseline tree tokens/s (1 device); this / baseline",
-                         f"{med['baseline']:,.0f}; {np.median(ratios):.2f}x "
-                         f"({' '.join(f'{r:.2f}' for r in ratios)})"))
+                         f"{med['baseline']:,.0f}; {per_round(ratios)}"))
         if "torch" in med:
-            one = [a / t for a, t in zip(got["one"], got["torch"])]
-            per_core = [a / t for a, t in zip(got["per_core"], got["torch"])]
             rows += [(f"{name}: torch tokens/s", f"{med['torch']:,.0f}"),
                      (f"{name}: dew / torch, 1 device (per round)",
-                      f"{np.median(one):.2f}x ({' '.join(f'{r:.2f}' for r in one)})"),
+                      per_round([a / t for a, t in zip(got["one"], got["torch"])])),
                      (f"{name}: dew / torch, {threads()} host devices (per round)",
-                      f"{np.median(per_core):.2f}x ({' '.join(f'{r:.2f}' for r in per_core)})")]
+                      per_round([a / t for a, t in zip(got["per_core"], got["torch"])]))]
+        if "dew_core" in med:
+            scaling = [a / (threads() * c) for a, c in zip(got["per_core"], got["dew_core"])]
+            rows.append((f"{name}: {threads()} host devices / {threads()} x dew on one core (per round)",
+                         per_round(scaling)))
+        if "torch_core" in med:
+            rows += [(f"{name}: one core: dew / torch tokens/s", f"{med['dew_core']:,.0f} / {med['torch_core']:,.0f}"),
+                     (f"{name}: one core: dew / torch (per round)",
+                      per_round([a / t for a, t in zip(got["dew_core"], got["torch_core"])]))]
         for key, value in rows[done:]:  # as each case ends: a long run keeps what it measured
             print(f"{key}: {value}", flush=True)
     report(f"train_lm: Llama 8M body, {threads()} threads, float32, each side in its own process, "
