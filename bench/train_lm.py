@@ -60,7 +60,7 @@ def torch_tokens_per_second(config, batch, seq, steps):
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
-    return [tuple(int(x) for x in shape.split("x")) for shape in text.split(",")]
+    return [tuple(int(x) for x in shape.split("x")) for shape in text.split(",") if shape]
 
 
 def measure(shape_args, rounds, use_torch, baseline, vocab, one_core):
@@ -88,7 +88,7 @@ def per_round(ratios) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", default="16x256,4x1024,2x2048",
-                        help="batch x sequence pairs (default: 4,096 tokens per batch each)")
+                        help="batch x sequence pairs (default: 4,096 tokens per batch each; '' for none)")
     parser.add_argument("--large-vocab", default="2x1024",
                         help="shapes run again with a 151,936-token vocabulary ('' to skip)")
     parser.add_argument("--steps", type=int, default=8)
