@@ -45,6 +45,7 @@ test: $(STAMP) sandbox-tools
 bench: $(STAMP) sandbox-tools
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/python bench/train_lm.py
+	$(BIN)/python bench/attention.py --one-core
 	$(BIN)/python bench/generate.py
 	$(BIN)/python bench/load_checkpoint.py
 	$(BIN)/python bench/load_data.py

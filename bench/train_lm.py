@@ -82,6 +82,7 @@ def measure(shape_args, rounds, use_torch, baseline, vocab, one_core):
 
 
 def per_round(ratios) -> str:
+    """The median ratio, then each round's."""
     return f"{np.median(ratios):.2f}x ({' '.join(f'{r:.2f}' for r in ratios)})"
 
 
@@ -102,6 +103,8 @@ def main():
     parser.add_argument("--vocab", type=int, default=LLAMA_8M["vocab_size"], help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=("peak", "dew", "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one_core and not hasattr(os, "sched_setaffinity"):
+        parser.error("--one-core pins processes with os.sched_setaffinity, which only Linux has")
     if args.child:
         config = dict(LLAMA_8M, vocab_size=args.vocab, max_seq_len=max(LLAMA_8M["max_seq_len"], args.seq or 0))
         if args.child == "peak":
