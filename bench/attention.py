@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
-from common import in_subprocess, median_seconds, report, threads  # noqa: E402
+from common import check_one_core, in_subprocess, median_seconds, per_round, report, threads  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK = 4, 64, 256
 
@@ -62,7 +62,8 @@ def torch_times(batch, seq, repeats):
         with torch.no_grad():
             attend(q, k, v, is_causal=True)
 
-    both(), forward()
+    both()
+    forward()
     return median_seconds(both, repeats), median_seconds(forward, repeats)
 
 
@@ -80,8 +81,7 @@ def main():
         both, forward = (dew_times if args.child == "dew" else torch_times)(args.batch, args.seq, args.repeats)
         print(json.dumps({"both": both, "forward": forward}))
         return
-    if args.one_core and not hasattr(os, "sched_setaffinity"):
-        parser.error("--one-core pins processes with os.sched_setaffinity, which only Linux has")
+    check_one_core(parser, args)
     rows = []
     for shape in args.shapes.split(","):
         batch, seq = shape.split("x")
@@ -93,10 +93,9 @@ def main():
         for key, what in (("both", "forward + backward"), ("forward", "forward")):
             dew = [r[key] for r in got["dew"]]
             peer = [r[key] for r in got["torch"]]
-            ratios = [t / d for d, t in zip(dew, peer)]
             rows.append((f"{batch}x{seq} {what}: dew / torch ms, torch time / dew time (per round)",
-                         f"{np.median(dew) * 1e3:,.1f} / {np.median(peer) * 1e3:,.1f}; {np.median(ratios):.2f}x "
-                         f"({' '.join(f'{r:.2f}' for r in ratios)})"))
+                         f"{np.median(dew) * 1e3:,.1f} / {np.median(peer) * 1e3:,.1f}; "
+                         f"{per_round([t / d for d, t in zip(dew, peer)])}"))
             print(f"{rows[-1][0]}: {rows[-1][1]}", flush=True)
     cores = "one core" if args.one_core else f"{threads()} threads"
     report(f"attention: causal, {HEADS} heads of {HEAD_DIM}, one layer, float32, {cores}, "

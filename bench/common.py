@@ -85,6 +85,17 @@ def report(title: str, rows: list[tuple[str, str]]) -> None:
         print(f"{key:<{width}}  {value}")
 
 
+def per_round(ratios) -> str:
+    """The median ratio, then each round's."""
+    return f"{np.median(ratios):.2f}x ({' '.join(f'{r:.2f}' for r in ratios)})"
+
+
+def check_one_core(parser, args) -> None:
+    """Stop with a usage error when `--one-core` is asked for where processes cannot be pinned."""
+    if args.one_core and not hasattr(os, "sched_setaffinity"):
+        parser.error("--one-core pins processes with os.sched_setaffinity, which only Linux has")
+
+
 def in_subprocess(script: str, *args: str, host_devices: int = 1, pythonpath: str | None = None,
                   one_core: bool = False) -> dict:
     """Run `script --child ARGS` in a fresh interpreter and return the JSON it prints last.

@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
-from common import LLAMA_8M, in_subprocess, jax_matmul_peak, median_seconds, report, threads, torch_train_step  # noqa: E402
+from common import (LLAMA_8M, check_one_core, in_subprocess, jax_matmul_peak, median_seconds,  # noqa: E402
+                    per_round, report, threads, torch_train_step)
 
 
 def model_flops_per_token(config: dict, seq: int) -> float:
@@ -81,11 +82,6 @@ def measure(shape_args, rounds, use_torch, baseline, vocab, one_core):
     return out
 
 
-def per_round(ratios) -> str:
-    """The median ratio, then each round's."""
-    return f"{np.median(ratios):.2f}x ({' '.join(f'{r:.2f}' for r in ratios)})"
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", default="16x256,4x1024,2x2048",
@@ -103,8 +99,7 @@ def main():
     parser.add_argument("--vocab", type=int, default=LLAMA_8M["vocab_size"], help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=("peak", "dew", "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.one_core and not hasattr(os, "sched_setaffinity"):
-        parser.error("--one-core pins processes with os.sched_setaffinity, which only Linux has")
+    check_one_core(parser, args)
     if args.child:
         config = dict(LLAMA_8M, vocab_size=args.vocab, max_seq_len=max(LLAMA_8M["max_seq_len"], args.seq or 0))
         if args.child == "peak":
