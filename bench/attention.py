@@ -1,10 +1,12 @@
-"""Causal attention alone: Dew's blockwise kernel against PyTorch's `scaled_dot_product_attention`.
+"""Causal attention alone: Dew's fused and blockwise kernels against PyTorch's
+`scaled_dot_product_attention`.
 
 One layer's attention of the bench model (4 heads of 64) at sequence 256, 1,024 and 2,048 with
 4,096 tokens per batch: the forward and backward pass together, and the forward alone, as the
-training step runs them. Prints milliseconds per call and the PyTorch / Dew time ratio (above 1
-means Dew is faster), per alternated round. `--one-core` pins both sides to a single core, where
-the rounds are steadier.
+training step runs them. Prints milliseconds per call of Dew's fused XLA:CPU kernel (what
+`attention_kernel="auto"` runs on CPU), its blockwise XLA form, and PyTorch, with the PyTorch /
+fused time ratio (above 1 means Dew is faster) per alternated round. `--one-core` pins every
+side to a single core, where the rounds are steadier.
 Run: `python bench/attention.py [--one-core] [--rounds 3]`.
 """
 
@@ -22,6 +24,7 @@ import numpy as np  # noqa: E402
 from common import check_one_core, in_subprocess, median_seconds, per_round, report, threads  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK = 4, 64, 256
+SIDES = ("fused", "blockwise", "torch")
 
 
 def inputs(batch, seq):
@@ -29,7 +32,7 @@ def inputs(batch, seq):
     return [rng.standard_normal((batch, seq, HEADS, HEAD_DIM)).astype(np.float32) for _ in range(4)]
 
 
-def dew_times(batch, seq, repeats):
+def dew_times(batch, seq, repeats, kernel):
     import jax
     import jax.numpy as jnp
 
@@ -38,7 +41,7 @@ def dew_times(batch, seq, repeats):
     q, k, v, d_out = (jnp.asarray(x) for x in inputs(batch, seq))
     segments = jnp.ones((batch, seq), jnp.int32)
     d_out = d_out.reshape(batch, seq, HEADS * HEAD_DIM)
-    forward = jax.jit(lambda q, k, v: attend_causal(q, k, v, segments, BLOCK))
+    forward = jax.jit(lambda q, k, v: attend_causal(q, k, v, segments, BLOCK, kernel))
     both = jax.jit(jax.grad(lambda q, k, v: jnp.sum(forward(q, k, v) * d_out), argnums=(0, 1, 2)))
     for f in (forward, both):
         jax.block_until_ready(f(q, k, v))
@@ -46,7 +49,7 @@ def dew_times(batch, seq, repeats):
             median_seconds(lambda: jax.block_until_ready(forward(q, k, v)), repeats))
 
 
-def torch_times(batch, seq, repeats):
+def torch_times(batch, seq, repeats, kernel=None):
     import torch
 
     torch.set_num_threads(threads())
@@ -73,12 +76,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=3, help="alternating measurement rounds")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per side and round")
     parser.add_argument("--one-core", action="store_true", help="pin both sides to one core (Linux)")
-    parser.add_argument("--child", choices=("dew", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        both, forward = (dew_times if args.child == "dew" else torch_times)(args.batch, args.seq, args.repeats)
+        both, forward = (torch_times if args.child == "torch" else dew_times)(
+            args.batch, args.seq, args.repeats, args.child)
         print(json.dumps({"both": both, "forward": forward}))
         return
     check_one_core(parser, args)
@@ -86,16 +90,17 @@ def main():
     for shape in args.shapes.split(","):
         batch, seq = shape.split("x")
         child = ("--batch", batch, "--seq", seq, "--repeats", str(args.repeats))
-        got = {"dew": [], "torch": []}
-        for _ in range(args.rounds):  # alternate the sides so drift in machine load hits both
+        got = {side: [] for side in SIDES}
+        for _ in range(args.rounds):  # alternate the sides so drift in machine load hits all
             for side in got:
                 got[side].append(in_subprocess(__file__, side, *child, one_core=args.one_core))
         for key, what in (("both", "forward + backward"), ("forward", "forward")):
-            dew = [r[key] for r in got["dew"]]
-            peer = [r[key] for r in got["torch"]]
-            rows.append((f"{batch}x{seq} {what}: dew / torch ms, torch time / dew time (per round)",
-                         f"{np.median(dew) * 1e3:,.1f} / {np.median(peer) * 1e3:,.1f}; "
-                         f"{per_round([t / d for d, t in zip(dew, peer)])}"))
+            fused, blockwise, peer = ([r[key] for r in got[side]] for side in SIDES)
+            rows.append((f"{batch}x{seq} {what}: fused / blockwise / torch ms, "
+                         "torch time / fused time (per round)",
+                         f"{np.median(fused) * 1e3:,.1f} / {np.median(blockwise) * 1e3:,.1f} / "
+                         f"{np.median(peer) * 1e3:,.1f}; "
+                         f"{per_round([t / d for d, t in zip(fused, peer)])}"))
             print(f"{rows[-1][0]}: {rows[-1][1]}", flush=True)
     cores = "one core" if args.one_core else f"{threads()} threads"
     report(f"attention: causal, {HEADS} heads of {HEAD_DIM}, one layer, float32, {cores}, "

@@ -1,4 +1,4 @@
-"""Blockwise causal attention, the scanned layer stack and remat change no numbers.
+"""Causal attention, fused or blockwise, the scanned layer stack and remat change no numbers.
 
 The reference is the dense attention the decoder used before: scores over every key under the
 mask `causal & same segment`. Compared on plain, left-padded and packed batches, forward and
@@ -31,8 +31,9 @@ def dense_mask(segments):
     return jnp.tril(jnp.ones((s, s), bool))[None] & (segments[:, :, None] == segments[:, None, :])
 
 
+@pytest.mark.parametrize("kernel", ["blockwise", "fused"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_blockwise_attention_equals_dense_attention_with_gradients(layout):
+def test_causal_attention_equals_dense_attention_with_gradients(layout, kernel):
     segments, _ = LAYOUTS[layout]
     keys = jax.random.split(jax.random.key(1), 4)
     q = jax.random.normal(keys[0], (3, 12, 4, 8))
@@ -40,30 +41,32 @@ def test_blockwise_attention_equals_dense_attention_with_gradients(layout):
     v = jax.random.normal(keys[2], (3, 12, 2, 8))
     mix = jax.random.normal(keys[3], (3, 12, 32))
 
-    def blockwise(q, k, v):
-        return attend_causal(q, k, v, segments, block=5)  # blocks of 5, 5 and 2 queries
+    def causal(q, k, v):
+        return attend_causal(q, k, v, segments, block=5, kernel=kernel)  # blocks of 5, 5 and 2
 
     def dense(q, k, v):
         return attend(q, k, v, dense_mask(segments))
 
-    np.testing.assert_allclose(blockwise(q, k, v), dense(q, k, v), atol=1e-6)
+    np.testing.assert_allclose(causal(q, k, v), dense(q, k, v), atol=1e-6)
     grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * mix), argnums=(0, 1, 2))(q, k, v)
-             for f in (blockwise, dense)]
+             for f in (causal, dense)]
     for got, want in zip(*grads, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_blockwise_attention_keeps_its_inputs_once_for_the_backward_pass():
-    # Query block i reads the keys and values up to its end. What the backward pass keeps is
-    # the queries, keys, values and output once each plus two statistics per query and head,
-    # not a copy of the key and value prefix per block (2x each at three blocks, 4.5x at eight).
+@pytest.mark.parametrize(("kernel", "statistics"), [("blockwise", 2), ("fused", 1)])
+def test_causal_attention_keeps_its_inputs_once_for_the_backward_pass(kernel, statistics):
+    # Blockwise query block i reads the keys and values up to its end. What the backward pass
+    # keeps is the queries, keys, values and output once each plus statistics per query and
+    # head (blockwise: maximum and sum; fused: their log-sum-exp), not a copy of the key and
+    # value prefix per block (2x each at three blocks, 4.5x at eight).
     b, s, h, kv, d = 2, 12, 4, 2, 8
     q = jax.random.normal(jax.random.key(0), (b, s, h, d))
     k, v = (jax.random.normal(jax.random.key(i), (b, s, kv, d)) for i in (1, 2))
     segments = jnp.ones((b, s), jnp.int32)
-    _, pullback = jax.vjp(lambda q, k, v: attend_causal(q, k, v, segments, block=4), q, k, v)
+    _, pullback = jax.vjp(lambda q, k, v: attend_causal(q, k, v, segments, 4, kernel), q, k, v)
     kept = [leaf for leaf in jax.tree.leaves(pullback) if leaf.dtype == jnp.float32]
-    assert sum(leaf.size for leaf in kept) == 2 * q.size + 2 * k.size + 2 * b * h * s
+    assert sum(leaf.size for leaf in kept) == 2 * q.size + 2 * k.size + statistics * b * h * s
 
 
 def softmax_attention(qh, kh, vh, mask, groups):
@@ -108,13 +111,19 @@ def model_outputs(model, variables, layout):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_decoder_logits_and_gradients_match_dense_attention_unrolled_and_without_remat(layout):
-    reference = tiny_model(attention_block=64, scan_layers=False)  # one block: the dense mask
+    # one block: the dense mask; heads of 8, which the fused kernel tiles
+    reference = tiny_model(attention_kernel="blockwise", attention_block=64, scan_layers=False,
+                           head_dim=8)
     variables = reference.init(jax.random.key(2), jnp.zeros((1, 8), jnp.int32))
     want_logits, want_grads = model_outputs(reference, variables, layout)
-    for options in ({"attention_block": 4}, {"attention_block": 4, "scan_layers": True},
-                    {"attention_block": 5, "scan_layers": True, "remat": True},
-                    {"attention_block": 64, "scan_layers": False, "remat": True}):
-        logits, grads = model_outputs(tiny_model(**options), variables, layout)
+    blockwise = {"attention_kernel": "blockwise"}
+    for options in ({**blockwise, "attention_block": 4},
+                    {**blockwise, "attention_block": 4, "scan_layers": True},
+                    {**blockwise, "attention_block": 5, "scan_layers": True, "remat": True},
+                    {**blockwise, "attention_block": 64, "scan_layers": False, "remat": True},
+                    {"attention_kernel": "fused"}, {"attention_kernel": "fused", "remat": True},
+                    {"attention_kernel": "fused", "scan_layers": False}):
+        logits, grads = model_outputs(tiny_model(head_dim=8, **options), variables, layout)
         np.testing.assert_allclose(logits, want_logits, atol=2e-5, err_msg=str(options))
         jax.tree.map(lambda a, b, o=options: np.testing.assert_allclose(a, b, atol=2e-5, err_msg=str(o)),
                      grads, want_grads)
@@ -132,3 +141,8 @@ def test_scanned_unrolled_and_remat_models_share_one_stacked_parameter_layout():
 def test_attention_block_must_be_positive():
     with pytest.raises(ValueError, match="attention_block"):
         tiny_model(attention_block=0).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+
+
+def test_attention_kernel_must_be_a_known_one():
+    with pytest.raises(ValueError, match="attention_kernel must be one of .*'flash'"):
+        tiny_model(attention_kernel="flash").init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))

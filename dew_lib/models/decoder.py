@@ -18,6 +18,7 @@ Not here: sliding-window attention, mixture-of-experts layers, dropout.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -27,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core.scope import LazyRng
 
-from dew_lib.models import attention, head, rotary
+from dew_lib.kernels import KernelBuildError, load_causal_attention
+from dew_lib.models import attention, fused_attention, head, rotary
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -207,14 +209,54 @@ def attend(q, k, v, mask):
         0, 3, 1, 2, 4).reshape(b, sq, h * d)
 
 
-def attend_causal(q, k, v, segment_ids, block: int):
-    """Causal self-attention within segments, by blocks of `block` queries.
+ATTENTION_KERNELS = ("auto", "fused", "blockwise")
 
-    q `[B, S, H, D]`, k/v `[B, S, KV, D]`, segment_ids `[B, S]` (a query sees earlier keys of
-    its own segment; padding, segment 0, sees padding). Query block i reads only keys
-    `[0, (i + 1) * block)`: the blocks above the diagonal, always fully masked, are never
-    computed, which halves the score and softmax work of long sequences. Each block's softmax
-    runs over every key it may see, so the result equals `attend` with the dense mask.
+
+def attend_causal(q, k, v, segment_ids, block: int, kernel: str = "auto"):
+    """Causal self-attention within segments: q `[B, S, H, D]`, k/v `[B, S, KV, D]`,
+    segment_ids `[B, S]` (a query sees earlier keys of its own segment; padding, segment 0,
+    sees padding). Returns `[B, S, H * D]`.
+
+    `kernel` picks the implementation: "fused", the compiled XLA:CPU kernel of
+    `fused_attention` (tiles kept in cache; 1.4-1.8x the blockwise form's speed on one core);
+    "blockwise", XLA operations by blocks of `block` queries, for any backend and head size;
+    "auto", the fused kernel when JAX's default backend is the CPU and the head dim is a
+    multiple of 8, else blockwise.
+    """
+    b, s, h, d = q.shape
+    if _use_fused(kernel, d, h, k.shape[2]):
+        return fused_attention.causal_attention(q, k, v, segment_ids).reshape(b, s, h * d)
+    return _attend_blockwise(q, k, v, segment_ids, block)
+
+
+def _use_fused(kernel: str, head_dim: int, heads: int, kv_heads: int) -> bool:
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
+    if kernel != "auto":
+        return kernel == "fused"
+    if jax.default_backend() != "cpu" or not fused_attention.supported(head_dim, heads, kv_heads):
+        return False
+    try:
+        load_causal_attention()
+    except KernelBuildError as error:
+        _warn_blockwise(str(error))
+        return False
+    return True
+
+
+@functools.cache
+def _warn_blockwise(reason: str) -> None:
+    warnings.warn(f"attention_kernel='auto' runs the slower blockwise attention: {reason}",
+                  RuntimeWarning, stacklevel=4)
+
+
+def _attend_blockwise(q, k, v, segment_ids, block: int):
+    """Causal attention by blocks of `block` queries, in XLA operations.
+
+    Query block i reads only keys `[0, (i + 1) * block)`: the blocks above the diagonal, always
+    fully masked, are never computed, which halves the score and softmax work of long
+    sequences. Each block's softmax runs over every key it may see, so the result equals
+    `attend` with the dense mask.
     """
     b, s, h, d = q.shape
     kv = k.shape[2]
@@ -302,9 +344,9 @@ class Block(nn.Module):
         gate, up = fused(h, [self.gate_proj, self.up_proj])
         return x + _gated_down(gate, up, self.down_proj.kernel, self.down_proj.dtype)
 
-    def __call__(self, x, rope, segment_ids, block):
+    def __call__(self, x, rope, segment_ids, block, kernel="auto"):
         q, k, v = self.qkv(x, rope)
-        return self.finish(x, attend_causal(q, k, v, segment_ids, block)), (k, v)
+        return self.finish(x, attend_causal(q, k, v, segment_ids, block, kernel)), (k, v)
 
 
 class CausalTransformer(nn.Module):
@@ -327,7 +369,8 @@ class CausalTransformer(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     head_chunk: int | None = None  # tokens per chunk of the loss head; None: from the vocabulary
-    attention_block: int = 256  # queries per block of causal attention (attend_causal)
+    attention_kernel: str = "auto"  # causal attention: "auto", "fused" (XLA:CPU) or "blockwise"
+    attention_block: int = 256  # queries per block of blockwise attention
     scan_layers: bool = True  # layers as one lax.scan (compiles once); False: a loop, same params
     remat: bool = False  # recompute each layer's activations in the backward pass
 
@@ -342,6 +385,9 @@ class CausalTransformer(nn.Module):
     def setup(self):
         if self.attention_block < 1:
             raise ValueError(f"attention_block must be >= 1 query per block, got {self.attention_block}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got "
+                             f"{self.attention_kernel!r}")
         if self.num_heads % self.kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.kv_heads}"
@@ -411,7 +457,8 @@ class CausalTransformer(nn.Module):
         block = self._block()
 
         def body(x, params):
-            x, kv = block.apply({"params": params}, x, rope, segment_ids, self.attention_block)
+            x, kv = block.apply({"params": params}, x, rope, segment_ids, self.attention_block,
+                                self.attention_kernel)
             return x, (kv if return_kv else None)
 
         if self.remat:
