@@ -40,7 +40,7 @@ inline v8 load(const float* p) {
   return r;
 }
 inline void store(float* p, v8 x) { std::memcpy(p, &x, sizeof x); }
-inline v8 splat(float x) { return v8{} + x; }
+inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
 // e^x for x <= 0 (scores minus their running maximum), to float rounding: 2^n * e^r with
 // |r| <= ln(2)/2 and a degree-6 Taylor polynomial for e^r; exactly 0 below -87, where e^x
