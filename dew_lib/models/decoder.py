@@ -218,7 +218,7 @@ def attend_causal(q, k, v, segment_ids, block: int, kernel: str = "auto"):
     sees padding). Returns `[B, S, H * D]`.
 
     `kernel` picks the implementation: "fused", the compiled XLA:CPU kernel of
-    `fused_attention` (tiles kept in cache; 1.4-1.8x the blockwise form's speed on one core);
+    `fused_attention` (tiles kept in cache; about twice the blockwise form's speed on CPU);
     "blockwise", XLA operations by blocks of `block` queries, for any backend and head size;
     "auto", the fused kernel when JAX's default backend is the CPU and the head dim is a
     multiple of 8, else blockwise.
