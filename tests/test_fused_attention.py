@@ -2,7 +2,6 @@
 tiles (packed, padded, grouped heads), any dtype in, one build per machine, a clear error
 without a compiler, and a batch split over host devices without gathering it."""
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +79,14 @@ def test_the_kernel_builds_once_per_machine_into_the_cache(tmp_path, monkeypatch
     assert build.build("causal_attention") == library
     assert library.stat().st_mtime_ns == built
     assert [p.name for p in tmp_path.iterdir()] == [library.name]  # no partial files left
+
+
+def test_an_unwritable_cache_is_a_clear_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("DEW_KERNEL_CACHE", str(blocker / "kernels"))
+    with pytest.raises(KernelBuildError, match="cannot write the kernel cache.*DEW_KERNEL_CACHE"):
+        build.build("causal_attention")
 
 
 def test_no_compiler_is_a_clear_error_and_auto_warns_and_runs_blockwise(tmp_path, monkeypatch):

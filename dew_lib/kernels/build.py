@@ -66,11 +66,15 @@ def build(name: str) -> Path:
     library = cache_dir() / f"{name}-{key}.so"
     if library.exists():
         return library
-    library.parent.mkdir(parents=True, exist_ok=True)
     log.warning("compiling %s for this CPU into %s (once per machine, a few seconds)", source.name,
                 library.parent)
     # each process writes its own file and renames it into place, so concurrent builds agree
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    try:
+        library.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    except OSError as error:
+        raise KernelBuildError(f"cannot write the kernel cache {library.parent} ({error}); point "
+                               "DEW_KERNEL_CACHE at a writable folder") from error
     os.close(fd)
     command = [cxx, *FLAGS, "-isystem", jax.ffi.include_dir(), str(source), "-o", partial]
     done = subprocess.run(command, capture_output=True, text=True)

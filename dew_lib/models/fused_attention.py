@@ -62,8 +62,10 @@ def _scale(q):
 def _forward_call(q, k, v, segment_ids):
     """`(out [B, S, H, D], lse [B, H, S])`: the output and each query's log-sum-exp of scores."""
     b, s, h, _ = q.shape
-    shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((b, h, s), jnp.float32))
-    return jax.ffi.ffi_call("dew_causal_attention_forward", shapes)(q, k, v, segment_ids, scale=_scale(q))
+    shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+              jax.ShapeDtypeStruct((b, h, s), jnp.float32))
+    return jax.ffi.ffi_call("dew_causal_attention_forward", shapes)(
+        q, k, v, segment_ids, scale=_scale(q))
 
 
 def _backward_call(q, k, v, segment_ids, out, lse, d_out):
@@ -81,10 +83,8 @@ def _split_over_batch(call, rule, result_ranks):
         spec = arg_shapes[0].sharding.spec
         axis = spec[0] if len(spec) else None
 
-        def on_batch(rank, batch_dim=0):
-            names = [None] * rank
-            names[batch_dim] = axis
-            return NamedSharding(mesh, PartitionSpec(*names))
+        def on_batch(rank):
+            return NamedSharding(mesh, PartitionSpec(axis, *[None] * (rank - 1)))
 
         args = tuple(on_batch(len(x.shape)) for x in arg_shapes)
         return args, tuple(on_batch(rank) for rank in result_ranks)
@@ -102,8 +102,10 @@ def _split_over_batch(call, rule, result_ranks):
     return split
 
 
+# factors: b batch, s sequence, h query heads, k key heads, d head dim
 _forward = _split_over_batch(
     _forward_call, "b s h d, b s k d, b s k d, b s -> b s h d, b h s", (4, 3))
 _backward = _split_over_batch(
-    _backward_call, "b s h d, b s k d, b s k d, b s, b s h d, b h s, b s h d -> b s h d, b s k d, b s k d",
+    _backward_call,
+    "b s h d, b s k d, b s k d, b s, b s h d, b h s, b s h d -> b s h d, b s k d, b s k d",
     (4, 4, 4))
