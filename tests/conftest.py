@@ -36,6 +36,14 @@ def tiny_model(**overrides):
     return models.build("causal_transformer", **options)
 
 
+def dense_mask(segments):
+    """The `[B, S, S]` mask of causal attention within segments, for the dense reference."""
+    import jax.numpy as jnp
+
+    s = segments.shape[1]
+    return jnp.tril(jnp.ones((s, s), bool))[None] & (segments[:, :, None] == segments[:, None, :])
+
+
 def lm_batches(seed: int, batch: int, width: int, vocab: int = 32, count: int | None = None):
     """A deterministic stream of random `text` batches."""
     rng = np.random.default_rng(seed)

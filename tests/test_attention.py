@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_model
+from conftest import dense_mask, tiny_model
 from dew_lib.models import attention
 from dew_lib.models.decoder import attend, attend_causal
 from dew_lib.objectives.lm import score_targets
@@ -24,11 +24,6 @@ LAYOUTS = {  # segment ids and positions of the 12 inputs of each row
                np.array([[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 0, 0],
                          [0, 1, 2, 0, 1, 2, 0, 1, 2, 3, 4, 5], list(range(12))])),
 }
-
-
-def dense_mask(segments):
-    s = segments.shape[1]
-    return jnp.tril(jnp.ones((s, s), bool))[None] & (segments[:, :, None] == segments[:, None, :])
 
 
 @pytest.mark.parametrize("kernel", ["blockwise", "fused"])

@@ -2,22 +2,16 @@
 tiles (packed, padded, grouped heads), any dtype in, one build per machine, a clear error
 without a compiler, and a batch split over host devices without gathering it."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import run_on_host_devices
+from conftest import dense_mask, run_on_host_devices
 from dew_lib.kernels import KernelBuildError, build
 from dew_lib.models import decoder
 from dew_lib.models.decoder import attend, attend_causal
 from dew_lib.models.fused_attention import causal_attention
-
-
-def dense_mask(segments):
-    s = segments.shape[1]
-    return jnp.tril(jnp.ones((s, s), bool))[None] & (segments[:, :, None] == segments[:, None, :])
 
 
 def random_heads(seed, b, s, h, kv, d):
