@@ -145,19 +145,66 @@ def test_model_scores_equal_full_logits_and_count_accuracy_the_same(tie):
 
 
 def test_a_data_parallel_step_scores_each_device_s_own_tokens():
-    # 8 rows x 8 tokens split over 2 host devices, the head in chunks of 16 tokens: every chunk
-    # holds tokens of both devices, so no device gathers the other's hidden states to score them
+    # 8 rows x 8 tokens split over 2 host devices, the head in chunks of 8 tokens: every chunk
+    # holds tokens of both devices, so no device gathers the other's hidden states to score
+    # them, and each device joins its 4 tokens of two chunks into one chunk of 8
     out = run_on_host_devices("""
         import jax, numpy as np, optax
         from conftest import tiny_model
         from dew_lib import LMObjective, Trainer
-        trainer = Trainer(LMObjective(tiny_model(head_chunk=16), seq_len=8, ema_decay=None),
+        trainer = Trainer(LMObjective(tiny_model(head_chunk=8), seq_len=8, ema_decay=None),
                           optax.adam(1e-2), key=jax.random.key(0))
         state = trainer.initial_state()
         text = np.random.default_rng(0).integers(1, 32, (8, 9)).astype(np.int32)
         program = trainer._steps[True].lower(state, trainer._shard({"text": text})).compile().as_text()
-        print(jax.device_count(), program.count("all-gather("), program.count("f32[8,32]"))
+        print(jax.device_count(), program.count("all-gather("), program.count("f32[8,32]"),
+              program.count("f32[4,32]"))
     """)
-    devices, gathers, local_logits = map(int, out.split())
+    devices, gathers, full_chunks, half_chunks = map(int, out.split())
     assert (devices, gathers) == (2, 0)
-    assert local_logits > 0  # each device's chunk logits: 8 of the chunk's 16 tokens
+    assert full_chunks > 0 and half_chunks == 0  # a device's logits: 8 tokens, never 4
+
+
+@pytest.mark.parametrize("scorer", ["weighted_log_prob_sum", "target_scores"])
+def test_a_data_parallel_head_sums_its_weight_gradient_once(scorer):
+    # 64 tokens in 4 chunks of 16, split over 2 host devices: each device loops over its 8
+    # tokens of every chunk, and the devices add their [16, 40] weight gradients after the
+    # loop, not in every trip of it
+    out = run_on_host_devices(f"""
+        import re
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        from dew_lib.models import head
+
+        keys = jax.random.split(jax.random.key(0), 4)
+        hidden = jax.random.normal(keys[0], (8, 8, 16))
+        weight = 0.5 * jax.random.normal(keys[1], (16, 40))
+        targets = jax.random.randint(keys[2], (8, 8), 0, 40)
+        mix = jax.random.normal(keys[3], (8, 8))
+
+        def loss(hidden, weight, targets, mix):
+            if "{scorer}" == "weighted_log_prob_sum":
+                return head.weighted_log_prob_sum(hidden, weight, targets, mix, chunk=16)[0]
+            log_probs, _, entropy = head.target_scores(hidden, weight, targets, chunk=16,
+                                                       temperature=0.7, entropy=True)
+            return jnp.sum(log_probs * mix + 0.1 * entropy)
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        batch = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
+        placed = [jax.device_put(x, batch) for x in (hidden, targets, mix)]
+        args = (placed[0], weight, placed[1], placed[2])
+        one, split = step(hidden, weight, targets, mix), step(*args)
+        for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(split)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        program = step.lower(*args).compile().as_text()
+        bodies = set(re.findall(r"body=%?([\\w.\\-]+)", program))
+        where, sums = None, []
+        for line in program.splitlines():
+            if line and not line.startswith(" ") and "{{" in line:
+                where = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            if "all-reduce(" in line and "f32[16,40]" in line.split("all-reduce(")[0]:
+                sums.append(where in bodies)
+        print(len(bodies), sums)
+    """)
+    loops, sums = out.split(maxsplit=1)
+    assert int(loops) >= 1 and sums.strip() == "[False]"
