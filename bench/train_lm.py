@@ -4,7 +4,8 @@ Prints tokens/s for both (Dew on one XLA device, and on one host device per core
 FLOP/s and its share of the float32 matmul peak that JAX measures on this machine in the same
 run, and the Dew / PyTorch ratios, at sequence 256, 1,024 and 2,048 with 4,096 tokens per batch,
 and again with a 151,936-token (Qwen) vocabulary. `--baseline DIR` adds another Dew checkout
-(say, the commit before a change) on one device to the same alternating rounds. `--one-core`
+(say, the commit before a change) to the same alternating rounds, on one device and on one host
+device per core. `--one-core`
 adds Dew and PyTorch pinned to a single core: their ratio there is the per-core efficiency, and
 Dew's host devices against that many single-core runs is how well its data parallelism scales,
 together the bound on what one host device per core can reach against PyTorch.
@@ -67,12 +68,15 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 def measure(shape_args, rounds, use_torch, baseline, vocab, one_core):
     """Alternating rounds of every side for one shape; returns per-round rates."""
     common = (*shape_args, "--vocab", str(vocab))
-    out = {"one": [], "per_core": [], "torch": [], "baseline": [], "dew_core": [], "torch_core": []}
+    out = {"one": [], "per_core": [], "torch": [], "baseline": [], "baseline_per_core": [],
+           "dew_core": [], "torch_core": []}
     for _ in range(rounds):  # alternate the sides so drift in machine load hits both
         out["one"].append(in_subprocess(__file__, "dew", *common)["rate"])
         out["per_core"].append(in_subprocess(__file__, "dew", *common, host_devices=threads())["rate"])
         if baseline:
             out["baseline"].append(in_subprocess(__file__, "dew", *common, pythonpath=baseline)["rate"])
+            out["baseline_per_core"].append(in_subprocess(__file__, "dew", *common, pythonpath=baseline,
+                                                          host_devices=threads())["rate"])
         if use_torch:
             out["torch"].append(in_subprocess(__file__, "torch", *common)["rate"])
         if one_core:
@@ -91,7 +95,7 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="alternating measurement rounds")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
-    parser.add_argument("--baseline", help="another Dew checkout to measure on one device beside this one")
+    parser.add_argument("--baseline", help="another Dew checkout to measure beside this one")
     parser.add_argument("--one-core", action="store_true",
                         help="also run Dew and PyTorch pinned to one core (Linux)")
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -140,8 +144,11 @@ def main():
         ]
         if "baseline" in med:
             ratios = [a / b for a, b in zip(got["one"], got["baseline"])]
-            rows.append((f"{name}: baseline tree tokens/s (1 device); this / baseline",
-                         f"{med['baseline']:,.0f}; {per_round(ratios)}"))
+            per_core = [a / b for a, b in zip(got["per_core"], got["baseline_per_core"])]
+            rows += [(f"{name}: baseline tree tokens/s (1 device); this / baseline",
+                      f"{med['baseline']:,.0f}; {per_round(ratios)}"),
+                     (f"{name}: baseline tree tokens/s ({threads()} host devices); this / baseline",
+                      f"{med['baseline_per_core']:,.0f}; {per_round(per_core)}")]
         if "torch" in med:
             rows += [(f"{name}: torch tokens/s", f"{med['torch']:,.0f}"),
                      (f"{name}: dew / torch, 1 device (per round)",
