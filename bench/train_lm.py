@@ -5,10 +5,10 @@ FLOP/s and its share of the float32 matmul peak that JAX measures on this machin
 run, and the Dew / PyTorch ratios, at sequence 256, 1,024 and 2,048 with 4,096 tokens per batch,
 and again with a 151,936-token (Qwen) vocabulary. `--baseline DIR` adds another Dew checkout
 (say, the commit before a change) to the same alternating rounds, on one device and on one host
-device per core. `--one-core`
-adds Dew and PyTorch pinned to a single core: their ratio there is the per-core efficiency, and
-Dew's host devices against that many single-core runs is how well its data parallelism scales,
-together the bound on what one host device per core can reach against PyTorch.
+device per core. `--one-core` adds Dew and PyTorch pinned to a single core: their ratio there
+is the per-core efficiency, and Dew's host devices against that many single-core runs is how
+well its data parallelism scales, together the bound on what one host device per core can
+reach against PyTorch.
 Run: `make bench` (installs the bench extra) or `python bench/train_lm.py [--steps N]`.
 """
 
