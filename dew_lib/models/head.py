@@ -20,6 +20,7 @@ gradients are summed once per call (`_summed_once`). Not here: the full logits
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import Any
 
@@ -287,7 +288,7 @@ def _weighted_bwd(options, residuals, cotangents):
 _weighted.defvjp(_weighted_fwd, _weighted_bwd)
 
 
-def _summed_once(loop_local, token_ranks: tuple[int, ...], result_ranks: tuple[int, ...]):
+def _summed_once(loop_local):
     """`loop_local(hidden, weight, *per_token, options) -> (grad_w, *per_token_results)` under
     `custom_partitioning`: each device loops over its own share of every chunk's tokens and
     the devices' weight gradients are summed once, after the loop.
@@ -330,13 +331,15 @@ def _summed_once(loop_local, token_ranks: tuple[int, ...], result_ranks: tuple[i
         return shardings(mesh, arg_shapes, result_shapes)[2]
 
     def rule(options, mesh, arg_types, result_types):
-        del mesh, arg_types, result_types
+        # factors: c chunks, n tokens of a chunk, e hidden features, v vocabulary
+        del mesh
+        per_token = lambda t: "c n e" if len(t.shape) == 3 else "c n"  # noqa: E731
         weight = "v e" if options.vocab_major else "e v"
-        operands = ", ".join(["c n e", weight] + [_TOKEN_FACTORS[r] for r in token_ranks])
-        outputs = ", ".join(["e v"] + [_TOKEN_FACTORS[r] for r in result_ranks])
-        return f"{operands} -> {outputs}"
+        operands = ", ".join(["c n e", weight, *map(per_token, arg_types[2:])])
+        return f"{operands} -> " + ", ".join(["e v", *map(per_token, result_types[1:])])
 
-    split = custom_partitioning(loop_local, static_argnums=(2 + len(token_ranks),))
+    options_at = len(inspect.signature(loop_local).parameters) - 1  # options come last
+    split = custom_partitioning(loop_local, static_argnums=(options_at,))
     split.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule)
     return split
 
@@ -347,9 +350,7 @@ def _axis_size(mesh, axis) -> int:
     return math.prod(mesh.shape[name] for name in names)
 
 
-# factors: c chunks, n tokens of a chunk, e hidden features, v vocabulary
-_TOKEN_FACTORS = {2: "c n", 3: "c n e"}
-_backward_loop = _summed_once(_backward_loop_local, token_ranks=(2,) * 5, result_ranks=(3,))
-_weighted_loop = _summed_once(_weighted_loop_local, token_ranks=(2, 2), result_ranks=(2, 2, 3))
+_backward_loop = _summed_once(_backward_loop_local)
+_weighted_loop = _summed_once(_weighted_loop_local)
 
 __all__ = ["CHUNK_BYTES", "chunk_tokens", "target_scores", "weighted_log_prob_sum"]
