@@ -45,7 +45,6 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
-
 from common import in_subprocess, report  # noqa: E402
 
 NATIVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native_server.py")
@@ -71,9 +70,9 @@ def run_side(mode: str, wait: float, args) -> dict:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
     from dew_lib import Dataset, Trainer, models
-    from dew_lib.inference import NativeRolloutServer, ServeTask, Server
-    from dew_lib.objectives.rl import (GRPOObjective, PromptSource, RolloutScheduler, SampledRollout,
-                                       prompt_tasks)
+    from dew_lib.inference import NativeRolloutServer, Server, ServeTask
+    from dew_lib.objectives import GRPOObjective
+    from dew_lib.rollouts import PromptSource, RolloutScheduler, SampledRollout, prompt_tasks
     from dew_lib.sampling import Sampling
 
     width = args.prompt_len + args.new

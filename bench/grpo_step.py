@@ -16,7 +16,6 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
-
 from common import LLAMA_8M, median_seconds, report  # noqa: E402
 
 
@@ -33,7 +32,8 @@ def main(argv=None) -> int:
     import optax
 
     from dew_lib import LMObjective, Trainer, models
-    from dew_lib.objectives.rl import GRPOObjective, SampledRollout
+    from dew_lib.objectives import GRPOObjective
+    from dew_lib.rollouts import SampledRollout
     from dew_lib.sampling import Sampling, generate
 
     config = dict(LLAMA_8M, max_seq_len=args.prompt_len + args.new)
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     bare()
     bare_seconds = median_seconds(bare, args.repeats)
 
-    import dew_lib.objectives.rl.rollout as rollout_module
+    import dew_lib.rollouts.sampled as rollout_module
 
     timings = {"rollout": [], "generate": []}
     original = rollout_module.generate

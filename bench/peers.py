@@ -22,7 +22,6 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
-
 from common import LLAMA_8M, in_subprocess, report, threads, torch_llama  # noqa: E402
 
 PROMPT, COMPLETION, PAIRS, PROMPTS, GROUPS, NEW = 32, 32, 8, 8, 4, 32
@@ -65,8 +64,8 @@ def dew_dpo(steps: int) -> float:
     import optax
 
     from dew_lib import Dataset, Trainer, models
-    from dew_lib.objectives.rl import DPOObjective
-    from dew_lib.sinks import MemorySink
+    from dew_lib.objectives import DPOObjective
+    from dew_lib.train.sinks import MemorySink
 
     prompt, chosen, rejected = sequences(0, PAIRS, PROMPT), sequences(1, PAIRS, COMPLETION), sequences(2, PAIRS, COMPLETION)
     ids = np.stack([np.concatenate([prompt, chosen], 1), np.concatenate([prompt, rejected], 1)], 1)
@@ -89,9 +88,10 @@ def dew_grpo(steps: int) -> float:
     import optax
 
     from dew_lib import Dataset, Trainer, models
-    from dew_lib.objectives.rl import GRPOObjective, SampledRollout
+    from dew_lib.objectives import GRPOObjective
+    from dew_lib.rollouts import SampledRollout
     from dew_lib.sampling import Sampling
-    from dew_lib.sinks import MemorySink
+    from dew_lib.train.sinks import MemorySink
 
     prompts = {"prompt": sequences(3, PROMPTS, PROMPT).astype(np.int32),
                "prompt_length": np.full(PROMPTS, PROMPT, np.int32)}

@@ -30,7 +30,6 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
-
 from common import report  # noqa: E402
 
 PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 16, 4, 24, 64
@@ -43,7 +42,8 @@ def demo_step():
     import optax
 
     from dew_lib import Dataset, Trainer, models
-    from dew_lib.objectives.rl import GRPOObjective, SampledRollout
+    from dew_lib.objectives import GRPOObjective
+    from dew_lib.rollouts import SampledRollout
     from dew_lib.sampling import Sampling
 
     width = PROMPT_LEN + NEW_TOKENS
@@ -84,7 +84,7 @@ def demo_step():
 
 
 def step_shares(rounds: int, steps: int, store_dir: str) -> list[tuple[str, str]]:
-    from dew_lib.objectives.rl.sessions import Call, Session
+    from dew_lib.records.sessions import Call, Session
     from dew_lib.store import Store
 
     trainer, data, step = demo_step()
@@ -137,7 +137,7 @@ def step_shares(rounds: int, steps: int, store_dir: str) -> list[tuple[str, str]
 def write_rate(rounds: int, store_dir: str) -> list[tuple[str, str]]:
     import pyarrow.parquet as pq
 
-    from dew_lib.objectives.rl.sessions import Call, Session
+    from dew_lib.records.sessions import Call, Session
     from dew_lib.store import Store, rows
 
     rng = np.random.default_rng(2)
@@ -170,7 +170,7 @@ def write_rate(rounds: int, store_dir: str) -> list[tuple[str, str]]:
 def query_ratio(rounds: int, store_dir: str, total: int = 1_000_000) -> list[tuple[str, str]]:
     import duckdb
 
-    from dew_lib.objectives.rl.sessions import Call, Session
+    from dew_lib.records.sessions import Call, Session
     from dew_lib.store import Store
 
     per_write = 6400

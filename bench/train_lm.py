@@ -41,7 +41,7 @@ def dew_tokens_per_second(config, batch, seq, steps):
     import optax
 
     from dew_lib import Dataset, LMObjective, Trainer, models
-    from dew_lib.sinks import MemorySink
+    from dew_lib.train.sinks import MemorySink
 
     model = models.build("causal_transformer", **config)
     rng = np.random.default_rng(0)

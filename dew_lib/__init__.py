@@ -12,8 +12,8 @@ drop_torch_notice()  # before any dew_lib module imports transformers (quiet.py 
 
 _EXPORTS = {
     "Dataset": "dew_lib.data", "Loading": "dew_lib.data", "Partition": "dew_lib.data",
-    "LMObjective": "dew_lib.objectives", "Trainer": "dew_lib.trainer",
-    "TrainingDiverged": "dew_lib.trainer", "TrainState": "dew_lib.trainer",
+    "LMObjective": "dew_lib.objectives", "Trainer": "dew_lib.train",
+    "TrainingDiverged": "dew_lib.train", "TrainState": "dew_lib.train",
     "DiffusionObjective": "dew_lib.diffusion", "Field": "dew_lib.diffusion",
     "InputSpec": "dew_lib.diffusion",
 }

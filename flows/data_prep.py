@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.params import DataParams
 from tasks.data import prepare_data
 from tasks.manifests import DataManifest
+from tasks.params import DataParams
 
 
 @flow(name="data_prep")

@@ -10,9 +10,9 @@ import os
 
 from prefect import flow
 
-from flows.params import DPOParams
 from tasks.manifests import DataManifest, PolicyRef, StageResult
 from tasks.pairs import policy_pairs
+from tasks.params import DPOParams
 from tasks.train import train_stage
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.params import EvalParams, RewardParams
 from tasks.evaluate import evaluate_policy
 from tasks.manifests import DataManifest, EvalResult, PolicyRef
+from tasks.params import EvalParams, RewardParams
 
 
 @flow(name="evaluate")

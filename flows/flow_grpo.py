@@ -18,11 +18,11 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.flow_pretrain import flow_pretrain
-from flows.params import FlowGRPOParams, FlowPipelineParams, command_line
 from flows.pipeline import run_id
 from tasks.flow_train import grpo_stage
 from tasks.images import dit_ref, prepare_images
 from tasks.manifests import DiTRef, ImageStageResult
+from tasks.params import FlowGRPOParams, FlowPipelineParams, command_line
 from tasks.records import mark_run
 from tasks.ui import artifact_key
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.params import DiTParams, FlowPretrainParams
 from tasks.flow_train import pretrain_stage
 from tasks.manifests import ImageManifest, ImageStageResult
+from tasks.params import DiTParams, FlowPretrainParams
 
 
 @flow(name="flow_pretrain")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.params import GRPOParams, RewardParams
 from tasks.manifests import DataManifest, PolicyRef, StageResult
+from tasks.params import GRPOParams, RewardParams
 from tasks.train import train_stage
 
 

@@ -20,8 +20,8 @@ from flows.data_prep import data_prep
 from flows.dpo import dpo
 from flows.evaluate import evaluate
 from flows.grpo import grpo
-from flows.params import PipelineParams, command_line
 from flows.sft import sft
+from tasks.params import PipelineParams, command_line
 from tasks.policy import initial_policy
 from tasks.records import mark_run
 from tasks.ui import artifact_key

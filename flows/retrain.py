@@ -14,9 +14,9 @@ from prefect import flow, get_run_logger
 from pydantic import Field
 
 from flows.evaluate import evaluate
-from flows.params import Params, PipelineParams
 from flows.pipeline import pipeline
 from tasks.manifests import DataManifest, PolicyRef
+from tasks.params import Params, PipelineParams
 from tasks.policy import checkpoint_fingerprint
 from tasks.records import open_stage
 from tasks.storage import read_json, write_json

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.params import SFTParams
 from tasks.manifests import DataManifest, PolicyRef, StageResult
+from tasks.params import SFTParams
 from tasks.train import train_stage
 
 

@@ -22,8 +22,8 @@ from prefect import get_run_logger, task
 
 from dew_lib.data.arithmetic import Problem, near_misses, problems, solution
 from dew_lib.data.byte_bpe import train_byte_bpe
-from flows.params import DataParams
 from tasks.manifests import DataManifest, fingerprint
+from tasks.params import DataParams
 from tasks.storage import read_json, write_json, write_lines
 
 GENERATOR_VERSION = 2  # bump when the files below would come out differently

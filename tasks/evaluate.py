@@ -19,9 +19,9 @@ from prefect import get_run_logger, task
 
 from dew_lib.sampling import Sampling, generate
 from dew_lib.store import Evaluation
-from flows.params import EvalParams, RewardParams
 from tasks.data import read_eval
 from tasks.manifests import DataManifest, EvalResult, PolicyRef, fingerprint
+from tasks.params import EvalParams, RewardParams
 from tasks.policy import load_policy
 from tasks.records import open_stage
 from tasks.rewards import TaskReward, score_all, verdicts

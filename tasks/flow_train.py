@@ -30,16 +30,16 @@ import numpy as np
 import optax
 from prefect import get_run_logger, task
 
-from dew_lib.checkpoint import Checkpoints
 from dew_lib.data import Dataset
-from dew_lib.diffusion import DiffusionObjective, Field, FlowSDE, InputSpec, encode_png, presets
+from dew_lib.diffusion import (DiffusionObjective, Field, FlowGRPOObjective, FlowRollout, FlowSDE,
+                               InputSpec, encode_png, presets)
 from dew_lib.diffusion.preview import to_uint8
-from dew_lib.objectives.rl import FlowGRPOObjective, FlowRollout
-from dew_lib.sinks import JsonlSink
-from dew_lib.trainer import Trainer
-from flows.params import DiTParams, FlowGRPOParams, FlowPretrainParams, StageParams
+from dew_lib.train.checkpoint import Checkpoints
+from dew_lib.train.sinks import JsonlSink
+from dew_lib.train.trainer import Trainer
 from tasks.images import build_dit, load_dit, load_images, reward_named, save_dit
 from tasks.manifests import DiTRef, ImageManifest, ImageStageResult, fingerprint
+from tasks.params import DiTParams, FlowGRPOParams, FlowPretrainParams, StageParams
 from tasks.records import open_stage
 from tasks.storage import read_json, write_json
 from tasks.train import _history, final_metrics

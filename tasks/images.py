@@ -28,8 +28,8 @@ from safetensors.numpy import load_file, save_file
 from dew_lib import models
 from dew_lib.diffusion import presets
 from dew_lib.diffusion.toy import coloured_shapes, redness
-from flows.params import DiTParams, ImageDataParams
 from tasks.manifests import DiTRef, ImageManifest, fingerprint
+from tasks.params import DiTParams, ImageDataParams
 from tasks.storage import read_json, write_json
 
 GENERATOR_VERSION = 1  # bump when the shapes would come out differently

@@ -17,9 +17,9 @@ import os
 from prefect import get_run_logger, task
 
 from dew_lib.rewards import MathReward
-from flows.params import DPOParams, EvalParams
 from tasks.evaluate import draw_answers, prompt_ids
 from tasks.manifests import DataManifest, PolicyRef, fingerprint
+from tasks.params import DPOParams, EvalParams
 from tasks.policy import load_policy
 from tasks.storage import read_json, write_json, write_lines
 

@@ -12,8 +12,8 @@ from prefect import get_run_logger, task
 from dew_lib import models
 from dew_lib.data.tokenizer import load_tokenizer
 from dew_lib.models import Pretrained, load_pretrained
-from flows.params import ModelParams
 from tasks.manifests import DataManifest, PolicyRef, fingerprint
+from tasks.params import ModelParams
 from tasks.storage import read_json, write_json
 
 

@@ -27,7 +27,7 @@ from dew_lib.rewards import CodeReward, MathReward, ProgramRun
 from dew_lib.sandbox import (ContainerRunner, NamespaceRunner, ProcessRunner, SandboxFleet,
                              SandboxLimits, SandboxUnavailable)
 from dew_lib.store import Verdict
-from flows.params import RewardParams
+from tasks.params import RewardParams
 
 SOURCES: dict[str, str] = {
     "": "math", "arithmetic": "math", "gsm8k": "math", "openai/gsm8k": "math", "math": "math",

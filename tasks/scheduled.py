@@ -12,14 +12,15 @@ checkpoint, the sessions that attempt (found by the run that recorded the checkp
 within the staleness bound of the checkpoint's update (`Store.resumable_sessions`, the path tests/test_rollout_scheduler.py SIGKILLs), and
 offers them to the scheduler, so they are trained instead of drawn again. See docs/rl.md, "Resume".
 
-Not here: the scheduler and sources themselves (dew_lib.objectives.rl), the synchronous mode
+Not here: the scheduler and sources themselves (dew_lib.rollouts), the synchronous mode
 (tasks/train.py), multi-turn environments in the pipeline.
 """
 
 from __future__ import annotations
 
-from dew_lib.inference import NativeRolloutServer, ServeTask, Server
-from dew_lib.objectives.rl import GRPOObjective, PromptSource, RolloutScheduler, prompt_tasks
+from dew_lib.inference import NativeRolloutServer, Server, ServeTask
+from dew_lib.objectives import GRPOObjective
+from dew_lib.rollouts import PromptSource, RolloutScheduler, prompt_tasks
 from dew_lib.sampling import Sampling
 from tasks.rewards import verdicts
 

@@ -19,17 +19,17 @@ import jax
 import optax
 from prefect import get_run_logger, task
 
-from dew_lib.checkpoint import Checkpoints
 from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts
 from dew_lib.data.chat import Role
-from dew_lib.objectives import LMObjective
-from dew_lib.objectives.rl import DPOObjective, GRPOObjective, SampledRollout
+from dew_lib.objectives import DPOObjective, GRPOObjective, LMObjective
+from dew_lib.rollouts import SampledRollout
 from dew_lib.sampling import Sampling
-from dew_lib.sinks import JsonlSink
 from dew_lib.store import Store
-from dew_lib.trainer import Trainer
-from flows.params import DPOParams, GRPOParams, RewardParams, SFTParams, StageParams
+from dew_lib.train.checkpoint import Checkpoints
+from dew_lib.train.sinks import JsonlSink
+from dew_lib.train.trainer import Trainer
 from tasks.manifests import DataManifest, PolicyRef, StageResult, fingerprint
+from tasks.params import DPOParams, GRPOParams, RewardParams, SFTParams, StageParams
 from tasks.policy import load_policy, save_policy
 from tasks.records import open_stage
 from tasks.rewards import TaskReward, verdicts

@@ -16,9 +16,9 @@ sys.path.insert(0, ROOT)
 
 
 def main() -> int:
-    from flows.params import PipelineParams
     from flows.pipeline import pipeline
     from tasks import ui
+    from tasks.params import PipelineParams
 
     params = PipelineParams(**json.loads(sys.argv[1]))
     if len(sys.argv) > 3 and sys.argv[2] == "--kill-at":

@@ -21,12 +21,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-
 from conftest import tiny_model  # noqa: E402
+
 from dew_lib import Dataset, Trainer  # noqa: E402
-from dew_lib.checkpoint import Checkpoints  # noqa: E402
-from dew_lib.objectives.rl import Call, GRPOObjective, RolloutScheduler, Session  # noqa: E402
+from dew_lib.objectives import GRPOObjective  # noqa: E402
+from dew_lib.records import Call, Session  # noqa: E402
+from dew_lib.rollouts import RolloutScheduler  # noqa: E402
 from dew_lib.store import Store  # noqa: E402
+from dew_lib.train.checkpoint import Checkpoints  # noqa: E402
 
 TASKS, GROUPS, EOS = 2, 2, 2
 

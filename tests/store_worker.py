@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from dew_lib.objectives.rl.sessions import Call, Session
+from dew_lib.records.sessions import Call, Session
 from dew_lib.store import Store
 
 PROMPTS, SAMPLES, TOKENS = 16, 4, 64

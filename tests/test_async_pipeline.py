@@ -8,10 +8,10 @@ import pytest
 pytest.importorskip("prefect")
 
 from pydantic import ValidationError  # noqa: E402
+from test_pipeline import TINY  # noqa: E402
 
 from dew_lib.store import Store  # noqa: E402
-from flows.params import GRPOParams, PipelineParams  # noqa: E402
-from test_pipeline import TINY  # noqa: E402
+from tasks.params import GRPOParams, PipelineParams  # noqa: E402
 
 
 def test_async_settings_are_checked_like_the_scheduler_checks_them():

@@ -20,8 +20,8 @@ import optax
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import SHARED_DATA, tiny_model
+
 from dew_lib import Dataset, LMObjective, Trainer, models
 from dew_lib.data import ChatMessages, DataError, Partition, PreferencePairs, Prompts, Role
 from dew_lib.models import load_pretrained
@@ -260,7 +260,7 @@ def test_fit_sft_on_qwen3_chats_with_a_model_sized_by_tokenizer_vocab_size(tmp_p
 @pytest.mark.skipif(not os.path.isdir(QWEN3), reason="shared data not found")
 def test_fit_dpo_on_qwen3_text_pairs_with_a_model_sized_by_tokenizer_vocab_size():
     from dew_lib.data.tokenizer import load_tokenizer
-    from dew_lib.objectives.rl import DPOObjective
+    from dew_lib.objectives import DPOObjective
 
     records = ({"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5"},) * 4
     data = PreferencePairs(records=records, tokenizer=QWEN3, seq_len=32).load(batch=4)

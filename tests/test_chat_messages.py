@@ -14,13 +14,12 @@ import optax  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
-
 from conftest import SHARED_DATA  # noqa: E402
+
 from dew_lib import LMObjective, Trainer, models  # noqa: E402
-from dew_lib.data import (ChatMessages, DataError, HFOptions, Loading, Partition, Role,  # noqa: E402
-                          TemplateRewrite)
+from dew_lib.data import ChatMessages, DataError, HFOptions, Loading, Partition, Role, TemplateRewrite  # noqa: E402
 from dew_lib.data.tokenizer import load_tokenizer  # noqa: E402
-from dew_lib.sinks import MemorySink  # noqa: E402
+from dew_lib.train.sinks import MemorySink  # noqa: E402
 
 QWEN3 = os.path.join(SHARED_DATA, "tokenizers", "qwen3")
 MINIMIND = os.path.join(SHARED_DATA, "tokenizers", "minimind")

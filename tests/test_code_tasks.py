@@ -14,13 +14,13 @@ import threading
 import pytest
 from pydantic import ValidationError
 
-from dew_lib.objectives.rl.sessions import Call, Session
+from dew_lib.records.sessions import Call, Session
 from dew_lib.rewards import CodeReward
 from dew_lib.sandbox import ProcessRunner, SandboxFleet, SandboxLimits, SandboxUnavailable
 from dew_lib.store import Evaluation, Store
 from dew_lib.store import Verdict as VerdictRow
-from flows.params import DataParams, PipelineParams, RewardParams
 from tasks.data import code_answer, code_layout, code_splits, prepare_code, read_code_rows
+from tasks.params import DataParams, PipelineParams, RewardParams
 from tasks.rewards import TaskReward, output_tail, reward_kind, score_all, verdicts
 
 

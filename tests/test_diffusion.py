@@ -12,9 +12,9 @@ import pytest
 
 from dew_lib import DiffusionObjective, Field, InputSpec, Trainer, models, presets
 from dew_lib.data import Dataset
-from dew_lib.diffusion import (CFG, BagOfTokens, FlowSDE, Process, WordTokenizer, gaussian_log_density,
-                               grid_png, sample_trajectory)
-from dew_lib.sinks import MemorySink
+from dew_lib.diffusion import (CFG, BagOfTokens, FlowSDE, Process, WordTokenizer,
+                               gaussian_log_density, grid_png, sample_trajectory)
+from dew_lib.train.sinks import MemorySink
 
 
 def tiny_dit(channels=1, **overrides):

@@ -11,10 +11,9 @@ import pytest
 
 from dew_lib import Dataset, Trainer, models
 from dew_lib.data import Loading, Partition, PreferencePairs
-from dew_lib.objectives import loss
-from dew_lib.objectives.rl import DPOObjective
-from dew_lib.objectives.rl.dpo import dpo_loss
-from dew_lib.sinks import MemorySink
+from dew_lib.objectives import DPOObjective, loss
+from dew_lib.objectives.dpo import dpo_loss
+from dew_lib.train.sinks import MemorySink
 
 MODEL = models.build("causal_transformer", vocab_size=12, emb_features=16, num_layers=1,
                      num_heads=2, mlp_features=32, max_seq_len=8)

@@ -13,11 +13,11 @@ import jax
 import numpy as np
 import optax
 import pytest
-
 from conftest import SHARED_DATA, tiny_model
+
 from dew_lib import Dataset, LMObjective, Trainer
 from dew_lib.data import vocab_size_for
-from dew_lib.sinks import LineLog, MemorySink, ProgressBar
+from dew_lib.train.sinks import LineLog, MemorySink, ProgressBar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3 = os.path.join(SHARED_DATA, "tokenizers", "qwen3")

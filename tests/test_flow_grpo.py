@@ -13,9 +13,9 @@ import pytest
 
 from dew_lib import Field, InputSpec, Trainer, models, presets
 from dew_lib.data import Dataset
-from dew_lib.diffusion import CFG, BagOfTokens, FlowSDE, WordTokenizer
-from dew_lib.objectives.rl import FlowGRPOObjective, FlowRollout, group_advantages
-from dew_lib.sinks import MemorySink
+from dew_lib.diffusion import (CFG, BagOfTokens, FlowGRPOObjective, FlowRollout, FlowSDE,
+                               WordTokenizer, group_statistics)
+from dew_lib.train.sinks import MemorySink
 
 SPEC_EXAMPLE = '''
 import itertools
@@ -24,7 +24,7 @@ import numpy as np
 import optax
 from dew_lib import Field, InputSpec, Trainer, models, presets
 from dew_lib.data import Dataset
-from dew_lib.objectives.rl import FlowGRPOObjective, FlowRollout
+from dew_lib.diffusion import FlowGRPOObjective, FlowRollout
 
 inputs = InputSpec(Field("image", (4, 4, 1)))
 model = models.SimpleDiT(output_channels=1, patch_size=2, emb_features=8,
@@ -143,9 +143,9 @@ def test_zero_advantage_groups_and_deterministic_intervals_never_enter_the_loss(
 def test_rewards_stay_float64_through_the_group_statistics():
     # Differences of 1e-9 vanish in float32 (1 + 1e-9 == 1) but set the ranking in float64.
     rewards = 1.0 + np.array([0.0, 1e-9, 2e-9, 3e-9, 5.0, 5.0, 5.0, 5.0])
-    _, _, advantages = group_advantages(rewards, 4)
+    _, _, advantages = group_statistics(rewards, 4)
     assert np.all(np.diff(advantages[:4]) > 0) and np.all(advantages[4:] == 0)
-    _, _, narrowed = group_advantages(rewards.astype(np.float32), 4)
+    _, _, narrowed = group_statistics(rewards.astype(np.float32), 4)
     assert np.all(narrowed[:4] == 0)  # what an early float32 conversion loses
 
 

@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew_lib.diffusion import FlowSDE, gaussian_log_density, presets, transition_kl
-from dew_lib.objectives.rl import group_advantages
+from dew_lib.diffusion import FlowSDE, gaussian_log_density, group_statistics, presets, transition_kl
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "flow", "flow_grpo_sde.json")
 REFERENCE = json.load(open(FIXTURE, encoding="utf-8"))
@@ -86,7 +85,7 @@ def test_first_transition_uses_the_next_time_in_place_of_t_equals_one():
 def test_group_advantages_match_the_released_stat_tracker():
     groups = REFERENCE["groups"]
     rewards = np.asarray(groups["rewards"], np.float64)
-    mean, std, advantages = group_advantages(rewards, groups["size"])
+    mean, std, advantages = group_statistics(rewards, groups["size"])
     np.testing.assert_allclose(advantages, groups["advantages"], rtol=1e-12, atol=1e-15)
     assert advantages.dtype == np.float64
     # the constant group (rows 8..11) has zero advantage and the population std of zero

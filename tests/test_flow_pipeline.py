@@ -19,7 +19,7 @@ pytest.importorskip("prefect")
 from pydantic import ValidationError  # noqa: E402
 
 from dew_lib.store import Store  # noqa: E402
-from flows.params import FlowGRPOParams, FlowPipelineParams, ImageDataParams  # noqa: E402
+from tasks.params import FlowGRPOParams, FlowPipelineParams, ImageDataParams  # noqa: E402
 
 TINY = dict(
     data=dict(count=64),

@@ -4,13 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import tiny_model
-from dew_lib.objectives import loss
+
+from dew_lib.objectives import GRPOObjective, PackedBatch, loss
 from dew_lib.objectives.lm import score_targets
-from dew_lib.objectives.rl import GRPOObjective
-from dew_lib.objectives.rl.grpo import PROXIMAL_IS_CURRENT
-from dew_lib.objectives.rl.sessions import Call, Session, pack
+from dew_lib.records.sessions import Call, Session
+from dew_lib.rollouts.packing import pack
 
 MODEL = tiny_model()
 VARIABLES = MODEL.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
@@ -123,13 +122,13 @@ def test_on_policy_ppo_loss_is_minus_the_mean_advantage_and_kl_to_itself_is_zero
 @pytest.mark.parametrize("options", [dict(behavior_importance=2.0, beta=0.05),
                                      dict(behavior_importance=(0.5, 2.0), policy_loss="cispo")])
 def test_a_proximal_policy_scored_in_the_update_equals_a_rescoring_pass(options):
-    # What the scheduler relies on: marking the batch PROXIMAL_IS_CURRENT instead of rescoring
+    # What the scheduler relies on: a batch whose proximal policy is scored in the update instead of rescoring
     # old_log_probs under the same weights changes neither the loss nor its gradients.
     objective = GRPOObjective(MODEL, seq_len=WIDTH - 1, **options)
     rescored = pack(sessions(), WIDTH)
     rescored["old_log_probs"] = np.asarray(objective.packed_log_probs(VARIABLES, rescored))
-    in_step = {k: v for k, v in rescored.items() if k != "old_log_probs"}
-    in_step[PROXIMAL_IS_CURRENT] = np.ones(len(in_step["input_ids"]), np.int8)
+    in_step = PackedBatch.of({k: v for k, v in rescored.items() if k != "old_log_probs"},
+                             proximal="in_update")
     objective.check_batch(in_step)
     value, grads = value_and_grad(objective, in_step)
     expected, expected_grads = value_and_grad(objective, rescored)
@@ -137,7 +136,7 @@ def test_a_proximal_policy_scored_in_the_update_equals_a_rescoring_pass(options)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
     with pytest.raises(ValueError, match="two different proximal policies"):
-        objective.check_batch({**in_step, "old_log_probs": rescored["old_log_probs"]})
+        PackedBatch.of({**in_step, "old_log_probs": rescored["old_log_probs"]}, proximal="in_update")
 
 
 def test_packed_log_probs_score_each_id_against_its_own_chain():
@@ -206,9 +205,9 @@ def test_sampling_temperature_and_support_change_what_a_sampled_id_scores():
 def test_bad_options_and_batches_are_refused_with_the_value():
     with pytest.raises(ValueError, match="beta must be >= 0"):
         GRPOObjective(MODEL, seq_len=15, beta=-1)
-    with pytest.raises(ValueError, match="policy_loss='grpo' is unknown"):
+    with pytest.raises(ValueError, match="policy_loss must be one of .*got 'grpo'"):
         GRPOObjective(MODEL, seq_len=15, policy_loss="grpo")
-    with pytest.raises(ValueError, match="aggregation='seq-mean' is unknown"):
+    with pytest.raises(ValueError, match="aggregation must be one of .*got 'seq-mean'"):
         GRPOObjective(MODEL, seq_len=15, aggregation="seq-mean")
     with pytest.raises(ValueError, match="low < 1 < high"):
         GRPOObjective(MODEL, seq_len=15, geometric_mask=(2.0, 3.0))

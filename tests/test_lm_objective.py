@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from conftest import tiny_model
+
 from dew_lib import Dataset, LMObjective, Trainer
 from dew_lib.data.chat import Role
 from dew_lib.objectives import loss
 from dew_lib.objectives.lm import token_log_probs
-from dew_lib.sinks import MemorySink
+from dew_lib.train.sinks import MemorySink
 
 MODEL = tiny_model()
 VARIABLES = MODEL.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))

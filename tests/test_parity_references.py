@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew_lib.objectives.rl import algorithms
-from dew_lib.objectives.rl.dpo import dpo_loss
+from dew_lib.objectives import algorithms
+from dew_lib.objectives.dpo import dpo_loss
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "parity")
 

@@ -17,8 +17,8 @@ pytest.importorskip("prefect")
 from pydantic import ValidationError  # noqa: E402
 
 from dew_lib.store import Store  # noqa: E402
-from flows.params import (DataParams, DPOParams, EvalParams, GRPOParams, ModelParams, command_line,  # noqa: E402
-                          PipelineParams, SFTParams)
+from tasks.params import (DataParams, DPOParams, EvalParams, GRPOParams, ModelParams,  # noqa: E402
+                          PipelineParams, SFTParams, command_line)
 
 HERE = os.path.dirname(__file__)
 TINY = dict(

@@ -18,9 +18,9 @@ import pytest
 
 from dew_lib import models
 from dew_lib.data.dataset import Dataset, Partition
-from dew_lib.objectives.rl import (Call, GRPOObjective, RolloutScheduler, Session, Status, Task,
-                                   algorithms, prompt_tasks, task_ids)
-from dew_lib.objectives.rl.grpo import PROXIMAL_IS_CURRENT
+from dew_lib.objectives import GRPOObjective, algorithms
+from dew_lib.records import Call, Session, Status, Task
+from dew_lib.rollouts import RolloutScheduler, prompt_tasks, task_ids
 
 KEY = np.array([0, 7], np.uint32)
 WIDTH = 12
@@ -142,7 +142,7 @@ def test_admission_by_status_and_exact_advantages():
     got = {int(i): float(a) for i, a in zip(packed["session_index"][mask], packed["advantages"][mask])}
     assert got == pytest.approx(dict(zip([0, 1, 3, 4], expected, strict=True)))
     # The proximal policy is the weights the update trains with: scored in the update itself.
-    assert "old_log_probs" not in packed and packed[PROXIMAL_IS_CURRENT].tolist() == [1] * 8
+    assert "old_log_probs" not in packed and packed.proximal == "in_update"
     causes = by_cause(logs)
     assert sorted(causes["resubmitted"]) == [("7", 3, 0, "infra_error"), ("7", 4, 0, "cancelled")]
     assert sorted(causes["admitted"]) == [("7", 0, 0, "completed"), ("7", 1, 0, "agent_error"),
@@ -513,12 +513,12 @@ class CountingTool:
         pass
 
     def reset(self):
-        from dew_lib.objectives.rl import Observation
+        from dew_lib.records import Observation
 
         return Observation([1, 3 + int(self.task.id) % 4])
 
     def step(self, action):
-        from dew_lib.objectives.rl import EpisodeStatus, Observation
+        from dew_lib.records import EpisodeStatus, Observation
 
         if action.step == 0:
             return Observation([*action.context, *action.tokens, 10, 11])
@@ -534,11 +534,12 @@ def test_a_trainer_runs_through_multi_turn_environments_on_the_native_server():
     import itertools
 
     import optax
-
     from conftest import tiny_model
+
     from dew_lib import Trainer
-    from dew_lib.inference import NativeRolloutServer, ServeTask, Server
-    from dew_lib.objectives.rl import EnvironmentSource, GRPOObjective
+    from dew_lib.inference import NativeRolloutServer, Server, ServeTask
+    from dew_lib.objectives import GRPOObjective
+    from dew_lib.rollouts import EnvironmentSource
     from dew_lib.sampling import Sampling
 
     model = tiny_model(vocab_size=16)

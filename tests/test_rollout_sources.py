@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import tiny_model
-from dew_lib.inference import Draw, NativeRolloutServer, ServeTask, Server
-from dew_lib.objectives.rl import (EnvironmentSource, EpisodeStatus, Observation, PromptSource,
-                                   Status, Task)
+
+from dew_lib.inference import Draw, NativeRolloutServer, Server, ServeTask
+from dew_lib.records import EpisodeStatus, Observation, Status, Task
+from dew_lib.rollouts import EnvironmentSource, PromptSource
 from dew_lib.sampling import Sampling
 
 EOS = 2

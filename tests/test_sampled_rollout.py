@@ -8,11 +8,10 @@ import optax
 import pytest
 
 from dew_lib import Dataset, Trainer, models
-from dew_lib.objectives import loss
-from dew_lib.objectives.rl import GRPOObjective, RewardFailed, SampledRollout
-from dew_lib.objectives.rl.grpo import PROXIMAL_IS_CURRENT
+from dew_lib.objectives import GRPOObjective, loss
+from dew_lib.rollouts import RewardFailed, SampledRollout
 from dew_lib.sampling import Sampling
-from dew_lib.sinks import MemorySink
+from dew_lib.train.sinks import MemorySink
 
 EOS = 2
 MODEL = models.build("causal_transformer", vocab_size=16, emb_features=32, num_layers=2,
@@ -78,7 +77,7 @@ def test_at_another_temperature_the_update_scores_the_old_policy_itself():
     trainer = Trainer(objective, optax.sgd(0.0), key=jax.random.key(0))
     state = trainer.initial_state()
     batch = rollout(state, prompts(), jax.random.key(4))
-    assert "old_log_probs" not in batch and batch[PROXIMAL_IS_CURRENT].tolist() == [1] * 4
+    assert "old_log_probs" not in batch and batch.proximal == "in_update"
     _, metrics = loss(objective, state.params, batch)
     assert float(metrics["ratio"]) == 1.0 and float(metrics["clipfrac"]) == 0.0
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from dew_lib.objectives.rl.sessions import (Call, Session, Status, chain_lengths, chains, pack,
-                                            rows_needed, session_metrics)
+from dew_lib.records.sessions import Call, Session, Status
+from dew_lib.rollouts.packing import chain_lengths, chains, pack, rows_needed, session_metrics
 
 
 def call(prompt, sampled, version=0, **extra):

@@ -13,13 +13,12 @@ import jax
 import numpy as np
 import optax
 import pytest
-
 from conftest import lm_batches, tiny_model
+
 from dew_lib import Dataset, LMObjective, Trainer
-from dew_lib.objectives.rl.flow import FlowRolloutRecord
-from dew_lib.objectives.rl.sessions import Call, Session, Status
-from dew_lib.store import (Evaluation, Store, StoreBusy, StoreError, StoreNotFound, Verdict,
-                           session_uid)
+from dew_lib.diffusion.flow_rollout import FlowRolloutRecord
+from dew_lib.records.sessions import Call, Session, Status
+from dew_lib.store import Evaluation, Store, StoreBusy, StoreError, StoreNotFound, Verdict, session_uid
 from dew_lib.store.parts import Stream, announced_swap, swap_count, swaps_since
 
 

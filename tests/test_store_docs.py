@@ -6,8 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from dew_lib.objectives.rl.flow import FlowRolloutRecord
-from dew_lib.objectives.rl.sessions import Call, Session, Status
+from dew_lib.diffusion.flow_rollout import FlowRolloutRecord
+from dew_lib.records.sessions import Call, Session, Status
 from dew_lib.store import TABLES, Evaluation, Store, Verdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

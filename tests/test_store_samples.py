@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from dew_lib.diffusion import encode_png
-from dew_lib.objectives.rl.flow import FlowRolloutRecord, group_advantages
+from dew_lib.diffusion.flow_rollout import FlowRolloutRecord, group_statistics
 from dew_lib.store import Store
 
 
 def record(step, rewards, groups=2, captions=None):
     rewards = np.asarray(rewards, np.float64)
-    mean, std, advantages = group_advantages(rewards, groups)
+    mean, std, advantages = group_statistics(rewards, groups)
     advantages = advantages.astype(np.float32)
     n = len(rewards)
     return FlowRolloutRecord(step=step, images=np.zeros((n, 2, 2, 3), np.float32),

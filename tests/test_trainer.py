@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from conftest import tiny_model
+
 from dew_lib import Dataset, LMObjective, Trainer, TrainingDiverged
-from dew_lib.checkpoint import CheckpointMismatch, Checkpoints
 from dew_lib.models.decoder import unstack_layers
 from dew_lib.objectives import LossTerms
-from dew_lib.sinks import LineLog, MemorySink, ProgressBar
+from dew_lib.train.checkpoint import CheckpointMismatch, Checkpoints
+from dew_lib.train.sinks import LineLog, MemorySink, ProgressBar
 
 MODEL = tiny_model()
 

@@ -20,15 +20,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dew_lib.diffusion.denoiser import Denoiser
 from dew_lib.diffusion.inputs import AutoEncoder, InputSpec
-from dew_lib.diffusion.preview import Preview, ensure_sequence, score
+from dew_lib.diffusion.preview import EVAL_KEY, Preview, sample_preview
 from dew_lib.diffusion.process import CFG, Euler, Process, Solver
-from dew_lib.objectives.base import LossTerms, Metrics, loss as loss_view
-
-EVAL_KEY = 1729  # evaluation draws the same times and noise every time, so numbers compare
+from dew_lib.objectives.base import LossTerms, Metrics
+from dew_lib.objectives.base import loss as loss_view
 
 
 class DiffusionObjective:
@@ -109,24 +107,4 @@ class DiffusionObjective:
 
     def preview(self, params, batch, step=0, *, scored=None) -> Preview:
         """Samples for `batch`'s rows on the host, with captions and optional reward scores."""
-        return _preview(self, params, batch, step, scored)
-
-
-def _preview(objective, params, batch, step, scored) -> Preview:
-    """Shared by both diffusion objectives: one compiled generation per batch shape."""
-    rows = objective.inputs.check(batch)
-    conditions = {k: np.asarray(v) for k, v in objective.inputs.condition_batch(batch).items()}
-    signature = (rows, tuple((k, v.shape, v.dtype.name) for k, v in conditions.items()))
-    if signature not in objective._generate:
-        steps = objective.steps
-
-        def draw(params, conditions, key):
-            path = objective.denoiser.trajectory(params, conditions, key, rows=rows, steps=steps,
-                                                 guidance=objective.guidance, solver=objective.sampler)
-            return objective.denoiser.decode(path.final)
-
-        objective._generate[signature] = jax.jit(draw)
-    key = jax.random.key(EVAL_KEY)  # the same noise at every step: previews show the same samples evolve
-    images = np.asarray(jax.device_get(objective._generate[signature](params, conditions, key)), np.float32)
-    scores = None if scored is None else score(scored, images, batch, rows)
-    return Preview(images, ensure_sequence(objective.inputs.captions(batch), rows), scores, int(step))
+        return sample_preview(self, params, batch, step, scored)

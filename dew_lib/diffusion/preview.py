@@ -3,7 +3,8 @@
 `grid_png(images)` tiles images in [-1, 1] (`[N, H, W, C]`, C = 1 or 3) into one 8-bit PNG,
 scaled up by pixel repetition so that tiny samples stay visible, with a one-pixel-wide gray
 border between tiles. The PNG is written with zlib and the standard library only.
-`Preview` is what the objectives' `preview` returns: host arrays plus captions and scores.
+`Preview` is what the objectives' `preview` returns: host arrays plus captions and scores;
+`sample_preview` draws it for either diffusion objective.
 
 Not here: captions drawn into the image (they travel beside it as text), other formats.
 """
@@ -16,6 +17,7 @@ import struct
 import zlib
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 
@@ -116,3 +118,28 @@ def score(scorer, images: np.ndarray, batch, rows: int) -> np.ndarray:
 def ensure_sequence(captions: Sequence[str], rows: int) -> tuple[str, ...]:
     captions = tuple(captions)
     return captions if len(captions) == rows else tuple("" for _ in range(rows))
+
+
+EVAL_KEY = 1729  # previews and evaluation draw the same times and noise every time, so numbers compare
+
+
+def sample_preview(objective, params, batch, step, scored) -> Preview:
+    """What a diffusion objective's `preview` returns: its samples for `batch`'s rows, generated
+    with the fixed evaluation key (one compilation per batch shape, cached on the objective),
+    with captions and, when `scored` is given, each sample's reward."""
+    rows = objective.inputs.check(batch)
+    conditions = {k: np.asarray(v) for k, v in objective.inputs.condition_batch(batch).items()}
+    signature = (rows, tuple((k, v.shape, v.dtype.name) for k, v in conditions.items()))
+    if signature not in objective._generate:
+        steps = objective.steps
+
+        def draw(params, conditions, key):
+            path = objective.denoiser.trajectory(params, conditions, key, rows=rows, steps=steps,
+                                                 guidance=objective.guidance, solver=objective.sampler)
+            return objective.denoiser.decode(path.final)
+
+        objective._generate[signature] = jax.jit(draw)
+    key = jax.random.key(EVAL_KEY)  # the same noise at every step: previews show the same samples evolve
+    images = np.asarray(jax.device_get(objective._generate[signature](params, conditions, key)), np.float32)
+    scores = None if scored is None else score(scored, images, batch, rows)
+    return Preview(images, ensure_sequence(objective.inputs.captions(batch), rows), scores, int(step))

@@ -25,10 +25,9 @@ import optax
 
 from dew_lib import models
 from dew_lib.data import Dataset
-from dew_lib.diffusion import DiffusionObjective, Field, InputSpec, presets
-from dew_lib.objectives.rl import FlowGRPOObjective, FlowRollout
-from dew_lib.sinks import MemorySink
-from dew_lib.trainer import Trainer
+from dew_lib.diffusion import DiffusionObjective, Field, FlowGRPOObjective, FlowRollout, InputSpec, presets
+from dew_lib.train.sinks import MemorySink
+from dew_lib.train.trainer import Trainer
 
 SIZE = 8
 

@@ -6,8 +6,9 @@ continuously in JAX; `NativeRolloutServer(Server.from_task(ServeTask(...), slots
 drives it on a background thread. See docs/inference.md.
 """
 
-from dew_lib.inference.base import Draw, RolloutServer, ServerClosed
+from dew_lib.inference.base import Publisher, RolloutServer, ServerClosed
 from dew_lib.inference.native import NativeRolloutServer
-from dew_lib.inference.server import ServeTask, Server
+from dew_lib.inference.server import Server, ServeTask
+from dew_lib.records.draw import Draw
 
-__all__ = ["Draw", "NativeRolloutServer", "RolloutServer", "ServeTask", "Server", "ServerClosed"]
+__all__ = ["Draw", "NativeRolloutServer", "Publisher", "RolloutServer", "ServeTask", "Server", "ServerClosed"]

@@ -2,7 +2,7 @@
 
 A `RolloutServer` takes token-id prompts one at a time and answers each with a future `Draw`, so
 the scheduler and the sources can keep many requests in flight and consume them as they finish;
-`load` pushes new weights under a version number. The native server (`NativeRolloutServer`) and
+`load` pushes new weights under a version number; a `Publisher` is anything with that `load`. The native server (`NativeRolloutServer`) and
 the remote engines implement it; so does anything else with these two methods.
 
 Not here: the backends themselves (`dew_lib.inference.native`, `dew_lib.inference.server`),
@@ -11,68 +11,17 @@ text (prompts and draws are token ids), chat templates.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from dew_lib.records.draw import Draw
+
 
 class ServerClosed(RuntimeError):
     """The server was closed (or its loop died) before a request could be served."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
-class Draw:
-    """One sampled completion of one prompt.
-
-    ids: the sampled ids `[n]`, EOS included when EOS ended the draw. behavior_log_probs: the
-    likelihood of each id under the distribution it was drawn from (after temperature and
-    filters; 0 for greedy). raw_log_probs: the model's own log-softmax at each id, or None when
-    the backend does not report it. eos: whether EOS ended the draw (else it used its budget).
-    version: the oldest weights version that may have produced any of its tokens.
-    """
-
-    ids: np.ndarray
-    behavior_log_probs: np.ndarray
-    raw_log_probs: np.ndarray | None
-    eos: bool
-    version: int
-
-    def __post_init__(self):
-        ids = np.asarray(self.ids)
-        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-            raise ValueError(f"Draw.ids must be a 1-D array of token ids, got {ids.dtype} {ids.shape}")
-        if ids.size and ids.min() < 0:
-            raise ValueError(f"Draw.ids must be nonnegative token ids, got {ids.tolist()}")
-        fields = {"ids": ids.astype(np.int32)}
-        for name in ("behavior_log_probs", "raw_log_probs"):
-            value = getattr(self, name)
-            if value is None and name == "raw_log_probs":
-                continue
-            value = np.asarray(value, np.float32)
-            if value.shape != ids.shape:
-                raise ValueError(
-                    f"Draw.{name} must hold one entry per sampled id ({ids.shape}), got {value.shape}")
-            if not np.isfinite(value).all():
-                raise ValueError(f"Draw.{name} must be finite, got {value.tolist()}")
-            fields[name] = value
-        if isinstance(self.version, bool) or not isinstance(self.version, int | np.integer):
-            raise ValueError(f"Draw.version must be an int, got {self.version!r}")
-        for name, value in fields.items():
-            value.flags.writeable = False
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, "eos", bool(self.eos))
-        object.__setattr__(self, "version", int(self.version))
-
-    @property
-    def finish_reason(self) -> str:
-        """"stop" when EOS ended the draw, "length" when it used its whole budget."""
-        return "stop" if self.eos else "length"
-
-    def __len__(self) -> int:
-        return int(self.ids.shape[0])
 
 
 @runtime_checkable
@@ -87,5 +36,14 @@ class RolloutServer(Protocol):
 
     def submit(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int, *,
                seed: int | None = None) -> Future[Draw]: ...
+
+    def load(self, variables: Any, version: int) -> None: ...
+
+
+class Publisher(Protocol):
+    """Where the trainer's weights go: load serves them under version.
+
+    A RolloutServer is one. A publisher with a `version` attribute is checked after each load.
+    """
 
     def load(self, variables: Any, version: int) -> None: ...

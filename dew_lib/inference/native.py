@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from dew_lib.inference.base import Draw, ServerClosed
+from dew_lib.inference.base import ServerClosed
 from dew_lib.inference.server import Server
+from dew_lib.records.draw import Draw
 
 
 class NativeRolloutServer:

@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew_lib.inference.base import Draw
 from dew_lib.models.decoder import KVCache, split_layers
+from dew_lib.records.draw import Draw
 from dew_lib.sampling import Sampling, _is_eos, sample
 
 MIN_BUCKET = 16  # the narrowest prefill; shorter prompts share it

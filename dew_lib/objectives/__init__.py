@@ -1,6 +1,17 @@
-"""Objectives: pure loss functions the Trainer optimizes."""
+"""Objectives: pure loss functions the Trainer optimizes, and the tables their variants come from.
 
+`LMObjective` (lm.py), `DPOObjective` (dpo.py), `GRPOObjective` (grpo.py) over the `PackedBatch`
+(batch.py); every advantage estimator, policy loss, KL estimator and aggregation is a function
+in `algorithms`. Nothing here draws rollouts, runs threads or touches the host beyond checking
+a batch before it compiles.
+"""
+
+from dew_lib.objectives import algorithms
 from dew_lib.objectives.base import LossTerms, Metric, Metrics, Objective, loss, mean
+from dew_lib.objectives.batch import PackedBatch
+from dew_lib.objectives.dpo import DPOObjective
+from dew_lib.objectives.grpo import GRPOObjective
 from dew_lib.objectives.lm import LMObjective
 
-__all__ = ["LMObjective", "LossTerms", "Metric", "Metrics", "Objective", "loss", "mean"]
+__all__ = ["DPOObjective", "GRPOObjective", "LMObjective", "LossTerms", "Metric", "Metrics",
+           "Objective", "PackedBatch", "algorithms", "loss", "mean"]

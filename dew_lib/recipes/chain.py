@@ -34,12 +34,12 @@ from dew_lib.data.chat import Role
 from dew_lib.data.chat_messages import ChatMessages
 from dew_lib.data.preference import PreferencePairs
 from dew_lib.data.prompts import Prompts
+from dew_lib.objectives.dpo import DPOObjective
+from dew_lib.objectives.grpo import GRPOObjective
 from dew_lib.objectives.lm import LMObjective
-from dew_lib.objectives.rl.dpo import DPOObjective
-from dew_lib.objectives.rl.grpo import GRPOObjective
-from dew_lib.objectives.rl.rollout import SampledRollout
+from dew_lib.rollouts.sampled import SampledRollout
 from dew_lib.sampling import Sampling
-from dew_lib.trainer import Trainer, TrainState
+from dew_lib.train.trainer import Trainer, TrainState
 
 DataSpec = ChatMessages | PreferencePairs | Prompts
 

@@ -13,9 +13,10 @@ checkpoint of a project, as Parquet parts that DuckDB reads while runs are still
 duckdb client. Not here: Prefect (tasks and flows call these writers).
 """
 
+from dew_lib.records.scheduler import CAUSES
 from dew_lib.store.parts import StoreBusy, StoreError
 from dew_lib.store.rows import Evaluation, Verdict, session_uid
-from dew_lib.store.schema import CAUSES, TABLES
+from dew_lib.store.schema import TABLES
 from dew_lib.store.store import Store, StoredSession, StoreNotFound
 from dew_lib.store.writer import RunWriter, StageWriter, StoreSink
 

@@ -20,7 +20,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dew_lib.store.schema import CAUSES, TABLES
+from dew_lib.records.scheduler import CAUSES
+from dew_lib.records.sessions import Call, Session, Status, check_truncation, status_trains
+from dew_lib.store.schema import TABLES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,8 +150,6 @@ def _status(session) -> str:
 def trained_flags(sessions: Sequence[Any], trained, truncation: str) -> list[bool]:
     """Per-session trained flags: given, one for all, or (None) what `pack` would train on."""
     if trained is None:
-        from dew_lib.objectives.rl.sessions import Status, status_trains
-
         trains = {status: status_trains(status, truncation) for status in Status}
         return [trains[Status(_status(s))] for s in sessions]
     if isinstance(trained, (bool, np.bool_)):
@@ -160,10 +160,7 @@ def trained_flags(sessions: Sequence[Any], trained, truncation: str) -> list[boo
 def check_trained(trained, count: int, truncation: str) -> None:
     """Refuse on the caller's thread what trained_flags would fail on later."""
     if trained is None:
-        from dew_lib.objectives.rl.sessions import TRUNCATION
-
-        if truncation not in TRUNCATION:
-            raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
+        check_truncation(truncation)
     elif not isinstance(trained, (bool, np.bool_)) and len(trained) != count:
         raise ValueError(f"trained has {len(trained)} entries for {count} sessions; give one per session")
 
@@ -438,8 +435,6 @@ def checkpoint_table(step: int, path: str, kind: str, *, run: str, stage: str,
 
 def session_from_rows(row: Mapping[str, Any], calls: Sequence[Mapping[str, Any]]):
     """A `Session` (with its `Call`s, in call order) from a `sessions` row and its `calls` rows."""
-    from dew_lib.objectives.rl.sessions import Call, Session
-
     built = []
     for call in sorted(calls, key=lambda c: c["call"]):
         experts = None

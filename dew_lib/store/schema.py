@@ -178,7 +178,6 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     ), "one row per saved checkpoint or exported policy"),
 )}
 
-CAUSES = ("pending", "admitted", "discarded", "cancelled", "resubmitted", "abandoned", "cut")
 RUN_STATUSES = ("running", "completed", "failed")
 
 

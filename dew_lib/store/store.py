@@ -45,7 +45,7 @@ class StoredSession(NamedTuple):
     """A session read back from the store with what was recorded beside it."""
 
     update: int
-    session: Any  # dew_lib.objectives.rl.sessions.Session
+    session: Any  # dew_lib.records.Session
     trained: bool
     cause: str | None
     latency: float | None

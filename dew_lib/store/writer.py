@@ -302,7 +302,7 @@ class StageWriter:
         """Record sessions drawn for trainer update `update`, with their calls.
 
         latencies: seconds from submission to finish, one per session (or None). causes: why
-        each was or was not trained (schema.CAUSES), one for all or one per session. trained:
+        each was or was not trained (records.CAUSES), one for all or one per session. trained:
         True/False for all, one flag per session, or None for what `pack` trains on under
         `truncation`. verdicts: None, or one list of Verdict records per session (the programs
         a code reward ran for it), stored with the session's `session_uid`. Calls and verdicts

@@ -8,7 +8,7 @@ a `(sum, normalizer)` pair so accumulation and data parallelism stay exact.
 Tables:
     ADVANTAGES       group (GRPO), mean (Dr.GRPO), rloo          rewards per session -> advantage
     POLICY_LOSSES    ppo (dual clip), gspo, cispo                 per-token surrogate + clip flags
-    KL_ESTIMATORS    k1, k3                                       per-token KL to the reference
+    KL_ESTIMATORS    k1, k2, k3                                   per-token KL to the reference
     AGGREGATIONS     token-mean, session-mean                     per-token values -> (sum, norm)
 
 and the behavior corrections: `truncated_importance` (token TIS), `band_weights` (IcePop with a
@@ -192,13 +192,19 @@ def k1(log_probs, reference_log_probs):
     return log_probs - reference_log_probs
 
 
+def k2(log_probs, reference_log_probs):
+    """(log pi - log pi_ref)^2 / 2: nonnegative, biased (verl's "mse")."""
+    delta = jnp.clip(log_probs - reference_log_probs, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return 0.5 * delta * delta
+
+
 def k3(log_probs, reference_log_probs):
     """exp(ref - pi) - (ref - pi) - 1: nonnegative, low variance (verl's low_var_kl, clamped)."""
     delta = jnp.clip(reference_log_probs - log_probs, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     return jnp.clip(jnp.exp(delta) - delta - 1, -10.0, 10.0)
 
 
-KL_ESTIMATORS: dict[str, Callable[..., jax.Array]] = {"k1": k1, "k3": k3}
+KL_ESTIMATORS: dict[str, Callable[..., jax.Array]] = {"k1": k1, "k2": k2, "k3": k3}
 
 
 # ----- aggregation -----------------------------------------------------------------------------

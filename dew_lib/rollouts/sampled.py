@@ -5,7 +5,7 @@ The Trainer calls it on the host before each compiled update with a `Prompts` ba
 completions per prompt with `sampling.generate` (one compiled loop, raw and behavior
 log-probabilities per id), decodes each completion without its EOS and padding, scores it with
 `reward(data_source, completion, ground_truth, extra_info)` (verl's `compute_score` order),
-turns every completion into a one-call `Session` and packs them with `sessions.pack` into
+turns every completion into a one-call `Session` and packs them with `pack` into
 `[B * groups, P + R]` rows, the layout every GRPO batch has.
 
 A completion that stopped on EOS is COMPLETED; one that used the whole budget is TRUNCATED and
@@ -30,9 +30,10 @@ import jax
 import numpy as np
 
 from dew_lib.data.prompts import METADATA, text_field
-from dew_lib.objectives.rl import algorithms
-from dew_lib.objectives.rl.grpo import score_proximal_in_update
-from dew_lib.objectives.rl.sessions import Call, Session, Status, pack
+from dew_lib.objectives import algorithms
+from dew_lib.objectives.batch import PackedBatch
+from dew_lib.records.sessions import Call, Session, Status
+from dew_lib.rollouts.packing import pack
 from dew_lib.sampling import Sampling, generate
 
 Reward = Callable[[str, str, str, str], float]
@@ -91,7 +92,7 @@ class SampledRollout:
         self.last_sessions: list[Session] = []
         self.last_reward_details: list[Any] = []
 
-    def __call__(self, state, batch, key) -> dict[str, np.ndarray]:
+    def __call__(self, state, batch, key) -> PackedBatch:
         prompt = np.asarray(batch["prompt"], np.int32)
         lengths = np.asarray(batch["prompt_length"], np.int32)
         rows, width = prompt.shape
@@ -150,13 +151,15 @@ class SampledRollout:
                                     reward=rewards[n]))
         packed = pack(sessions, self.objective.width, rows=rows * g, estimator=self.estimator,
                       truncation="score")
+        proximal = None
         if getattr(self.objective, "sampling_temperature", 1.0) != 1.0:
             # The sampler's raw log-probs are untempered; the update scores the old policy (these
             # weights) at the objective's temperature so the ratio compares like with like.
-            score_proximal_in_update(packed)
+            packed.pop("old_log_probs", None)
+            proximal = "in_update"
         self.last_sessions = sessions
         self.last_reward_details = [details for _, details in scored]
-        return packed
+        return PackedBatch.of(packed, proximal)
 
 
 __all__ = ["RewardFailed", "SampledRollout", "token_text"]

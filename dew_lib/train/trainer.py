@@ -29,10 +29,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dew_lib.checkpoint import Checkpoints, CheckpointMismatch
 from dew_lib.data.dataset import Batch, Dataset, Partition
 from dew_lib.objectives.base import Metrics, Objective
-from dew_lib.sinks import Sink, default_sinks
+from dew_lib.train.checkpoint import CheckpointMismatch, Checkpoints
+from dew_lib.train.sinks import Sink, default_sinks
 
 _LOG = logging.getLogger(__name__)
 
@@ -184,28 +184,27 @@ class Trainer:
         return self.objective.evaluate(params, batch)
 
     # ----- data placement ----------------------------------------------------------------------
-    def _shard(self, batch: Batch) -> dict[str, jax.Array]:
-        """Split every field's leading axis across the mesh; refuse what does not divide."""
-        devices = self.mesh.devices.size
-        local = devices // jax.process_count()
-        out = {}
-        for name, value in batch.items():
+    def _shard(self, batch: Batch) -> Batch:
+        """Split every field's leading axis across the mesh; refuse what does not divide. The
+        batch keeps its type (a dict, or a typed pytree such as PackedBatch)."""
+        local = self.mesh.devices.size // jax.process_count()
+        rows = NamedSharding(self.mesh, PartitionSpec("data"))
+
+        def place(name, value):
             value = np.asarray(value)
             if value.ndim == 0:
-                out[name] = jax.device_put(value, _replicated(self.mesh))
-                continue
+                return jax.device_put(value, _replicated(self.mesh))
             if value.shape[0] % local:
                 raise ValueError(
                     f"batch field {name!r} has {value.shape[0]} rows, which do not divide across "
                     f"{local} local devices; make the batch size a multiple of {local} "
                     "(or pass Trainer(devices=...) to use fewer devices)"
                 )
-            sharding = NamedSharding(self.mesh, PartitionSpec("data"))
             if jax.process_count() == 1:
-                out[name] = jax.device_put(value, sharding)
-            else:
-                out[name] = jax.make_array_from_process_local_data(sharding, value)
-        return out
+                return jax.device_put(value, rows)
+            return jax.make_array_from_process_local_data(rows, value)
+
+        return jax.tree_util.tree_map_with_path(lambda path, v: place(_field(path), v), batch)
 
     # ----- the loop ----------------------------------------------------------------------------
     def fit(self, data: Dataset, *, steps: int, log_every: int = 100, eval_every: int | None = None,
@@ -357,7 +356,8 @@ class _Run:
             ) from None
 
     def _check(self, batch: Batch) -> None:
-        signature = tuple((k, np.shape(v), str(getattr(v, "dtype", ""))) for k, v in batch.items())
+        signature = (jax.tree.structure(batch),
+                     tuple((k, np.shape(v), str(getattr(v, "dtype", ""))) for k, v in batch.items()))
         if signature not in self.checked_shapes:
             self.trainer.objective.check_batch(batch)
             self.checked_shapes.add(signature)
@@ -427,3 +427,8 @@ def _window_means(values: list[Metrics]) -> dict[str, float]:
             acc[0] += float(total)
             acc[1] += float(count)
     return {name: (total / count if count else 0.0) for name, (total, count) in sums.items()}
+
+
+def _field(path) -> str:
+    """A batch leaf's field name, for errors."""
+    return ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)

@@ -13,9 +13,9 @@ trainer hands the scheduler batch i (with its state), the scheduler
      stream opens it is submitted now);
   4. waits until batch i's groups are admitted, cut, abandoned or surplus, handling every
      rollout that finishes meanwhile, of any batch (see "Asynchronous GRPO" in docs/rl.md);
-  5. packs the admitted groups into fixed `[rows, width]` rows with `pack` and returns them
-     marked `PROXIMAL_IS_CURRENT`: the proximal policy is the state's weights, which the update
-     trains with, so the update scores it in its own forward pass (the numbers
+  5. packs the admitted groups into fixed `[rows, width]` rows with `pack` and returns them as a
+     `PackedBatch(proximal="in_update")`: the proximal policy is the state's weights, which the
+     update trains with, so the update scores it in its own forward pass (the numbers
      `GRPOObjective.packed_log_probs` would give, without a second pass over the batch).
 
 Dew's Trainer reads one batch per step and no further, so the scheduler reads the `ahead` batches
@@ -32,217 +32,40 @@ Everything runs on the trainer's thread. Sources resolve futures on their own th
 done-callback only queues the future, and the scheduler handles it while it waits or at the
 next call.
 
-Not here: drawing sessions (sources.py), packing and advantages (sessions.py), the loss
-(grpo.py), multi-process trainers (refused at construction).
+Group states live in states.py, the fit decision in admission.py, the task stream in stream.py.
+Not here: drawing sessions (`dew_lib.rollouts.sources`), packing and advantages (packing.py),
+the loss (`dew_lib.objectives.grpo`), multi-process trainers (refused at construction).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
-import hashlib
 import itertools
 import math
 import queue
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-import concurrent.futures
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
 
-from dew_lib.data.dataset import Batch, Dataset, Partition
-from dew_lib.data.prompts import METADATA, text_field
-from dew_lib.objectives.rl import algorithms
-from dew_lib.objectives.rl.grpo import GRPOObjective, score_proximal_in_update
-from dew_lib.objectives.rl.sessions import (TRUNCATION, Session, SessionSource, Status, Task,
-                                            chain_lengths, pack, rows_needed, session_metrics,
-                                            trains)
+from dew_lib.data.dataset import Batch, Dataset
+from dew_lib.inference.base import Publisher
+from dew_lib.objectives import algorithms
+from dew_lib.objectives.batch import PackedBatch
+from dew_lib.objectives.grpo import GRPOObjective
+from dew_lib.records.scheduler import SchedulerRecord, SessionLog
+from dew_lib.records.sessions import TRUNCATION, Session, SessionSource, Status, Task
+from dew_lib.rollouts.packing import pack, session_metrics, trains
+from dew_lib.rollouts.scheduler.admission import completed, placement, trained_sessions
+from dew_lib.rollouts.scheduler.states import Attempt, Group, GroupState, Sample, TaskBatch
+from dew_lib.rollouts.scheduler.stream import ScheduledDataset, TaskStream
+from dew_lib.rollouts.scheduler.tasks import task_ids
 
-RESUBMIT_CAUSES = ("infra_error", "cancelled", "stale", "timeout", "unscored")
-
-
-class Publisher(Protocol):
-    """Where the trainer's weights go: load serves them under version.
-
-    A RolloutServer is one. A publisher with a `version` attribute is checked after each load.
-    """
-
-    def load(self, variables: Any, version: int) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerRecord:
-    """What one trainer call consumed and what it cost.
-
-    updates: the trainer's optimizer updates at the call. version, lag: the oldest admitted
-    call's version and updates - version. groups: groups admitted. resubmitted: resubmissions
-    during the call by cause (infra_error, cancelled, stale, timeout, unscored). cancelled:
-    in-flight rollouts cancelled as surplus, stale or abandoned. abandoned: groups given up
-    after max_attempts. cut: complete groups left out because their chains did not fit the
-    rows beside the groups admitted before them. waited: seconds the trainer waited for its
-    rollouts. metrics: `session_metrics` over the admitted rollouts and their packed batch.
-    """
-
-    updates: int
-    version: int
-    lag: int
-    groups: int
-    resubmitted: Mapping[str, int]
-    cancelled: int
-    abandoned: int
-    cut: int
-    waited: float
-    metrics: Mapping[str, float]
-
-
-@dataclasses.dataclass(frozen=True)
-class SessionLog:
-    """The sessions one trainer call settled, with why: what `StageWriter.sessions` records.
-
-    update: the trainer's updates at the call. causes: per session, one of pending (finished,
-    waiting for its group or batch), admitted, discarded (stale), cancelled, resubmitted (a
-    failed attempt that was drawn again), abandoned (a failed attempt not drawn again, or a
-    member of an abandoned group) and cut. latencies: seconds from submission to finish (None
-    for a session reused from a previous run). trained: whether the session is in the batch's
-    loss (admitted and training under the truncation policy).
-    """
-
-    update: int
-    sessions: tuple[Session, ...]
-    causes: tuple[str, ...]
-    latencies: tuple[float | None, ...]
-    trained: tuple[bool, ...]
-
-
-def task_ids(batch: Batch) -> list[Task]:
-    """One task per integer task_id row, named by its decimal id."""
-    if "task_id" not in batch:
-        raise KeyError(f"task_ids reads an integer 'task_id' field, and the batch has "
-                       f"{sorted(batch)}; pass RolloutScheduler(tasks=...) for other layouts "
-                       "(prompt_tasks reads Prompts batches)")
-    ids = np.asarray(batch["task_id"])
-    if ids.ndim != 1 or ids.dtype == bool or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"batch field 'task_id' must be a 1-D integer array, got {ids.dtype} "
-                         f"{ids.shape}")
-    return [Task(str(int(i)), {"task_id": int(i)}) for i in ids]
-
-
-def prompt_tasks(batch: Batch) -> list[Task]:
-    """One task per row of a `Prompts` batch, its data what `PromptSource` reads.
-
-    data: `prompt_ids` (the row without its left padding) and the reward fields `data_source`,
-    `ground_truth` and `extra_info` as strings. The id is the row's integer `task_id` when the
-    batch has one, else the first 16 hex digits of a SHA-256 of the prompt ids and ground truth,
-    so the same prompt is the same task in every epoch and after a resume.
-    """
-    for name in ("prompt", "prompt_length"):
-        if name not in batch:
-            raise KeyError(f"prompt_tasks reads Prompts batches ('prompt', 'prompt_length' and the "
-                           f"reward fields); the batch has {sorted(batch)}")
-    prompt = np.asarray(batch["prompt"], np.int32)
-    lengths = np.asarray(batch["prompt_length"], np.int32)
-    width = prompt.shape[1]
-    fields = {name: text_field(batch[name]) if name in batch else [""] * len(prompt)
-              for name in METADATA}
-    ids = np.asarray(batch["task_id"]) if "task_id" in batch else None
-    tasks = []
-    for row in range(len(prompt)):
-        ids_row = prompt[row, width - int(lengths[row]):]
-        if ids is not None:
-            name = str(int(ids[row]))
-        else:
-            digest = hashlib.sha256(ids_row.tobytes() + b"\0" + fields["ground_truth"][row].encode())
-            name = digest.hexdigest()[:16]
-        tasks.append(Task(name, {"prompt_ids": ids_row,
-                                 **{field: fields[field][row] for field in METADATA}}))
-    return tasks
-
-
-# ----- bookkeeping -----------------------------------------------------------------------------
-
-class _Attempt:
-    """One submission of one sample."""
-
-    __slots__ = ("sample", "number", "future", "submitted", "version", "cancelled")
-
-    def __init__(self, sample, number, submitted, version):
-        self.sample, self.number = sample, number
-        self.submitted, self.version = submitted, version
-        self.future: Future | None = None
-        self.cancelled = False
-
-
-class _Sample:
-    __slots__ = ("group", "index", "attempt", "failures", "current", "session", "latency",
-                 "given_up", "logged")
-
-    def __init__(self, group, index):
-        self.group, self.index = group, index
-        self.attempt = 0            # number of the current or next attempt
-        self.failures = 0
-        self.current: _Attempt | None = None
-        self.session: Session | None = None  # finished and admissible
-        self.latency: float | None = None
-        self.given_up = False
-        self.logged: str | None = None  # the cause last recorded for `session`
-
-
-class _Group:
-    __slots__ = ("batch", "index", "id", "task", "samples", "finished", "state", "order")
-
-    def __init__(self, batch, index, group_id, task, size):
-        self.batch, self.index, self.id, self.task = batch, index, group_id, task
-        self.samples = [_Sample(self, i) for i in range(size)]
-        self.finished: list[_Sample] = []  # in completion order
-        # running -> complete -> admitted | cut; or abandoned, or surplus (cancelled under admit)
-        self.state = "running"
-        self.order = -1  # completion order among all groups
-
-
-class _Batch:
-    __slots__ = ("position", "data", "groups", "submitted", "stream_state")
-
-    def __init__(self, position, data, stream_state=None):
-        self.position, self.data, self.stream_state = position, data, stream_state
-        self.groups: list[_Group] = []
-        self.submitted = False
-
-
-class _Stream:
-    """The iterator `tasks(dataset).stream(...)` returns; see RolloutScheduler.tasks."""
-
-    def __init__(self, scheduler: RolloutScheduler, generation: int):
-        self.scheduler, self.generation = scheduler, generation
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self
-
-    def __next__(self) -> Batch:
-        return self.scheduler._next_batch(self.generation)
-
-    def state(self) -> Any:
-        """The inner stream's state at the next batch the trainer reads (not at the batches
-        already read ahead), so a checkpoint resumes the data where the trainer stood; None
-        when the inner stream cannot say."""
-        return self.scheduler._stream_state(self.generation)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _ScheduledDataset(Dataset):
-    """A Dataset whose training stream registers its batches with a scheduler."""
-
-    scheduler: Any
-    inner: Dataset
-
-    def stream(self, partition: Partition, position: int = 0, state: Mapping | None = None
-               ) -> Iterator[Batch]:
-        return self.scheduler._open(self.inner.stream(partition, position, state), position)
-
-
-# ----- the scheduler ---------------------------------------------------------------------------
 
 class RolloutScheduler:
     """Train on complete rollout groups from source, ahead task batches early.
@@ -328,14 +151,14 @@ class RolloutScheduler:
         self.estimator, self.truncation, self.support_capacity = estimator, truncation, support_capacity
         self.log, self.session_log = log, session_log
 
-        self._events: queue.SimpleQueue[_Attempt] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[Attempt] = queue.SimpleQueue()
         self._generation = 0
         self._inner: Iterator[Batch] | None = None
         self._next_position = 0
         self._tasks_per_batch: int | None = None
-        self._ahead: collections.deque[_Batch] = collections.deque()  # read, not yet yielded
-        self._given: _Batch | None = None     # yielded, waiting for its call
-        self._batches: dict[int, _Batch] = {}  # read and not yet consumed, by position
+        self._ahead: collections.deque[TaskBatch] = collections.deque()  # read, not yet yielded
+        self._given: TaskBatch | None = None     # yielded, waiting for its call
+        self._batches: dict[int, TaskBatch] = {}  # read and not yet consumed, by position
         self._served: int | None = None
         self._updates = 0
         self._key_words: list[int] = [0]
@@ -355,7 +178,7 @@ class RolloutScheduler:
         """
         if not isinstance(dataset, Dataset):
             raise TypeError(f"RolloutScheduler.tasks wraps a dew_lib Dataset, got {type(dataset).__name__}")
-        return _ScheduledDataset(train=dataset.train, val=dataset.val, records=dataset.records,
+        return ScheduledDataset(train=dataset.train, val=dataset.val, records=dataset.records,
                                  batch=dataset.batch, scheduler=self, inner=dataset)
 
     def _open(self, inner: Iterator[Batch], position: int) -> Iterator[Batch]:
@@ -367,7 +190,7 @@ class RolloutScheduler:
         self._batches.clear()
         self._given = None
         self._broken = None
-        return _Stream(self, self._generation)
+        return TaskStream(self, self._generation)
 
     def _next_batch(self, generation: int) -> Batch:
         if generation != self._generation:
@@ -386,7 +209,7 @@ class RolloutScheduler:
         state = getattr(self._inner, "state", None)
         return state() if state is not None else None
 
-    def _read(self) -> _Batch:
+    def _read(self) -> TaskBatch:
         state = getattr(self._inner, "state", None)
         stream_state = state() if state is not None else None
         data = next(self._inner)  # StopIteration ends the trainer's stream as usual
@@ -399,9 +222,9 @@ class RolloutScheduler:
             raise ValueError(
                 f"the batch at position {self._next_position} has {len(tasks)} tasks and earlier "
                 f"ones {self._tasks_per_batch}; the scheduler's group ids need a fixed batch size")
-        batch = _Batch(self._next_position, data, stream_state)
+        batch = TaskBatch(self._next_position, data, stream_state)
         size = self.groups + self.oversample
-        batch.groups = [_Group(batch, i, batch.position * len(tasks) + i, task, size)
+        batch.groups = [Group(batch, i, batch.position * len(tasks) + i, task, size)
                         for i, task in enumerate(tasks)]
         self._batches[batch.position] = batch
         self._next_position += 1
@@ -441,7 +264,7 @@ class RolloutScheduler:
         return False
 
     # ----- the trainer's call ------------------------------------------------------------------
-    def __call__(self, state, batch: Batch, key) -> dict[str, np.ndarray]:
+    def __call__(self, state, batch: Batch, key) -> PackedBatch:
         self._check_open()
         if self._broken is not None:
             raise RuntimeError("the scheduler failed on an earlier call and cancelled its work; open "
@@ -474,7 +297,7 @@ class RolloutScheduler:
             admitted = self._admit(current)
             waited = time.perf_counter() - started
             del self._batches[current.position]
-            sessions = [s.session for g in admitted for s in g.finished[:self.groups]]
+            sessions = trained_sessions(admitted, self.groups)
             latencies = [s.latency for g in admitted for s in g.finished[:self.groups]]
             for group in admitted:
                 for sample in group.finished[:self.groups]:
@@ -487,7 +310,8 @@ class RolloutScheduler:
                     "failing: see the causes and details of the recorded sessions")
             packed = pack(sessions, self.width, rows=self.rows, estimator=self.estimator,
                           truncation=self.truncation, support_capacity=self.support_capacity)
-            score_proximal_in_update(packed)
+            packed.pop("old_log_probs", None)  # an engine's raw likelihoods are behavior, not proximal
+            packed = PackedBatch.of(packed, proximal="in_update")
             self._drain()  # what finished while packing counts in this record
         except BaseException as error:
             self._broken = error
@@ -563,7 +387,7 @@ class RolloutScheduler:
         self._served = updates
 
     # ----- submission --------------------------------------------------------------------------
-    def _submit_batch(self, batch: _Batch) -> None:
+    def _submit_batch(self, batch: TaskBatch) -> None:
         batch.submitted = True
         for group in batch.groups:
             for sample in group.samples:
@@ -582,13 +406,13 @@ class RolloutScheduler:
         versions = [call.version for call in session.calls] or [self._updates + 1]
         return max(versions) <= self._updates and self._updates - min(versions) <= self.max_lag
 
-    def _seed(self, sample: _Sample) -> int:
+    def _seed(self, sample: Sample) -> int:
         entropy = [*self._key_words, sample.group.id, sample.index, sample.attempt]
         return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
-    def _launch(self, sample: _Sample) -> None:
+    def _launch(self, sample: Sample) -> None:
         group = sample.group
-        attempt = _Attempt(sample, sample.attempt, time.perf_counter(), self._served)
+        attempt = Attempt(sample, sample.attempt, time.perf_counter(), self._served)
         future = self.source.submit(group.task, group=group.id, sample=sample.index,
                                     attempt=sample.attempt, seed=self._seed(sample))
         if not isinstance(future, Future):
@@ -598,13 +422,13 @@ class RolloutScheduler:
         sample.current = attempt
         future.add_done_callback(lambda _, a=attempt: self._events.put(a))
 
-    def _cancel(self, attempt: _Attempt) -> None:
+    def _cancel(self, attempt: Attempt) -> None:
         attempt.cancelled = True
         if attempt.sample.current is attempt:
             attempt.sample.current = None
         self.source.cancel(attempt.future)
 
-    def _in_flight(self) -> list[_Attempt]:
+    def _in_flight(self) -> list[Attempt]:
         return [s.current for b in self._batches.values() for g in b.groups for s in g.samples
                 if s.current is not None]
 
@@ -619,7 +443,7 @@ class RolloutScheduler:
                 self._cancelled += 1
                 self._resubmit(attempt.sample, "stale")
 
-    def _resubmit(self, sample: _Sample, cause: str) -> None:
+    def _resubmit(self, sample: Sample, cause: str) -> None:
         self._resubmitted[cause] += 1
         sample.attempt += 1
         self._launch(sample)
@@ -638,7 +462,7 @@ class RolloutScheduler:
             except queue.Empty:
                 return
 
-    def _outcome(self, attempt: _Attempt) -> Session:
+    def _outcome(self, attempt: Attempt) -> Session:
         """The session an attempt ended with, relabelled; a stand-in when it has none."""
         sample, group, future = attempt.sample, attempt.sample.group, attempt.future
         labels = dict(task=group.task.id, group=group.id, sample=sample.index, attempt=attempt.number)
@@ -658,7 +482,7 @@ class RolloutScheduler:
             raise TypeError(f"the source resolved a future to {type(session).__name__}, not a Session")
         return dataclasses.replace(session, **labels)
 
-    def _handle(self, attempt: _Attempt) -> None:
+    def _handle(self, attempt: Attempt) -> None:
         sample, group = attempt.sample, attempt.sample.group
         latency = time.perf_counter() - attempt.submitted
         if attempt.cancelled or sample.current is not attempt:
@@ -694,7 +518,7 @@ class RolloutScheduler:
         oldest = min((call.version for call in session.calls), default=submitted_version)
         return self._updates - oldest > self.max_lag
 
-    def _fail(self, sample: _Sample, cause: str, session: Session | None, latency) -> None:
+    def _fail(self, sample: Sample, cause: str, session: Session | None, latency) -> None:
         sample.failures += 1
         group = sample.group
         if sample.failures < self.max_attempts:
@@ -708,16 +532,17 @@ class RolloutScheduler:
         if sum(not s.given_up for s in group.samples) < self.groups:
             self._abandon(group)
 
-    def _complete(self, group: _Group) -> None:
-        group.state, group.order = "complete", next(self._order)
+    def _complete(self, group: Group) -> None:
+        group.move(GroupState.COMPLETE)
+        group.order = next(self._order)
         for sample in group.samples:  # the oversampled stragglers
             if sample.current is not None:
                 self._cancel(sample.current)
                 self._cancelled += 1
 
-    def _settle(self, group: _Group, state: str, cause: str) -> None:
+    def _settle(self, group: Group, state: GroupState, cause: str) -> None:
         """End a group that will not train: cancel what runs, record what finished."""
-        group.state = state
+        group.move(state)
         for sample in group.samples:
             if sample.current is not None:
                 self._cancel(sample.current)
@@ -726,11 +551,11 @@ class RolloutScheduler:
             self._entry(sample, cause)
         group.finished = []
 
-    def _abandon(self, group: _Group) -> None:
+    def _abandon(self, group: Group) -> None:
         self._abandoned += 1
-        self._settle(group, "abandoned", "abandoned")
+        self._settle(group, GroupState.ABANDONED, "abandoned")
 
-    def _entry(self, sample: _Sample, cause: str, trained: bool = False) -> None:
+    def _entry(self, sample: Sample, cause: str, trained: bool = False) -> None:
         self._entries.append((sample.session, cause, sample.latency, trained))
         sample.logged = cause
 
@@ -738,15 +563,15 @@ class RolloutScheduler:
         """Discard finished rollouts that became too stale while they waited."""
         for batch in list(self._batches.values()):
             for group in batch.groups:
-                if group.state not in ("running", "complete"):
+                if not group.state.open:
                     continue
                 for sample in list(group.finished):
                     if self._stale(sample.session, updates):
                         group.finished.remove(sample)
                         self._entry(sample, "discarded")
                         sample.session = None
-                        if group.state == "complete":
-                            group.state = "running"
+                        if group.state is GroupState.COMPLETE:
+                            group.move(GroupState.RUNNING)
                         self._resubmit(sample, "stale")
 
     def _check_timeouts(self) -> tuple[bool, float | None]:
@@ -766,49 +591,41 @@ class RolloutScheduler:
         return fired, next_deadline
 
     # ----- admission ---------------------------------------------------------------------------
-    def _admit(self, batch: _Batch) -> list[_Group]:
+    def _admit(self, batch: TaskBatch) -> list[Group]:
         target = len(batch.groups) if self.admit is None else self.admit
         if target > len(batch.groups):
             raise ValueError(f"RolloutScheduler.admit={self.admit} exceeds the {len(batch.groups)} "
                              "tasks of a batch; lower admit or raise the batch size")
-        admitted: list[_Group] = []
+        admitted: list[Group] = []
         while True:
             self._drain()
-            complete = sorted((g for g in batch.groups if g.state == "complete"), key=lambda g: g.order)
-            for group in complete:
+            for group in completed(batch):
                 if len(admitted) == target:
                     break
                 self._place(group, admitted)
-            open_groups = [g for g in batch.groups if g.state in ("running", "complete")]
+            open_groups = [g for g in batch.groups if g.state.open]
             if len(admitted) == target or not open_groups:
                 break
             fired, wait = self._check_timeouts()
             if not fired:  # block until a rollout finishes or the next deadline passes
                 self._drain(timeout=1.0 if wait is None else min(wait + 1e-3, 1.0))
         for group in batch.groups:
-            if group.state in ("running", "complete"):
-                self._settle(group, "surplus", "cancelled")
+            if group.state.open:
+                self._settle(group, GroupState.SURPLUS, "cancelled")
         return admitted
 
-    def _place(self, group: _Group, admitted: list[_Group]) -> None:
+    def _place(self, group: Group, admitted: list[Group]) -> None:
         """Admit a complete group when its chains fit the rows beside the admitted ones; else cut."""
-        sessions = [s.session for s in group.finished[:self.groups]]
-        alone = rows_needed(chain_lengths(sessions, self.width, self.truncation), self.width)
-        if alone > self.rows:
-            raise ValueError(
-                f"the group of task {group.task.id!r} packs into {alone} rows of width {self.width} "
-                f"on its own, more than rows={self.rows}; size rows for the chains a group can "
-                "split into (up to groups x calls per session)")
-        before = [s.session for g in admitted for s in g.finished[:self.groups]]
-        if rows_needed(chain_lengths(before + sessions, self.width, self.truncation), self.width) > self.rows:
+        state = placement(group, admitted, size=self.groups, width=self.width, rows=self.rows,
+                          truncation=self.truncation)
+        if state is GroupState.CUT:
             self._cut += 1
             for sample in group.finished:
                 self._entry(sample, "cut")
             group.finished = []
-            group.state = "cut"
-            return
-        group.state = "admitted"
-        admitted.append(group)
+        else:
+            admitted.append(group)
+        group.move(state)
 
     # ----- recording ---------------------------------------------------------------------------
     def _flush(self) -> None:
@@ -816,7 +633,7 @@ class RolloutScheduler:
         session_log."""
         for batch in self._batches.values():
             for group in batch.groups:
-                if group.state in ("running", "complete"):
+                if group.state.open:
                     for sample in group.finished:
                         if sample.logged is None:
                             self._entry(sample, "pending")
@@ -827,5 +644,4 @@ class RolloutScheduler:
         self.session_log(SessionLog(self._updates, sessions, causes, latencies, trained))
 
 
-__all__ = ["Publisher", "RESUBMIT_CAUSES", "RolloutScheduler", "SchedulerRecord", "SessionLog",
-           "prompt_tasks", "task_ids"]
+__all__ = ["RolloutScheduler"]

@@ -1,21 +1,22 @@
 """GRPOObjective: clipped policy-gradient training on packed rollout rows.
 
-The batch is what `sessions.pack` builds (`[R, W]` columns with W = seq_len + 1; see that module).
+The batch is what `dew_lib.rollouts.pack` builds (`[R, W]` columns with W = seq_len + 1; see that module).
 Input position i predicts id i + 1, so every per-token quantity below is read from columns
 1..W-1 of the packed arrays and counts only where `response_mask` marks a sampled id.
 
 One update:
   1. score the sampled ids under the current policy (at `sampling_temperature`, over the
      recorded support when the batch has `support_ids`);
-  2. the policy ratio compares them with `old_log_probs` (the raw policy at sampling time or a
-     rescored proximal policy), or, when the batch has the `PROXIMAL_IS_CURRENT` column, with
-     the detached scores of step 1 (the proximal policy is the weights being trained, scored in
-     the update's own forward pass); without either the loss runs in bypass mode, where the
+  2. the policy ratio compares them with the proximal policy the batch names
+     (`PackedBatch.proximal`): its `old_log_probs` ("recorded": the raw policy at sampling time or
+     a rescoring pass), the detached scores of step 1 ("in_update": the weights being trained,
+     scored in the update's own forward pass), or, in "bypass" mode, the behavior policy, so the
      ratio is current over behavior;
   3. behavior corrections weight or mask tokens: `behavior_importance` as a TIS cap or an
      IcePop band, `sequence_mask` and `geometric_mask` reject whole chains;
-  4. the surrogate (`policy_loss`) is reduced by `aggregation`, and when beta > 0 the k3 KL to
-     the frozen reference in `TrainState.ema` is added with the same reduction.
+  4. the surrogate (`policy_loss`) is reduced by `aggregation`, and when beta > 0 the KL to the
+     frozen reference in `TrainState.ema` (`kl_estimator`, k3 by default) is added with the same
+     reduction.
 
 Every variant is a function in `algorithms`; this class only wires them together.
 
@@ -33,30 +34,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew_lib.data.dataset import describe
+from dew_lib.objectives import algorithms
 from dew_lib.objectives.base import LossTerms, Metrics, check_token_ids
+from dew_lib.objectives.batch import REQUIRED, proximal_mode
 from dew_lib.objectives.lm import score_targets
+from dew_lib.options import choice
 from dew_lib.objectives.policy import check_pretrained, check_seq_len, initial_variables
-from dew_lib.objectives.rl import algorithms
-from dew_lib.objectives.rl.scoring import support_log_probs
+from dew_lib.objectives.scoring import support_log_probs
 from dew_lib.sampling import prompt_layout
 
-PACKED_FIELDS = ("input_ids", "text_segment_ids", "text_positions", "response_mask",
-                 "behavior_log_probs", "advantages", "session_index")
+PACKED_FIELDS = REQUIRED
 ALIGNED_FIELDS = PACKED_FIELDS + ("old_log_probs", "versions", "call_index", "session_weights",
                                   "rewards")
-# A `[R]` column of ones: the proximal policy is the weights this batch is trained with, so the
-# update scores it in its own forward pass instead of a separate rescoring pass. True when the
-# batch is trained exactly once, with the weights its rollout saw (the Trainer's case, with or
-# without accumulation); a batch trained again after an update needs rescored old_log_probs.
-PROXIMAL_IS_CURRENT = "proximal_is_current"
-
-
-def score_proximal_in_update(packed: dict) -> dict:
-    """Mark a packed batch `PROXIMAL_IS_CURRENT`, dropping any `old_log_probs` it carries (an
-    engine's raw likelihoods are behavior, not the proximal policy). Returns the batch."""
-    packed.pop("old_log_probs", None)
-    packed[PROXIMAL_IS_CURRENT] = np.ones(len(packed["input_ids"]), np.int8)
-    return packed
 
 
 def _band(value, name: str) -> tuple[float, float] | None:
@@ -85,6 +74,8 @@ class GRPOObjective:
     high) band (IcePop). sequence_mask, geometric_mask: (low, high) ratio bands on each chain's
     summed or mean log-ratio to the behavior policy. sampling_temperature: the temperature the
     ids were sampled at, so they are scored under the distribution that drew them.
+    kl_estimator: how the KL to the reference is estimated per token ("k1", "k2" or "k3"; see
+    `algorithms.KL_ESTIMATORS`).
     """
 
     def __init__(self, model, seq_len: int, *, beta: float = 0.0, pretrained: Any = None,
@@ -93,21 +84,14 @@ class GRPOObjective:
                  behavior_importance: float | tuple[float, float] | None = None,
                  sequence_mask: tuple[float, float] | None = None,
                  geometric_mask: tuple[float, float] | None = None,
-                 sampling_temperature: float = 1.0):
+                 sampling_temperature: float = 1.0, kl_estimator: str = "k3"):
         check_seq_len("GRPOObjective", model, seq_len)
         check_pretrained("GRPOObjective", pretrained)
         if beta < 0:
             raise ValueError(f"GRPOObjective.beta must be >= 0 (0 keeps no reference), got {beta}")
-        if policy_loss not in algorithms.POLICY_LOSSES:
-            raise ValueError(
-                f"GRPOObjective.policy_loss={policy_loss!r} is unknown; choose one of "
-                f"{sorted(algorithms.POLICY_LOSSES)}"
-            )
-        if aggregation not in algorithms.AGGREGATIONS:
-            raise ValueError(
-                f"GRPOObjective.aggregation={aggregation!r} is unknown; choose one of "
-                f"{sorted(algorithms.AGGREGATIONS)}"
-            )
+        choice("GRPOObjective.policy_loss", policy_loss, sorted(algorithms.POLICY_LOSSES))
+        choice("GRPOObjective.aggregation", aggregation, sorted(algorithms.AGGREGATIONS))
+        choice("GRPOObjective.kl_estimator", kl_estimator, sorted(algorithms.KL_ESTIMATORS))
         if not 0 <= epsilon_low < 1 or epsilon_high < 0:
             raise ValueError(
                 f"GRPOObjective clip range needs 0 <= epsilon_low < 1 and epsilon_high >= 0, got "
@@ -142,6 +126,7 @@ class GRPOObjective:
         self.sequence_mask = _band(sequence_mask, "sequence_mask")
         self.geometric_mask = _band(geometric_mask, "geometric_mask")
         self.sampling_temperature = float(sampling_temperature)
+        self.kl_estimator = kl_estimator
         self.ema_decay = 1.0 if self.beta > 0 else None
 
     @property
@@ -161,7 +146,7 @@ class GRPOObjective:
         missing = [name for name in PACKED_FIELDS if name not in batch]
         if missing:
             raise KeyError(
-                f"GRPOObjective needs the packed-rows fields {missing} (see sessions.pack; a "
+                f"GRPOObjective needs the packed-rows fields {missing} (see dew_lib.rollouts.pack; a "
                 f"Prompts batch must go through a rollout first); the batch has {describe(batch)}"
             )
         shape = np.shape(batch["input_ids"])
@@ -185,25 +170,13 @@ class GRPOObjective:
                 "batch field 'behavior_log_probs' is not aligned with the sampled ids: it must hold "
                 "a finite log-probability (<= 0) on every id response_mask marks and 0 elsewhere"
             )
-        if PROXIMAL_IS_CURRENT in batch:
-            if "old_log_probs" in batch:
-                raise ValueError(
-                    f"batch has both old_log_probs and {PROXIMAL_IS_CURRENT!r}; they name two "
-                    "different proximal policies: keep old_log_probs if the batch was rescored, "
-                    "or drop them to score the proximal policy in the update"
-                )
-            if np.shape(batch[PROXIMAL_IS_CURRENT]) != shape[:1]:
-                raise ValueError(
-                    f"batch field {PROXIMAL_IS_CURRENT!r} has shape "
-                    f"{np.shape(batch[PROXIMAL_IS_CURRENT])}, expected one flag per row {shape[:1]}"
-                )
-        elif isinstance(self.behavior_importance, float) and "old_log_probs" not in batch:
+        if isinstance(self.behavior_importance, float) and proximal_mode(batch) == "bypass":
             raise ValueError(
-                "GRPOObjective(behavior_importance=<cap>) needs old_log_probs: without them the "
-                "loss runs in bypass mode, where the ratio already is current over behavior and a "
-                "TIS weight would count that correction twice; rescore with packed_log_probs, add "
-                f"the {PROXIMAL_IS_CURRENT!r} column when the batch trains once under the weights "
-                "that would rescore it, or use a (low, high) band"
+                "GRPOObjective(behavior_importance=<cap>) needs a proximal policy: in bypass mode "
+                "the ratio already is current over behavior and a TIS weight would count that "
+                "correction twice; rescore old_log_probs with packed_log_probs, pass "
+                "PackedBatch.of(rows, proximal='in_update') when the batch trains once under the "
+                "weights that would rescore it, or use a (low, high) band"
             )
         if "support_ids" in batch and "support_columns" not in batch:
             raise KeyError("batch has support_ids without support_columns; pack writes both")
@@ -228,8 +201,8 @@ class GRPOObjective:
 
         The first id of each chain and padding have no prefix and get 0. A scheduler that
         rescores the proximal policy stores this as `old_log_probs`; one whose batch trains
-        under the weights it would rescore with marks it `PROXIMAL_IS_CURRENT` instead and
-        saves the pass.
+        under the weights it would rescore with passes `proximal="in_update"` instead and saves
+        the pass.
         """
         return _packed_log_probs(self, params, {k: batch[k] for k in _SCORING_FIELDS if k in batch})
 
@@ -243,9 +216,9 @@ class GRPOObjective:
         sessions = batch["session_index"][:, 1:]
         rows, t = mask.shape
         chains = jnp.arange(rows)[:, None] * t + batch["text_segment_ids"][:, 1:]
-        in_step = PROXIMAL_IS_CURRENT in batch
-        bypass = "old_log_probs" not in batch and not in_step
-        if in_step:  # the same numbers a rescoring pass with these weights would give
+        mode = proximal_mode(batch)
+        bypass = mode == "bypass"
+        if mode == "in_update":  # the same numbers a rescoring pass with these weights would give
             old = jax.lax.stop_gradient(log_probs)
         else:
             old = behavior if bypass else batch["old_log_probs"][:, 1:].astype(jnp.float32)
@@ -283,7 +256,8 @@ class GRPOObjective:
             if reference is None:
                 raise ValueError("GRPOObjective(beta > 0) needs the frozen reference in TrainState.ema")
             reference_log_probs = self.target_log_probs(jax.lax.stop_gradient(reference), batch)
-            kl_total, _ = aggregate(algorithms.k3(log_probs, reference_log_probs), kept, sessions)
+            kl = algorithms.KL_ESTIMATORS[self.kl_estimator](log_probs, reference_log_probs)
+            kl_total, _ = aggregate(kl, kept, sessions)
             total = pg_total + self.beta * kl_total
             metrics["kl"] = (kl_total, normalizer)
         tokens = kept.sum()

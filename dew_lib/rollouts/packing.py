@@ -1,15 +1,9 @@
-"""Rollout records and the packed-rows batch every GRPO path trains on.
+"""Packing: sessions into the one fixed-shape batch every GRPO path trains on.
 
-A `Call` is one engine request: the prompt ids it read, the ids it sampled (EOS included on a
-natural stop), the engine's behavior log-probabilities for them and the policy version it was
-submitted under. A `Session` is one harness session (one sample of one task): its calls in
-submission order, a `Status`, the verifier's reward and its components. A `SessionSource` turns
-a `Task` into futures of sessions. These records are also what the run store keeps.
-
-`pack` turns sessions into one fixed-shape batch. Call k + 1 joins call k's chain only when its
-prompt starts with every id of the chain so far, sampled ids included, so sampled ids are never
-spliced into a context the model did not see. Chains are placed first-fit into `[rows, width]`
-with segment ids and positions, and every column is aligned with `input_ids`:
+Call k + 1 joins call k's chain only when its prompt starts with every id of the chain so far,
+sampled ids included, so sampled ids are never spliced into a context the model did not see.
+Chains are placed first-fit into `[rows, width]` with segment ids and positions, and every
+column is aligned with `input_ids`:
 
     input_ids, text_segment_ids, text_positions   int32    the chains (segment 0 is padding)
     response_mask                                 int32    1 on sampled ids, EOS included
@@ -24,165 +18,24 @@ with segment ids and positions, and every column is aligned with `input_ids`:
     routed_experts, routed                        when a call recorded expert routing
     support_ids, support_columns [rows, C]        when a call recorded its sampling support
 
-Statuses: COMPLETED and AGENT_ERROR train on their reward; INFRA_ERROR and CANCELLED never train
-and take no part in the baseline; TRUNCATED follows `truncation` ("mask": dropped like an
-infrastructure failure; "score": trained on its reward; "zero": trained on reward 0).
+Which sessions train, and on what reward, follows their `Status` and the truncation policy (see
+`dew_lib.records.sessions`). Advantages come from the estimator table in
+`dew_lib.objectives.algorithms`.
 
-Not here: drawing sessions (sources, `SampledRollout`, the scheduler), tokenization, and any
-retokenizing of transcripts: ids are taken exactly as the engine reported them.
+Not here: the records themselves (`dew_lib.records`), drawing sessions (sources,
+`SampledRollout`, the scheduler), tokenization.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import enum
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
 
 import numpy as np
 
-from dew_lib.objectives.rl import algorithms
-
-
-class Status(str, enum.Enum):
-    """How a session ended."""
-
-    COMPLETED = "completed"
-    TRUNCATED = "truncated"
-    AGENT_ERROR = "agent_error"
-    INFRA_ERROR = "infra_error"
-    CANCELLED = "cancelled"
-
-
-TRUNCATION = ("mask", "score", "zero")
-FINISH_REASONS = ("stop", "length", "abort")
-
-
-def _ids(value: Any, field: str, owner: str) -> np.ndarray:
-    array = np.asarray(value)
-    if array.dtype == bool or (array.size and not np.issubdtype(array.dtype, np.integer)):
-        raise TypeError(f"{owner}.{field} must hold integer token ids, got dtype {array.dtype}")
-    array = array.astype(np.int64).reshape(-1)
-    if array.size and array.min() < 0:
-        raise ValueError(f"{owner}.{field} holds a negative token id ({int(array.min())})")
-    return array.astype(np.int32)
-
-
-@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class Call:
-    """One engine request and what it sampled.
-
-    prompt_ids: every id the engine read. sampled_ids: the ids it drew, EOS included on a natural
-    stop. behavior_log_probs: one engine-reported log-probability per sampled id.
-    raw_log_probs: the raw (untempered, unfiltered) policy's, when the engine has them.
-    finish_reason: "stop" (EOS), "length" (budget) or "abort". version: the policy version
-    served when the request was submitted. routed_experts: `[len(prompt_ids) +
-    len(sampled_ids), layers, top_k]` expert ids, when the engine reports routing. support: for
-    each sampled id, the ids the sampler kept (top-k/top-p support), when recorded.
-    """
-
-    prompt_ids: Any
-    sampled_ids: Any
-    behavior_log_probs: Any
-    finish_reason: str = "stop"
-    version: int = 0
-    raw_log_probs: Any = None
-    routed_experts: Any = None
-    support: Sequence[Any] | None = None
-
-    def __post_init__(self):
-        prompt = _ids(self.prompt_ids, "prompt_ids", "Call")
-        sampled = _ids(self.sampled_ids, "sampled_ids", "Call")
-        if prompt.size == 0:
-            raise ValueError("Call.prompt_ids is empty; a call needs the context it was sampled from")
-        behavior = np.asarray(self.behavior_log_probs, np.float32).reshape(-1)
-        if behavior.shape != sampled.shape:
-            raise ValueError(
-                f"Call.behavior_log_probs has {behavior.size} entries for {sampled.size} sampled "
-                "ids; the engine must report one log-probability per sampled id"
-            )
-        if not np.all(np.isfinite(behavior)):
-            raise ValueError("Call.behavior_log_probs holds a non-finite value")
-        raw = None
-        if self.raw_log_probs is not None:
-            raw = np.asarray(self.raw_log_probs, np.float32).reshape(-1)
-            if raw.shape != sampled.shape:
-                raise ValueError(
-                    f"Call.raw_log_probs has {raw.size} entries for {sampled.size} sampled ids"
-                )
-        if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"Call.finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
-        routed = None
-        if self.routed_experts is not None:
-            routed = np.asarray(self.routed_experts)
-            if routed.ndim != 3 or routed.shape[0] != prompt.size + sampled.size:
-                raise ValueError(
-                    f"Call.routed_experts has shape {routed.shape}; expected [prompt + sampled ids "
-                    f"= {prompt.size + sampled.size}, layers, top_k]"
-                )
-        support = None
-        if self.support is not None:
-            support = tuple(_ids(kept, "support", "Call") for kept in self.support)
-            if len(support) != sampled.size:
-                raise ValueError(
-                    f"Call.support has {len(support)} entries for {sampled.size} sampled ids"
-                )
-            for j, (token, kept) in enumerate(zip(sampled, support, strict=True)):
-                if token not in kept:
-                    raise ValueError(
-                        f"Call.support[{j}] does not contain the id sampled there ({int(token)}); "
-                        "a support must list every id the sampler could have drawn"
-                    )
-        for name, value in (("prompt_ids", prompt), ("sampled_ids", sampled),
-                            ("behavior_log_probs", behavior), ("raw_log_probs", raw),
-                            ("routed_experts", routed), ("support", support)):
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, "version", int(self.version))
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    """What a source works on: an id (the run store's key) and its payload."""
-
-    id: str
-    data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class Session:
-    """One sample of one task: its calls, how it ended and its reward.
-
-    group and sample place it in its GRPO group; attempt counts resubmissions of the sample.
-    reward is None when the verifier never ran. components break the reward down by name.
-    """
-
-    task: str
-    group: int = 0
-    sample: int = 0
-    attempt: int = 0
-    calls: tuple[Call, ...] = ()
-    status: Status = Status.COMPLETED
-    reward: float | None = None
-    components: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    detail: str = ""
-
-    def __post_init__(self):
-        object.__setattr__(self, "status", Status(self.status))
-        object.__setattr__(self, "calls", tuple(self.calls))
-        object.__setattr__(self, "task", str(self.task))
-
-
-class SessionSource(Protocol):
-    """Draws sessions for tasks; a future per sample."""
-
-    def submit(self, task: Task, *, group: int, sample: int, attempt: int,
-               seed: int) -> concurrent.futures.Future[Session]: ...
-
-    def cancel(self, future: concurrent.futures.Future[Session]) -> None:
-        """Ask the session behind `future` to stop at its next turn (also mid-draw)."""
-
+from dew_lib.objectives import algorithms
+from dew_lib.records.sessions import Session, Status, check_truncation, status_trains
 
 # ----- chains ----------------------------------------------------------------------------------
 
@@ -230,23 +83,9 @@ def trains(session: Session, truncation: str) -> bool:
     return status_trains(session.status, truncation)
 
 
-def status_trains(status: Status, truncation: str) -> bool:
-    """Whether sessions that ended with `status` train under `truncation`."""
-    if status in (Status.COMPLETED, Status.AGENT_ERROR):
-        return True
-    if status is Status.TRUNCATED:
-        return truncation != "mask"
-    return False
-
-
-def _check_truncation(truncation: str) -> None:
-    if truncation not in TRUNCATION:
-        raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
-
-
 def chain_lengths(sessions: Sequence[Session], width: int, truncation: str = "mask") -> list[int]:
     """Length of every chain `pack` would place, in packing order; refuses one wider than width."""
-    _check_truncation(truncation)
+    check_truncation(truncation)
     lengths = []
     for index, session in enumerate(sessions):
         if not trains(session, truncation):
@@ -335,7 +174,7 @@ def pack(sessions: Sequence[Session], width: int, rows: int | None = None, *,
     """
     if width < 2:
         raise ValueError(f"pack width must be at least 2, got {width}")
-    _check_truncation(truncation)
+    check_truncation(truncation)
     algorithms.advantage_function(estimator)  # unknown names fail before any work
     rewards = training_rewards(sessions, truncation)
     advantages = session_advantages(sessions, estimator, truncation)
@@ -469,7 +308,7 @@ def session_metrics(sessions: Sequence[Session], batch: Mapping[str, np.ndarray]
     status, mean reward and reward per component over training sessions, latency p50/p90/max,
     and version lag (`version` minus each training call's version) mean and max.
     """
-    _check_truncation(truncation)
+    check_truncation(truncation)
     metrics: dict[str, float] = {}
     count = max(len(sessions), 1)
     sampled_total = sum(call.sampled_ids.size for s in sessions for call in s.calls)
@@ -506,6 +345,5 @@ def session_metrics(sessions: Sequence[Session], batch: Mapping[str, np.ndarray]
     return metrics
 
 
-__all__ = ["Call", "Chain", "Session", "SessionSource", "Status", "Task", "chain_lengths", "chains",
-           "first_fit", "pack", "rows_needed", "session_advantages", "session_metrics",
-           "status_trains", "trains"]
+__all__ = ["Chain", "chain_lengths", "chains", "first_fit", "pack", "rows_needed",
+           "session_advantages", "session_metrics", "training_rewards", "trains"]

@@ -16,7 +16,7 @@ and every `Transition(action, observation)`, so it can grade finished and trunca
 differently. It runs while the environment is still entered, so it can inspect what the
 episode left behind.
 
-Not here: running episodes (`sources.EnvironmentSource`), the lock-step `EpisodeRollout`,
+Not here: running episodes (`dew_lib.rollouts.sources.EnvironmentSource`), the lock-step `EpisodeRollout`,
 subprocess environments and journals.
 """
 
@@ -29,7 +29,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dew_lib.objectives.rl.sessions import Task
+from dew_lib.records.ids import token_ids
+from dew_lib.records.sessions import Task
 
 
 class EpisodeStatus(str, enum.Enum):
@@ -40,16 +41,6 @@ class EpisodeStatus(str, enum.Enum):
     TRUNCATED = "truncated"
     CANCELLED = "cancelled"
     ERROR = "error"
-
-
-def _token_ids(value: Any, owner: str) -> np.ndarray:
-    array = np.asarray(value)
-    if array.dtype == bool or (array.size and not np.issubdtype(array.dtype, np.integer)):
-        raise TypeError(f"{owner} must hold integer token ids, got dtype {array.dtype}")
-    array = array.astype(np.int64).reshape(-1)
-    if array.size and array.min() < 0:
-        raise ValueError(f"{owner} holds a negative token id ({int(array.min())})")
-    return array.astype(np.int32)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -67,7 +58,7 @@ class Observation:
 
     def __post_init__(self):
         object.__setattr__(self, "status", EpisodeStatus(self.status))
-        context = _token_ids(self.context, "Observation.context")
+        context = token_ids(self.context, "Observation.context")
         if self.status is EpisodeStatus.RUNNING and context.size == 0:
             raise ValueError("Observation.context is empty while the episode is RUNNING; the model "
                              "needs a context to act on (return a terminal status to end the episode)")

@@ -41,7 +41,6 @@ subprocess environments, remote gateways.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -50,10 +49,10 @@ from typing import Any
 
 import numpy as np
 
-from dew_lib.objectives.rl.episodes import (Action, Episode, EpisodeId, EpisodeStatus,
-                                            EnvironmentFactory, Observation, Transition, Verifier)
-from dew_lib.objectives.rl.rollout import Reward, token_text
-from dew_lib.objectives.rl.sessions import Call, Session, Status, Task
+from dew_lib.records.episodes import (Action, EnvironmentFactory, Episode, EpisodeId, EpisodeStatus,
+                                      Observation, Transition, Verifier)
+from dew_lib.records.sessions import Call, Session, Status, Task
+from dew_lib.rollouts.sampled import Reward, token_text
 
 
 def _call(prompt, draw) -> Call:

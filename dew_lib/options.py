@@ -1,0 +1,46 @@
+"""The checks options classes apply to their fields, so every refusal names the field, what it
+accepts and what it got, in the same words everywhere."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from typing import Any, TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+
+def choice(name: str, value: T, choices: Collection[Any]) -> T:
+    """`value` when it is one of `choices`; else a ValueError naming `name`."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def integer(name: str, value: Any, *, at_least: int = 1, optional: bool = False) -> int | None:
+    """`value` as an int >= `at_least` (None passes when `optional`); booleans are refused."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < at_least:
+        bound = "a positive integer" if at_least == 1 else f"an integer >= {at_least}"
+        raise ValueError(f"{name} must be {'None or ' if optional else ''}{bound}, got {value!r}")
+    return int(value)
+
+
+def number(name: str, value: Any, *, above: float | None = None, at_least: float | None = None,
+           optional: bool = False) -> float | None:
+    """`value` as a finite float, > `above` or >= `at_least` when given (None passes when
+    `optional`); booleans are refused."""
+    if value is None and optional:
+        return None
+    ok = not isinstance(value, bool) and isinstance(value, int | float | np.integer | np.floating)
+    ok = ok and math.isfinite(value)
+    ok = ok and (above is None or value > above) and (at_least is None or value >= at_least)
+    if not ok:
+        bound = ("positive" if above == 0 else f"> {above}") if above is not None else (
+            f">= {at_least}" if at_least is not None else "finite")
+        raise ValueError(f"{name} must be {'None or ' if optional else ''}a {bound} number, "
+                         f"got {value!r}")
+    return float(value)

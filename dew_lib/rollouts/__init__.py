@@ -1,0 +1,17 @@
+"""Rollouts: host-side experience for the RL objectives, handed to the Trainer's `rollout` hook.
+
+`pack` turns recorded sessions into packed rows (packing.py); `SampledRollout` draws groups from
+the policy in-process (sampled.py); `PromptSource` and `EnvironmentSource` draw sessions from a
+rollout server (sources.py); `RolloutScheduler` trains on them asynchronously (scheduler/).
+
+Not here: the losses (`dew_lib.objectives`), the records themselves (`dew_lib.records`), the
+servers that sample (`dew_lib.inference`).
+"""
+
+from dew_lib.rollouts.packing import pack, session_metrics
+from dew_lib.rollouts.sampled import RewardFailed, SampledRollout
+from dew_lib.rollouts.scheduler import GroupState, RolloutScheduler, prompt_tasks, task_ids
+from dew_lib.rollouts.sources import EnvironmentSource, PromptSource
+
+__all__ = ["EnvironmentSource", "GroupState", "PromptSource", "RewardFailed", "RolloutScheduler",
+           "SampledRollout", "pack", "prompt_tasks", "session_metrics", "task_ids"]
