@@ -36,7 +36,7 @@ def dew_times(batch, seq, repeats, kernel):
     import jax
     import jax.numpy as jnp
 
-    from dew_lib.models.decoder import attend_causal
+    from dew_lib.models.decoder_attention import attend_causal
 
     q, k, v, d_out = (jnp.asarray(x) for x in inputs(batch, seq))
     segments = jnp.ones((batch, seq), jnp.int32)

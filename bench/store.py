@@ -37,7 +37,7 @@ PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 16, 4, 24, 64
 
 def demo_step():
     """A GRPO trainer at the demo's sizes whose rollout hook writes the step's sessions to the
-    store when `step.stage` is set (as tasks/train.py's RecordedRollout does)."""
+    store when `step.stage` is set (as dew_lib.recipes.RecordedRollout does)."""
     import jax
     import optax
 

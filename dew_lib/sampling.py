@@ -23,6 +23,7 @@ import numpy as np
 
 from dew_lib.models.decoder import DECODE_COMPILER_OPTIONS, KVCache, split_layers
 from dew_lib.objectives.base import check_token_ids
+from dew_lib.objectives.lm import prompt_layout
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -140,15 +141,6 @@ def _is_eos(ids, sampling: Sampling):
     for eos in sampling.eos_ids:
         stop = stop | (ids == eos)
     return stop
-
-
-def prompt_layout(prompt_length: jax.Array, width: int):
-    """Segment ids (0 on left padding) and positions (0 at each row's first real token)."""
-    pad = width - prompt_length[:, None]
-    columns = jnp.arange(width)[None, :]
-    segments = (columns >= pad).astype(jnp.int32)
-    positions = jnp.maximum(columns - pad, 0).astype(jnp.int32)
-    return segments, positions
 
 
 def _pack_cache(kvs, prompt_length, width, slots, dtype) -> KVCache:

@@ -2,7 +2,7 @@
 
 `params.mode="sync"` draws each batch on the trainer's device before its update (SampledRollout);
 `"async"` draws the next batches on the native rollout server while the trainer updates
-(tasks/scheduled.py, docs/rl.md "Asynchronous GRPO").
+(dew_lib/recipes/scheduled.py, docs/rl.md "Asynchronous GRPO"); dew_lib.recipes builds either.
 """
 
 from __future__ import annotations

@@ -11,18 +11,21 @@ artifact. Flow-GRPO also saves the grid of that step's rollout (`previews/rollou
 and records every sample of every rollout (reward, group mean and standard deviation,
 advantage, kept, and the image as a PNG) in the run store's `samples` table.
 
+What each stage trains (objective, data, rollout) comes from dew_lib.recipes.flow
+(`build_flow_pretrain`, `build_flow_grpo`): these tasks turn their pydantic parameters into its
+options, load the images or the saved model, and wrap the result in previews and the run store.
+
 The previews need the live parameters, which Trainer sinks never see. Flow-GRPO renders them
 in its rollout wrapper; pre-training has no rollout, so it passes a `PreviewHook` in the
 rollout slot, the Trainer's one host hook that sees the state, and returns the batch unchanged.
 
-Not here: conditioned models (prompts or labels), guidance, multi-process training (FlowRollout
-runs in one process).
+Not here: what the options build (dew_lib/recipes/flow.py), conditioned models (prompts or
+labels), guidance, multi-process training (FlowRollout runs in one process).
 """
 
 from __future__ import annotations
 
 import glob
-import itertools
 import os
 
 import jax
@@ -30,10 +33,9 @@ import numpy as np
 import optax
 from prefect import get_run_logger, task
 
-from dew_lib.data import Dataset
-from dew_lib.diffusion import (DiffusionObjective, Field, FlowGRPOObjective, FlowRollout, FlowSDE,
-                               InputSpec, encode_png, presets)
+from dew_lib.diffusion import FlowRollout, encode_png, presets
 from dew_lib.diffusion.preview import to_uint8
+from dew_lib.recipes.flow import FlowGRPOOptions, FlowPretrainOptions, build_flow_grpo, build_flow_pretrain
 from dew_lib.train.checkpoint import Checkpoints
 from dew_lib.train.sinks import JsonlSink
 from dew_lib.train.trainer import Trainer
@@ -133,18 +135,6 @@ class RecordedFlowRollout:
         return packed
 
 
-def image_batches(images: np.ndarray, batch: int, seed: int):
-    """Endless shuffled batches of `{"image": uint8 [batch, H, W, C]}`, a new order every epoch."""
-    if len(images) < batch:
-        raise ValueError(f"the training set has {len(images)} images, fewer than batch={batch}; "
-                         "lower the batch or add images")
-    rng = np.random.default_rng(seed)
-    while True:
-        order = rng.permutation(len(images))
-        for start in range(0, len(order) - batch + 1, batch):
-            yield {"image": images[order[start:start + batch]]}
-
-
 def _checkpoint_position(checkpoints: str) -> int | None:
     if not os.path.isdir(checkpoints):
         return None
@@ -204,7 +194,6 @@ def pretrain_stage(stage: str, params: FlowPretrainParams, data: ImageManifest, 
     """Flow-matching pre-training of a SimpleDiT on `data`, saved under `directory`/model."""
     relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
     key = fingerprint("flow_pretrain", relevant, model, data.fingerprint, seed)
-    inputs = InputSpec(Field("image", data.shape))
 
     def build(writer, resumed):
         if model.pretrained is not None:
@@ -217,18 +206,15 @@ def pretrain_stage(stage: str, params: FlowPretrainParams, data: ImageManifest, 
         if data.shape[0] % dit.patch_size or data.shape[1] % dit.patch_size:
             raise ValueError(f"model.patch_size={dit.patch_size} does not divide the images' "
                              f"{data.shape[0]}x{data.shape[1]} pixels; pick a divisor")
-        objective = DiffusionObjective(dit, process, inputs, ema_decay=None, steps=params.preview_steps,
-                                       pretrained=variables)
-        images = load_images(data)
-        dataset = Dataset(train=lambda partition: image_batches(images, params.batch, seed),
-                          records=len(images), batch=params.batch)
-        previews = Previews(stage, objective, params.preview_rows, data.shape, directory)
+        options = FlowPretrainOptions(batch=params.batch, preview_steps=params.preview_steps, seed=seed)
+        built = build_flow_pretrain(dit, process, variables, load_images(data), options)
+        previews = Previews(stage, built.objective, params.preview_rows, data.shape, directory)
         hook = PreviewHook(previews, params.log_every)
-        trainer = Trainer(objective, optax.adam(params.learning_rate), key=jax.random.key(seed),
+        trainer = Trainer(built.objective, optax.adam(params.learning_rate), key=jax.random.key(seed),
                           rollout=hook)
         save = lambda state: save_dit(dit, state.params, data.shape, process,
                                       os.path.join(directory, "model"), key)
-        return trainer, dataset, previews, [hook], save, dict
+        return trainer, built.dataset, previews, [hook], save, dict
 
     return _fit(stage, "flow_pretrain", params, key, directory, store_root, run, build)
 
@@ -243,24 +229,22 @@ def grpo_stage(stage: str, params: FlowGRPOParams, start: DiTRef, directory: str
 
     def build(writer, resumed):
         dit, variables, shape, process = load_dit(start.path)
-        inputs = InputSpec(Field("image", shape))
-        objective = FlowGRPOObjective(dit, process, inputs, sde=FlowSDE(noise_level=params.noise_level),
-                                      beta=params.beta, clip_range=params.clip_range, guidance=None,
-                                      steps=params.preview_steps, pretrained=variables)
-        previews = Previews(stage, objective, params.preview_rows, shape, directory, scored=reward)
-        rollout = FlowRollout(objective, reward, groups=params.groups, steps=params.rollout_steps,
-                              train_steps=params.train_steps)
-        recorded = RecordedFlowRollout(rollout, writer, previews, params.log_every, params.store_images)
-        source = {"image": np.zeros((params.batch, *shape), np.uint8)}  # only its size is used
-        dataset = Dataset(train=lambda partition: itertools.repeat(source), batch=params.batch)
+        options = FlowGRPOOptions(batch=params.batch, groups=params.groups,
+                                  rollout_steps=params.rollout_steps, train_steps=params.train_steps,
+                                  beta=params.beta, clip_range=params.clip_range,
+                                  noise_level=params.noise_level, preview_steps=params.preview_steps)
+        built = build_flow_grpo(dit, process, variables, shape, reward, options)
+        previews = Previews(stage, built.objective, params.preview_rows, shape, directory, scored=reward)
+        recorded = RecordedFlowRollout(built.rollout, writer, previews, params.log_every,
+                                       params.store_images)
         if resumed:  # the first rollout's preview shows the starting model otherwise
             previews(variables, 0)
-        trainer = Trainer(objective, optax.adam(params.learning_rate), key=jax.random.key(seed + 1),
-                          rollout=recorded)
+        trainer = Trainer(built.objective, optax.adam(params.learning_rate),
+                          key=jax.random.key(seed + 1), rollout=recorded)
         save = lambda state: save_dit(dit, state.params, shape, process,
                                       os.path.join(directory, "model"), key)
         extra = lambda: {"preview_reward_start": previews.means[0],
                          "preview_reward_final": previews.means[params.steps]}
-        return trainer, dataset, previews, [], save, extra
+        return trainer, built.dataset, previews, [], save, extra
 
     return _fit(stage, "flow_grpo", params, key, directory, store_root, run, build)

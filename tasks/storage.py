@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from typing import Any
 
+from dew_lib.store import parts
+
 
 def write_json(path: str, value: Any) -> None:
-    """Write JSON so a reader sees the old file or the whole new one, never a part."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".tmp")
-    with os.fdopen(handle, "w", encoding="utf-8") as out:
-        json.dump(value, out, indent=2, sort_keys=True, default=str)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temporary, path)
+    """Write JSON so a reader sees the old file or the whole new one, never a part (indented,
+    keys sorted, other values as str); `dew_lib.store.parts.write_json` does the durable write."""
+    parts.write_json(path, value, indent=2, sort_keys=True, default=str)
 
 
 def read_json(path: str) -> Any:

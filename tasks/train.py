@@ -1,4 +1,9 @@
-"""The training task every stage runs: build the stage's objective and data, fit, save the policy.
+"""The training task every stage runs: build the stage's objects, fit, save the policy.
+
+`train_stage` turns the stage's pydantic parameters (tasks/params.py) and the run's data manifest
+into a data spec and the options of dew_lib.recipes (SFTOptions, DPOOptions, GRPOOptions), whose
+builders make the objective, dataset and rollout, sync or async; what it adds is the optimizer,
+the run store, the UI and the two kinds of resume.
 
 Two kinds of resume meet here:
   * a retry (an exception, or the process killed and the flow run again) continues from the
@@ -7,23 +12,22 @@ Two kinds of resume meet here:
   * a rerun with the same inputs skips the stage: `result.json`, written last, records a
     fingerprint of the stage's parameters, data and starting policy, and a match returns the
     saved result without touching the model.
+
+Not here: what a stage's options build (dew_lib/recipes), the image stages (tasks/flow_train.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 
 import jax
 import optax
 from prefect import get_run_logger, task
 
 from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts
-from dew_lib.data.chat import Role
-from dew_lib.objectives import DPOObjective, GRPOObjective, LMObjective
-from dew_lib.rollouts import SampledRollout
-from dew_lib.sampling import Sampling
+from dew_lib.recipes import (Built, DPOOptions, GRPOOptions, SFTOptions, ScheduledRollout, build_dpo,
+                             build_grpo, build_sft)
 from dew_lib.store import Store
 from dew_lib.train.checkpoint import Checkpoints
 from dew_lib.train.sinks import JsonlSink
@@ -33,32 +37,11 @@ from tasks.params import DPOParams, GRPOParams, RewardParams, SFTParams, StagePa
 from tasks.policy import load_policy, save_policy
 from tasks.records import open_stage
 from tasks.rewards import TaskReward, verdicts
-from tasks.scheduled import ScheduledRollout
 from tasks.storage import read_json, write_json
 from tasks.ui import Deadline, LogSink, ProgressSink, plot_curves, publish_stage
 
 SHOWN = ("loss", "reward", "rewards/accuracy", "rewards/margin", "kl", "accuracy", "val/loss",
          "grad_norm", "steps_per_second")
-
-
-class RecordedRollout:
-    """Runs a SampledRollout and writes every session it drew to the run store, with the verdict
-    of every program a code reward ran for it (the rollout's `last_reward_details`)."""
-
-    def __init__(self, rollout: SampledRollout, stage):
-        self.rollout, self.stage = rollout, stage
-
-    def __call__(self, state, batch, key):
-        started = time.perf_counter()
-        packed = self.rollout(state, batch, key)
-        seconds = time.perf_counter() - started
-        sessions = self.rollout.last_sessions
-        runs = self.rollout.last_reward_details
-        update = int(jax.device_get(state.updates))
-        self.stage.sessions(sessions, update=update, latencies=[seconds] * len(sessions),
-                            causes="admitted", truncation="score",
-                            verdicts=[verdicts(r or ()) for r in runs] if runs else None)
-        return packed
 
 
 def _loading(seed: int) -> Loading:
@@ -77,47 +60,39 @@ def _needs(path: str | None, kind: str, what: str) -> str:
     return path
 
 
-def build(kind: str, params: StageParams, pretrained, variables, data: DataManifest, tokenizer_dir: str,
-          seed: int, stage_writer, reward: TaskReward | None = None):
-    """(objective, dataset, rollout, eval_every) of one stage, starting from `variables`.
-
-    reward: what grades GRPO's completions (default: TaskReward with default RewardParams).
-    """
+def _build(kind: str, params: StageParams, pretrained, variables, data: DataManifest,
+           tokenizer_dir: str, seed: int, writer, reward: TaskReward) -> Built:
+    """The stage's data spec and recipe options from its parameters, built by dew_lib.recipes
+    from `variables`; a GRPO stage grades with `reward` and records its sessions with `writer`."""
     model, tokenizer = pretrained.model, pretrained.tokenizer
     if kind == "sft":
         assert isinstance(params, SFTParams)
         spec = ChatMessages(path=_needs(data.chat_path, kind, "conversations (chat_path)"),
                             tokenizer=tokenizer_dir, seq_len=params.seq_len,
                             val_path=data.chat_val_path, loading=_loading(seed))
-        objective = LMObjective(model, params.seq_len, pretrained=variables,
-                                loss_role=Role.ASSISTANT, ema_decay=None)
-        return objective, spec.load(batch=params.batch), None, (
-            max(params.steps // 2, 1) if data.chat_val_path else None)
+        options = SFTOptions(batch=params.batch,
+                             eval_every=max(params.steps // 2, 1) if data.chat_val_path else None)
+        return build_sft(model, variables, spec, options)
     if kind == "dpo":
         assert isinstance(params, DPOParams)
         spec = PreferencePairs(path=_needs(data.pairs_path, kind, "preference pairs (pairs_path)"),
                                seq_len=params.seq_len,
                                pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
-        objective = DPOObjective(model, params.seq_len - 1, beta=params.beta, pretrained=variables,
-                                 nll_weight=params.nll_weight)
-        return objective, spec.load(batch=params.batch), None, None
+        return build_dpo(model, variables, spec, DPOOptions(batch=params.batch, beta=params.beta,
+                                                            nll_weight=params.nll_weight))
     assert isinstance(params, GRPOParams)
     spec = Prompts(path=_needs(data.prompts_path, kind, "prompts (prompts_path)"),
                    max_prompt_len=params.max_prompt_len,
                    tokenizer=tokenizer_dir, pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
-    reward = TaskReward() if reward is None else reward
-    if params.mode == "async":  # the RolloutScheduler on the native server (tasks/scheduled.py)
-        scheduled = ScheduledRollout(params, model, tokenizer, variables, reward,
-                                     completion_text(tokenizer), stage_writer)
-        return scheduled.objective, scheduled.dataset(spec.load(batch=params.batch)), scheduled, None
-    objective = GRPOObjective(model, params.max_prompt_len + params.max_new_tokens - 1,
-                              beta=params.beta, pretrained=variables,
-                              sampling_temperature=params.temperature)
-    rollout = SampledRollout(
-        objective, reward=reward, groups=params.groups, max_new_tokens=params.max_new_tokens,
-        sampling=Sampling(temperature=params.temperature, eos_id=tokenizer.eos_token_id),
-        decode=completion_text(tokenizer), reward_details=reward.last_runs)
-    return objective, spec.load(batch=params.batch), RecordedRollout(rollout, stage_writer), None
+    options = GRPOOptions(
+        batch=params.batch, groups=params.groups, max_new_tokens=params.max_new_tokens,
+        beta=params.beta, temperature=params.temperature, eos_id=tokenizer.eos_token_id,
+        mode=params.mode, ahead=params.ahead, max_lag=params.max_lag, sync_every=params.sync_every,
+        oversample=params.oversample, max_attempts=params.max_attempts, timeout=params.timeout,
+        slots=params.slots, behavior_importance=params.behavior_importance)
+    return build_grpo(model, variables, spec, options, reward=reward,
+                      decode=completion_text(tokenizer), reward_details=reward.last_runs,
+                      writer=writer, verdicts=verdicts)
 
 
 def optimizer_for(kind: str, params: StageParams) -> optax.GradientTransformation:
@@ -170,10 +145,9 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
             return result
         pretrained, variables = load_policy(start, data.tokenizer)
         tokenizer_dir = data.tokenizer or start.path
-        objective, dataset, rollout, eval_every = build(kind, params, pretrained, variables, data,
-                                                        tokenizer_dir, seed, writer, grader)
-        trainer = Trainer(objective, optimizer_for(kind, params), key=jax.random.key(seed),
-                          rollout=rollout)
+        built = _build(kind, params, pretrained, variables, data, tokenizer_dir, seed, writer, grader)
+        trainer = Trainer(built.objective, optimizer_for(kind, params), key=jax.random.key(seed),
+                          rollout=built.rollout)
         checkpoints = os.path.join(directory, "checkpoints")
         resumed = None
         if os.path.isdir(checkpoints):
@@ -182,9 +156,9 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
             existing.close()
         if resumed is not None:
             logger.info("%s resumes from its checkpoint at step %d", stage, resumed)
-            if isinstance(rollout, ScheduledRollout):  # before the killed attempt's rows go
-                earlier, offered = rollout.reuse_from(Store(store_root), run, stage, resumed,
-                                                      os.path.join(existing.directory, str(resumed)))
+            if isinstance(built.rollout, ScheduledRollout):  # before the killed attempt's rows go
+                earlier, offered = built.rollout.reuse_from(
+                    Store(store_root), run, stage, resumed, os.path.join(existing.directory, str(resumed)))
                 logger.info("%s reuses up to %d finished rollouts that run %s did not train on",
                             stage, offered, earlier)
             writer.discard_after(resumed)
@@ -193,12 +167,11 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
                  JsonlSink(log_path), Deadline(stage, params.max_minutes)]  # last: a window is
         # recorded everywhere before a deadline stops the stage
         try:
-            state = trainer.fit(dataset, steps=params.steps, log_every=params.log_every,
-                                eval_every=eval_every, directory=checkpoints,
+            state = trainer.fit(built.dataset, steps=params.steps, log_every=params.log_every,
+                                eval_every=built.eval_every, directory=checkpoints,
                                 checkpoint_every=params.checkpoint_every, sinks=sinks)
         finally:
-            if isinstance(rollout, ScheduledRollout):
-                rollout.close()
+            built.close()
         policy = save_policy(pretrained, state.params, os.path.join(directory, "policy"), key)
         history = _history(log_path)
         metrics = final_metrics(history)

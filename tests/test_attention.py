@@ -12,7 +12,7 @@ import pytest
 
 from conftest import dense_mask, tiny_model
 from dew_lib.models import attention
-from dew_lib.models.decoder import attend, attend_causal
+from dew_lib.models.decoder_attention import attend, attend_causal
 from dew_lib.objectives.lm import score_targets
 
 TOKENS = np.random.default_rng(0).integers(1, 32, (3, 13)).astype(np.int32)

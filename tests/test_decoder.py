@@ -8,7 +8,7 @@ import pytest
 
 from conftest import tiny_model
 from dew_lib.models import rotary
-from dew_lib.models.decoder import Block, Linear
+from dew_lib.models.decoder_layer import Block, Linear
 
 
 def init(model, width=8):

@@ -42,7 +42,7 @@ def query(root, sql):
 @pytest.fixture(scope="module")
 def finished(prefect_harness, tmp_path_factory):
     """The pipeline, with flow_grpo's first attempt failing after its step-1 checkpoint."""
-    from dew_lib import trainer
+    from dew_lib.train import trainer
     from flows.flow_grpo import flow_grpo_pipeline
     from tasks import ui
 

@@ -10,7 +10,8 @@ import pytest
 from dew_lib import models
 from dew_lib.diffusion import encode_png, presets
 from dew_lib.diffusion.toy import redness
-from tasks.flow_train import PreviewHook, image_batches
+from dew_lib.recipes import image_batches
+from tasks.flow_train import PreviewHook
 from tasks.images import REWARDS, dit_ref, load_dit, read_folder, read_npz, reward_named, save_dit
 from tasks.params import FlowGRPOParams
 

@@ -9,8 +9,8 @@ import pytest
 
 from conftest import dense_mask, run_on_host_devices
 from dew_lib.kernels import KernelBuildError, build
-from dew_lib.models import decoder
-from dew_lib.models.decoder import attend, attend_causal
+from dew_lib.models import decoder_attention
+from dew_lib.models.decoder_attention import attend, attend_causal
 from dew_lib.models.fused_attention import causal_attention
 
 
@@ -61,8 +61,8 @@ def test_fused_attention_refuses_a_head_dim_it_cannot_tile():
     with pytest.raises(ValueError, match="multiple of 8.*head_dim=12.*blockwise"):
         causal_attention(q, k, v, jnp.ones((1, 8), jnp.int32))
     # "auto" picks the blockwise form for it instead
-    assert not decoder._use_fused("auto", 12, 2, 2)
-    assert decoder._use_fused("auto", 16, 2, 2)
+    assert not decoder_attention._use_fused("auto", 12, 2, 2)
+    assert decoder_attention._use_fused("auto", 16, 2, 2)
 
 
 def test_the_kernel_builds_once_per_machine_into_the_cache(tmp_path, monkeypatch):
@@ -92,10 +92,10 @@ def test_no_compiler_is_a_clear_error_and_auto_warns_and_runs_blockwise(tmp_path
     def missing():
         raise KernelBuildError("no C++ compiler")
 
-    monkeypatch.setattr(decoder, "load_causal_attention", missing)
-    decoder._warn_blockwise.cache_clear()
+    monkeypatch.setattr(decoder_attention, "load_causal_attention", missing)
+    decoder_attention._warn_blockwise.cache_clear()
     with pytest.warns(RuntimeWarning, match="blockwise attention: no C\\+\\+ compiler"):
-        assert not decoder._use_fused("auto", 16, 2, 2)
+        assert not decoder_attention._use_fused("auto", 16, 2, 2)
 
 
 def test_a_sharded_batch_runs_on_each_device_without_gathering():

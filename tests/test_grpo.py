@@ -230,3 +230,22 @@ def test_bad_options_and_batches_are_refused_with_the_value():
     too_big = dict(batch, input_ids=np.where(batch["input_ids"] > 0, 40, 0).astype(np.int32))
     with pytest.raises(ValueError, match="token id 40, but the model's vocab_size is 32"):
         objective.check_batch(too_big)
+
+
+def test_the_kl_estimator_is_chosen_by_name():
+    from dew_lib.objectives import algorithms
+
+    current, reference = jnp.array([-1.0, -2.0]), jnp.array([-1.5, -1.0])
+    delta = np.array([0.5, -1.0])  # current - reference
+    np.testing.assert_allclose(algorithms.k1(current, reference), delta)
+    np.testing.assert_allclose(algorithms.k2(current, reference), delta ** 2 / 2)
+    np.testing.assert_allclose(algorithms.k3(current, reference), np.exp(-delta) + delta - 1, rtol=1e-6)
+    batch = pack(sessions(), WIDTH)
+    kls = {}
+    for name in ("k1", "k2", "k3"):
+        objective = GRPOObjective(MODEL, seq_len=WIDTH - 1, beta=0.1, kl_estimator=name)
+        _, metrics = loss(objective, VARIABLES, batch, reference=OTHER)
+        kls[name] = float(metrics["kl"])
+    assert len(set(kls.values())) == 3 and kls["k2"] > 0 and kls["k3"] > 0
+    with pytest.raises(ValueError, match="kl_estimator must be one of .*got 'mse'"):
+        GRPOObjective(MODEL, seq_len=WIDTH - 1, beta=0.1, kl_estimator="mse")

@@ -107,7 +107,7 @@ def test_a_rerun_with_the_same_inputs_reuses_every_finished_stage(finished):
 
 @pytest.mark.slow
 def test_a_failed_training_task_is_retried_and_resumes_from_its_checkpoint(harness, tmp_path, monkeypatch):
-    from dew_lib import trainer
+    from dew_lib.train import trainer
     from flows.pipeline import pipeline
     from tasks import ui
 

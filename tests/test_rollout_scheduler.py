@@ -250,6 +250,31 @@ def test_a_finished_rollout_older_than_max_lag_is_discarded_and_drawn_again():
     assert sorted(by_cause(logs)["discarded"]) == [("1", 0, 0, "completed"), ("1", 1, 0, "completed")]
 
 
+def test_rollouts_that_keep_coming_back_stale_are_abandoned_after_max_attempts():
+    # Task 7's engine always answers from weights two versions old: without a bound the trainer
+    # call would draw it again forever.
+    def plan(task, sample, attempt, version):
+        return session(1.0, version=version - 2 if task == "7" else version)
+
+    logs, records = [], []
+    source = FakeSource(plan)
+    source.version = 5
+    sched, stream = scheduler(source, data=batches([7, 8]), max_attempts=3, logs=logs, records=records)
+    packed = step(sched, stream, 5)
+    assert [s[3] for s in source.submitted if s[0] == "7"] == [0, 0, 1, 1, 2, 2]
+    assert records[0].abandoned == 1 and dict(records[0].resubmitted) == {"stale": 4}
+    assert len(trained_sessions(packed)) == 2  # task 8's group
+    causes = by_cause(logs)
+    assert sorted(causes["discarded"]) == [("7", 0, 0, "completed"), ("7", 0, 1, "completed"),
+                                           ("7", 1, 0, "completed"), ("7", 1, 1, "completed")]
+    # sample 0's third stale answer gives it up, which abandons the group: sample 1's third
+    # attempt, already drawn, is cancelled
+    assert causes["abandoned"] == [("7", 0, 2, "completed")]
+    assert causes["cancelled"] == [("7", 1, 2, "completed")]
+    details = [s.detail for log in logs for s, c in zip(log.sessions, log.causes, strict=True) if c == "abandoned"]
+    assert all(d.startswith("stale: drawn under version 3, 2 updates behind update 5") for d in details)
+
+
 def test_rollouts_that_waited_past_the_bound_are_discarded_at_consumption():
     source = FakeSource(lambda task, sample, attempt, version: session(1.0, version=version))
     logs, records = [], []
@@ -451,6 +476,31 @@ def test_close_waits_for_the_source_to_report_what_it_cancelled():
     # the two cancellations arrive on two timer threads, in either order
     reported = {cause: sorted(rows) for cause, rows in by_cause(logs[-1:]).items()}
     assert reported == {"cancelled": [("2", 0, 0, "cancelled"), ("2", 1, 0, "cancelled")]}
+
+
+def test_close_after_the_caller_closed_its_source_draws_nothing_and_does_not_raise():
+    class ClosingSource(FakeSource):  # a source that, like PromptSource, refuses work once closed
+        closed = False
+
+        def submit(self, task, **labels):
+            if self.closed:
+                raise RuntimeError("ClosingSource is closed")
+            return super().submit(task, **labels)
+
+        def close(self):  # ends what runs as CANCELLED sessions, as a real source does
+            self.closed = True
+            for label in list(self.held):
+                self.release(label, Session(task=label[0], status=Status.CANCELLED))
+
+    source = ClosingSource(lambda task, sample, attempt, version: None if task == "2" else session(1.0))
+    logs = []
+    sched, stream = scheduler(source, data=batches([1], [2]), logs=logs)
+    step(sched, stream, 0)
+    submitted = len(source.submitted)
+    source.close()
+    sched.close()
+    assert len(source.submitted) == submitted
+    assert by_cause(logs[-1:]) == {"abandoned": [("2", 0, 0, "cancelled"), ("2", 1, 0, "cancelled")]}
 
 
 # ----- reuse ------------------------------------------------------------------------------------

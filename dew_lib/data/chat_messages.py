@@ -39,6 +39,7 @@ from dew_lib.data.loading import Loading
 from dew_lib.data.readers import DataError, HFOptions, PathLike, Rows, read_rows
 from dew_lib.data.template import Conversation, check_boundaries, check_messages, label
 from dew_lib.data.tokenizer import Renderer, TokenizerSpec, resolve_template
+from dew_lib.options import choice, integer
 
 OVERFLOW = ("truncate", "raise")
 
@@ -107,12 +108,9 @@ class ChatMessages:
     loading: Loading = Loading()
 
     def __post_init__(self):
-        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
-            raise ValueError(f"ChatMessages.seq_len must be a positive integer, got {self.seq_len!r}")
-        if self.overflow not in OVERFLOW:
-            raise ValueError(f"ChatMessages.overflow must be one of {OVERFLOW}, got {self.overflow!r}")
-        if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int) or self.pad_id < 0:
-            raise ValueError(f"ChatMessages.pad_id must be a non-negative integer, got {self.pad_id!r}")
+        object.__setattr__(self, "seq_len", integer("ChatMessages.seq_len", self.seq_len))
+        choice("ChatMessages.overflow", self.overflow, OVERFLOW)
+        object.__setattr__(self, "pad_id", integer("ChatMessages.pad_id", self.pad_id, at_least=0))
         if not isinstance(self.column, str) or not self.column:
             raise ValueError(f"ChatMessages.column must be a column name, got {self.column!r}")
         if self.options is not None and not isinstance(self.options, HFOptions):
@@ -208,7 +206,7 @@ class ChatMessages:
 
     def load(self, batch: int) -> Dataset:
         """Read, validate and return a Dataset of packed `[batch, seq_len + 1]` rows."""
-        check_batch_size("ChatMessages", batch)
+        batch = check_batch_size("ChatMessages", batch)
         self.renderer()  # fails now, not in a worker, when the tokenizer or template is unusable
         width = self.seq_len + 1
         encoder = ChatEncoder(spec=self.spec(), width=width, overflow=self.overflow)

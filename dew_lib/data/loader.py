@@ -36,6 +36,7 @@ import numpy as np
 from dew_lib.data.dataset import Batch, Dataset, Partition
 from dew_lib.data.loading import Loading
 from dew_lib.data.worker import WorkerPool
+from dew_lib.options import integer
 
 CHUNK = 32  # records per encoding task: large enough to amortize IPC, small enough to balance
 
@@ -210,9 +211,8 @@ def as_dataset(train: Pipeline, val: Pipeline | None, batch: int) -> Dataset:
     )
 
 
-def check_batch_size(owner: str, batch) -> None:
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"{owner}.load(batch=...) must be a positive integer, got {batch!r}")
+def check_batch_size(owner: str, batch) -> int:
+    return integer(f"{owner}.load(batch=...)", batch)
 
 
 def check_sources(owner: str, records, path, val_records, val_path) -> None:

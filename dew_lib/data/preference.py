@@ -42,6 +42,7 @@ from dew_lib.data.loading import Loading
 from dew_lib.data.readers import (DataError, HFOptions, PathLike, Rows, open_source, require_columns,
                                   token_ids)
 from dew_lib.data.tokenizer import Renderer, TokenizerSpec, resolve_template
+from dew_lib.options import integer
 
 SIDES = ("chosen", "rejected")
 
@@ -253,11 +254,9 @@ class PreferencePairs:
         if self.template_kwargs is not None and not isinstance(self.template_kwargs, Mapping):
             raise TypeError("PreferencePairs.template_kwargs must be a mapping of template variables")
         check_sources("PreferencePairs", self.records, self.path, self.val_records, self.val_path)
-        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 2:
-            raise ValueError(f"PreferencePairs.seq_len must be an integer >= 2 (the full row width), "
-                             f"got {self.seq_len!r}")
-        if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int) or self.pad_id < 0:
-            raise ValueError(f"PreferencePairs.pad_id must be a non-negative integer, got {self.pad_id!r}")
+        object.__setattr__(self, "seq_len", integer("PreferencePairs.seq_len", self.seq_len, at_least=2,
+                                                    accepts="an integer >= 2 (the full row width)"))
+        object.__setattr__(self, "pad_id", integer("PreferencePairs.pad_id", self.pad_id, at_least=0))
         if not isinstance(self.loading, Loading):
             raise TypeError(f"PreferencePairs.loading must be a Loading, got {type(self.loading).__name__}")
 
@@ -274,7 +273,7 @@ class PreferencePairs:
 
     def load(self, batch: int) -> Dataset:
         """Validate every pair and return a Dataset of `[batch, 2, seq_len]` batches."""
-        check_batch_size("PreferencePairs", batch)
+        batch = check_batch_size("PreferencePairs", batch)
         loading = dataclasses.replace(self.loading, workers=0)
         layout = PairLayout(self.seq_len, self.pad_id)
         train = Pipeline(self.pairs(self.records, self.path), _PairEncoder(), layout, loading)

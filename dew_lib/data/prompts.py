@@ -35,6 +35,7 @@ from dew_lib.data.readers import (DataError, HFOptions, PathLike, Rows, json_tex
                                   require_columns, token_ids)
 from dew_lib.data.template import check_messages
 from dew_lib.data.tokenizer import TokenizerSpec, resolve_template
+from dew_lib.options import integer
 
 METADATA = ("data_source", "ground_truth", "extra_info")
 
@@ -135,11 +136,8 @@ class Prompts:
 
     def __post_init__(self):
         check_sources("Prompts", self.records, self.path, self.val_records, self.val_path)
-        if isinstance(self.max_prompt_len, bool) or not isinstance(self.max_prompt_len, int) \
-                or self.max_prompt_len < 1:
-            raise ValueError(f"Prompts.max_prompt_len must be a positive integer, got {self.max_prompt_len!r}")
-        if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int) or self.pad_id < 0:
-            raise ValueError(f"Prompts.pad_id must be a non-negative integer, got {self.pad_id!r}")
+        object.__setattr__(self, "max_prompt_len", integer("Prompts.max_prompt_len", self.max_prompt_len))
+        object.__setattr__(self, "pad_id", integer("Prompts.pad_id", self.pad_id, at_least=0))
         if not isinstance(self.loading, Loading):
             raise TypeError(f"Prompts.loading must be a Loading, got {type(self.loading).__name__}")
 
@@ -180,7 +178,7 @@ class Prompts:
 
     def load(self, batch: int) -> Dataset:
         """Validate every prompt and return a Dataset of `[batch, max_prompt_len]` prompt batches."""
-        check_batch_size("Prompts", batch)
+        batch = check_batch_size("Prompts", batch)
         train_items = self.prompts(self.records, self.path)
         val_items = None
         if self.val_records is not None or self.val_path is not None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dew_lib.data.errors import DataError
+from dew_lib.options import integer
 
 _TOKENIZERS: dict[str, Any] = {}
 _LOCK = threading.Lock()
@@ -67,8 +68,7 @@ def vocab_size_for(tokenizer: Any, multiple: int = 128) -> int:
     up (128: 151,680 for Qwen3), which keeps the embedding and output matmuls on aligned shapes;
     pass 1 for the exact count.
     """
-    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
-        raise ValueError(f"vocab_size_for(multiple=...) must be a positive integer, got {multiple!r}")
+    multiple = integer("vocab_size_for(multiple=...)", multiple)
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
     if not hasattr(tokenizer, "get_vocab"):

@@ -30,6 +30,7 @@ import numpy as np
 
 from dew_lib.diffusion.flow_grpo import GROUP_EPSILON, FlowGRPOObjective, FlowReward
 from dew_lib.diffusion.preview import Preview, ensure_sequence, score
+from dew_lib.options import integer
 
 
 def group_statistics(rewards: np.ndarray, groups: int):
@@ -105,9 +106,8 @@ class FlowRollout:
         if not callable(self.reward):
             raise TypeError(f"FlowRollout.reward must be callable (images, batch) -> [N], got "
                             f"{self.reward!r}")
-        if isinstance(self.groups, bool) or not isinstance(self.groups, (int, np.integer)) or self.groups < 2:
-            raise ValueError(f"FlowRollout.groups must be an integer >= 2 (a group of one has no "
-                             f"relative advantage), got {self.groups!r}")
+        self.groups = integer("FlowRollout.groups", self.groups, at_least=2,
+                              accepts="an integer >= 2 (a group of one has no relative advantage)")
         if self.steps < 2:
             raise ValueError(f"FlowRollout.steps counts time points including both ends and must be >= 2, "
                              f"got {self.steps}")

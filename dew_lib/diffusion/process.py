@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew_lib.options import choice
+
 PREDICTIONS = ("velocity", "noise", "data")
 # Denominators of noise/data -> velocity conversions never drop below this (t = 0 or t = 1).
 _CONVERSION_FLOOR = 1e-4
@@ -55,8 +57,7 @@ class Process:
     shift: float = 1.0
 
     def __post_init__(self):
-        if self.prediction not in PREDICTIONS:
-            raise ValueError(f"Process.prediction must be one of {PREDICTIONS}, got {self.prediction!r}")
+        choice("Process.prediction", self.prediction, PREDICTIONS)
         if not self.shift > 0:
             raise ValueError(f"Process.shift must be positive, got {self.shift}")
 

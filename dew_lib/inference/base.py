@@ -47,3 +47,16 @@ class Publisher(Protocol):
     """
 
     def load(self, variables: Any, version: int) -> None: ...
+
+
+def push_weights(publisher: Publisher, variables: Any, version: int) -> None:
+    """`publisher.load(variables, version)`, checked: a publisher that reports a `version` must
+    serve `version` afterwards. A load that did not move it is tried once more, then raises."""
+    for _ in range(2):
+        publisher.load(variables, version)
+        reported = getattr(publisher, "version", version)
+        if reported == version:
+            return
+    raise RuntimeError(
+        f"pushing version {version} did not move the publisher's version (it reports "
+        f"{reported} after two loads); check the engine's weight-update endpoint")

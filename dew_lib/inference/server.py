@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew_lib.models.decoder import KVCache, split_layers
+from dew_lib.options import integer
 from dew_lib.records.draw import Draw
 from dew_lib.sampling import Sampling, _is_eos, sample
 
@@ -221,9 +222,8 @@ class Server:
 
     def __init__(self, model, variables, *, sampling: Sampling, slots: int, capacity: int,
                  steps: int = 16, version: int = 0):
-        for name, value in (("slots", slots), ("capacity", capacity), ("steps", steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Server.{name} must be a positive int, got {value!r}")
+        slots, capacity, steps = (integer(f"Server.{name}", value) for name, value in
+                                  (("slots", slots), ("capacity", capacity), ("steps", steps)))
         if capacity < 2:
             raise ValueError(f"Server.capacity must be >= 2 (one prompt id and one sampled id), got {capacity}")
         limit = getattr(model, "max_seq_len", None)
@@ -286,9 +286,7 @@ class Server:
             raise ValueError(
                 f"prompt_ids must lie in [0, {self.vocab_size}), the model's vocabulary; got ids "
                 f"from {low} to {high}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) \
-                or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        max_new_tokens = integer("max_new_tokens", max_new_tokens)
         if prompt.size >= self.capacity:
             raise ValueError(
                 f"a prompt of {prompt.size} ids is too long for the server's capacity="

@@ -9,9 +9,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from dew_lib.models.decoder import CausalTransformer, KVCache, RMSNorm
+from dew_lib.models.decoder import CausalTransformer, KVCache
+from dew_lib.models.decoder_layer import RMSNorm
 from dew_lib.models.dit import SimpleDiT
 from dew_lib.models.pretrained import Pretrained, load_pretrained
+from dew_lib.options import integer
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
@@ -51,14 +53,12 @@ def check_options(module: type, options: Mapping[str, Any]) -> None:
 _SIZES = ("vocab_size", "emb_features", "num_layers", "num_heads", "mlp_features", "max_seq_len")
 
 
-def _check_sizes(options: Mapping[str, Any]) -> None:
-    """Sizes that would otherwise fail only when the model is first traced, checked at build."""
+def _check_sizes(options: dict[str, Any]) -> None:
+    """Sizes that would otherwise fail only when the model is first traced, checked at build
+    (and kept as Python ints)."""
     for field in (*_SIZES, "num_kv_heads", "head_dim"):
-        value = options.get(field)
-        if value is None and field not in _SIZES:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if options.get(field) is not None or field in _SIZES:
+            options[field] = integer(field, options.get(field))
     heads, kv_heads = options["num_heads"], options.get("num_kv_heads") or options["num_heads"]
     if heads % kv_heads:
         raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads} (grouped-query "

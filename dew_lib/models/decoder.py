@@ -12,13 +12,12 @@ Inputs may be packed: `segment_ids` keep attention inside each document (0 marks
 `positions` restart the rotary clock per document. Generation uses an explicit `KVCache` pytree
 rather than a mutable Flax collection, so the decode loop can donate and carry it.
 
-Not here: sliding-window attention, mixture-of-experts layers, dropout.
+Not here: one layer and its parts (`decoder_layer`), the attention functions
+(`decoder_attention`), sliding-window attention, mixture-of-experts layers, dropout.
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -28,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core.scope import LazyRng
 
-from dew_lib.kernels import KernelBuildError, load_causal_attention
-from dew_lib.models import attention, fused_attention, head, rotary
-
-_INIT = nn.initializers.normal(stddev=0.02)
+from dew_lib.models import head, rotary
+from dew_lib.models.decoder_attention import ATTENTION_KERNELS, attend_cached
+from dew_lib.models.decoder_layer import _INIT, Block, RMSNorm, _dense
+from dew_lib.options import choice
 
 # XLA options for compiled decode loops. XLA:CPU hands matmuls to its YNN library by default;
 # for decode's few-row products ([B, E] by a weight, B <= 16) its dispatch costs more than it
@@ -118,237 +117,6 @@ def unstack_layers(tree):
     return jax.tree.map(convert, tree, is_leaf=_is_stacked)
 
 
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 as the reference implementations do."""
-
-    eps: float = 1e-6
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        return _rms_norm(x, weight, self.eps, self.dtype)
-
-
-@functools.partial(jax.checkpoint, static_argnums=(2, 3))
-def _rms_norm(x, weight, eps, dtype):
-    """RMSNorm recomputed in the backward pass from its input: a layer keeps `x` for each of
-    its two norms rather than `x` and its normalized copy."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (normed * weight.astype(jnp.float32)).astype(dtype)
-
-
-class Linear(nn.Module):
-    """A projection whose weights sibling projections can read, to run several as one matmul.
-
-    Same parameters as `nn.Dense` (`kernel` `[in, out]`, optional `bias`), declared in `setup`
-    so a parent can concatenate kernels that share an input.
-    """
-
-    in_features: int
-    features: int
-    use_bias: bool = False
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
-    def setup(self):
-        self.kernel = self.param("kernel", _INIT, (self.in_features, self.features), self.param_dtype)
-        if self.use_bias:
-            self.bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
-
-    def __call__(self, x):
-        return fused(x, [self])[0]
-
-
-def fused(x, projections):
-    """Apply projections that share the input `x` as one matmul; returns one output each.
-
-    The matmul runs on `[B*S, in]` rows: then the weight gradient contracts one axis. Over
-    `[B, S, in]` it contracts two, which XLA:CPU compiles into a transposed copy of the output
-    gradient and a matmul at half the speed (the step ran 1.08-1.11x faster as rows).
-    """
-    kernels = [p.kernel for p in projections]
-    kernel = kernels[0] if len(kernels) == 1 else jnp.concatenate(kernels, axis=1)
-    dtype = projections[0].dtype
-    out = _on_rows(x, kernel, dtype)
-    if any(p.use_bias for p in projections):
-        out = out + jnp.concatenate([
-            p.bias if p.use_bias else jnp.zeros((p.features,), p.param_dtype) for p in projections
-        ]).astype(dtype)
-    cuts = np.cumsum([p.features for p in projections])[:-1].tolist()
-    return jnp.split(out, cuts, axis=-1)
-
-
-def _on_rows(x, kernel, dtype):
-    """`x @ kernel` computed on `[B*S, in]` rows (see `fused`), shaped back like `x`."""
-    rows = x.reshape(-1, x.shape[-1]).astype(dtype)
-    return jnp.dot(rows, kernel.astype(dtype)).reshape(*x.shape[:-1], kernel.shape[-1])
-
-
-def _dense(in_features, features, name, dtype, param_dtype, bias=False):
-    return Linear(in_features, features, bias, dtype, param_dtype, name=name)
-
-
-def attend(q, k, v, mask):
-    """Grouped-query attention: q `[B, Q, H, D]`, k/v `[B, T, KV, D]`, mask `[B, Q, T]`.
-
-    Computed heads-first with batch and kv-head merged into one batch axis (`[B*KV, G*Q, D]`):
-    XLA:CPU runs a single-batch-axis product much faster than one with two batch axes. The
-    dense reference for `attend_causal`, and what any other mask uses.
-    """
-    b, sq, h, d = q.shape
-    kv = k.shape[2]
-    g = h // kv
-    t = k.shape[1]
-    qh = q.reshape(b, sq, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * sq, d)
-    kh = k.transpose(0, 2, 1, 3).reshape(b * kv, t, d)
-    vh = v.transpose(0, 2, 1, 3).reshape(b * kv, t, d)
-    return attention.heads(qh, kh, vh, mask, g).reshape(b, kv, g, sq, d).transpose(
-        0, 3, 1, 2, 4).reshape(b, sq, h * d)
-
-
-ATTENTION_KERNELS = ("auto", "fused", "blockwise")
-
-
-def attend_causal(q, k, v, segment_ids, block: int, kernel: str = "auto"):
-    """Causal self-attention within segments: q `[B, S, H, D]`, k/v `[B, S, KV, D]`,
-    segment_ids `[B, S]` (a query sees earlier keys of its own segment; padding, segment 0,
-    sees padding). Returns `[B, S, H * D]`.
-
-    `kernel` picks the implementation: "fused", the compiled XLA:CPU kernel of
-    `fused_attention` (tiles kept in cache; about twice the blockwise form's speed on CPU);
-    "blockwise", XLA operations by blocks of `block` queries, for any backend and head size;
-    "auto", the fused kernel when JAX's default backend is the CPU and the head dim is a
-    multiple of 8, else blockwise.
-    """
-    b, s, h, d = q.shape
-    if _use_fused(kernel, d, h, k.shape[2]):
-        return fused_attention.causal_attention(q, k, v, segment_ids).reshape(b, s, h * d)
-    return _attend_blockwise(q, k, v, segment_ids, block)
-
-
-def _use_fused(kernel: str, head_dim: int, heads: int, kv_heads: int) -> bool:
-    if kernel not in ATTENTION_KERNELS:
-        raise ValueError(f"attention kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
-    if kernel != "auto":
-        return kernel == "fused"
-    if jax.default_backend() != "cpu" or not fused_attention.supported(head_dim, heads, kv_heads):
-        return False
-    try:
-        load_causal_attention()
-    except KernelBuildError as error:
-        _warn_blockwise(str(error))
-        return False
-    return True
-
-
-@functools.cache
-def _warn_blockwise(reason: str) -> None:
-    warnings.warn(f"attention_kernel='auto' runs the slower blockwise attention: {reason}",
-                  RuntimeWarning, stacklevel=4)
-
-
-def _attend_blockwise(q, k, v, segment_ids, block: int):
-    """Causal attention by blocks of `block` queries, in XLA operations.
-
-    Query block i reads only keys `[0, (i + 1) * block)`: the blocks above the diagonal, always
-    fully masked, are never computed, which halves the score and softmax work of long
-    sequences. Each block's softmax runs over every key it may see, so the result equals
-    `attend` with the dense mask.
-    """
-    b, s, h, d = q.shape
-    kv = k.shape[2]
-    g = h // kv
-    qh = q.reshape(b, s, kv, g, d).transpose(0, 2, 3, 1, 4)  # [B, KV, G, S, D]
-    kh = k.transpose(0, 2, 1, 3).reshape(b * kv, s, d)
-    vh = v.transpose(0, 2, 1, 3).reshape(b * kv, s, d)
-    out = attention.causal_heads(qh, kh, vh, segment_ids, g, block)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, s, h * d)
-
-
-def attend_cached(q, k, v, visible):
-    """One query per row against a head-major cache: q `[B, 1, H, D]`, k/v `[B, KV, T, D]`."""
-    b, _, h, d = q.shape
-    kv = k.shape[1]
-    g, t = h // kv, k.shape[2]
-    q = q.reshape(b * kv, g, d)  # one merged batch axis, as in `attend`
-    scores = jnp.einsum("ngd,ntd->ngt", q, k.reshape(b * kv, t, d), preferred_element_type=jnp.float32)
-    scores = jnp.where(visible[:, None, None, :], scores.reshape(b, kv, g, t) * (d**-0.5), attention.NEG)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b * kv, g, t)
-    return jnp.einsum("ngt,ntd->ngd", weights, v.reshape(b * kv, t, d)).reshape(b, 1, h * d)
-
-
-@functools.partial(jax.checkpoint, static_argnums=(3,))
-def _gated_down(gate, up, kernel, dtype):
-    """The MLP's `down_proj(silu(gate) * up)` on rows, given the down projection's kernel.
-
-    Under `jax.checkpoint` with the down projection inside: a layer keeps `gate` and `up` for
-    the backward pass and recomputes the gated product there (an elementwise pass) rather
-    than keeping it as the down projection's input, one `[B*S, mlp_features]` array fewer
-    in the layer scan's stacked residuals, and five fewer than autodiff keeps for the SiLU.
-    """
-    return _on_rows(nn.silu(gate) * up, kernel, dtype)
-
-
-class Block(nn.Module):
-    """One pre-norm decoder layer."""
-
-    features: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    mlp_features: int
-    qk_norm: bool
-    attention_bias: bool
-    norm_eps: float
-    dtype: Any
-    param_dtype: Any
-
-    def setup(self):
-        h, kv, d, dt, pt = self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.param_dtype
-        self.input_layernorm = RMSNorm(self.norm_eps, dt, pt)
-        self.post_attention_layernorm = RMSNorm(self.norm_eps, dt, pt)
-        e, m = self.features, self.mlp_features
-        self.q_proj = _dense(e, h * d, "q_proj", dt, pt, self.attention_bias)
-        self.k_proj = _dense(e, kv * d, "k_proj", dt, pt, self.attention_bias)
-        self.v_proj = _dense(e, kv * d, "v_proj", dt, pt, self.attention_bias)
-        self.o_proj = _dense(h * d, e, "o_proj", dt, pt)
-        if self.qk_norm:
-            self.q_norm = RMSNorm(self.norm_eps, dt, pt)
-            self.k_norm = RMSNorm(self.norm_eps, dt, pt)
-        self.gate_proj = _dense(e, m, "gate_proj", dt, pt)
-        self.up_proj = _dense(e, m, "up_proj", dt, pt)
-        self.down_proj = _dense(m, e, "down_proj", dt, pt)
-
-    def qkv(self, x, rope):
-        """Rotated queries and keys and plain values for `x` `[B, S, E]`; `rope` is the
-        `rotary.table` of the positions, shared by all layers."""
-        b, s, _ = x.shape
-        h = self.input_layernorm(x)
-        q, k, v = fused(h, [self.q_proj, self.k_proj, self.v_proj])
-        q = q.reshape(b, s, self.num_heads, self.head_dim)
-        k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
-        v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary.apply(q, rope)
-        k = rotary.apply(k, rope)
-        return q, k, v
-
-    def finish(self, x, attended):
-        """Output projection, residual, then the gated MLP with its residual."""
-        x = x + self.o_proj(attended)
-        h = self.post_attention_layernorm(x)
-        gate, up = fused(h, [self.gate_proj, self.up_proj])
-        return x + _gated_down(gate, up, self.down_proj.kernel, self.down_proj.dtype)
-
-    def __call__(self, x, rope, segment_ids, block, kernel="auto"):
-        q, k, v = self.qkv(x, rope)
-        return self.finish(x, attend_causal(q, k, v, segment_ids, block, kernel)), (k, v)
-
-
 class CausalTransformer(nn.Module):
     """Decoder-only transformer over token ids; returns float32 logits `[B, S, V]`."""
 
@@ -385,9 +153,7 @@ class CausalTransformer(nn.Module):
     def setup(self):
         if self.attention_block < 1:
             raise ValueError(f"attention_block must be >= 1 query per block, got {self.attention_block}")
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got "
-                             f"{self.attention_kernel!r}")
+        choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         if self.num_heads % self.kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.kv_heads}"

@@ -57,6 +57,14 @@ def loss(objective: Objective, params, batch, step=0, reference=None, key=None):
     return mean((terms.total, terms.weight)), {k: mean(v) for k, v in terms.metrics.items()}
 
 
+def with_perplexity(means: dict[str, float]) -> dict[str, float]:
+    """Averaged evaluation metrics plus `perplexity = exp(loss)` (the loss capped at 80 so it
+    stays finite) when they hold a `loss`: what token-likelihood objectives' `derive` reports."""
+    if "loss" in means:
+        means = {**means, "perplexity": float(np.exp(min(means["loss"], 80.0)))}
+    return means
+
+
 def check_token_ids(field: str, values: Any, model: Any) -> None:
     """Refuse token ids outside `[0, model.vocab_size)` on the host, before anything compiles.
 

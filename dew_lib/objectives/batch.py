@@ -24,6 +24,8 @@ from typing import Any
 
 import jax
 
+from dew_lib.options import choice
+
 PROXIMAL_MODES = ("recorded", "in_update", "bypass")
 REQUIRED = ("input_ids", "text_segment_ids", "text_positions", "response_mask",
             "behavior_log_probs", "advantages", "session_index")
@@ -55,8 +57,7 @@ class PackedBatch:
     proximal: str = "recorded"
 
     def __post_init__(self):
-        if self.proximal not in PROXIMAL_MODES:
-            raise ValueError(f"PackedBatch.proximal must be one of {PROXIMAL_MODES}, got {self.proximal!r}")
+        choice("PackedBatch.proximal", self.proximal, PROXIMAL_MODES)
         has_old = self.old_log_probs is not None
         if self.proximal == "in_update" and has_old:
             raise ValueError(

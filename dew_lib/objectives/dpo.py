@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew_lib.data.dataset import describe
-from dew_lib.objectives.base import LossTerms, Metrics, check_token_ids
+from dew_lib.objectives.base import LossTerms, Metrics, check_token_ids, with_perplexity
 from dew_lib.objectives.lm import score_targets
 from dew_lib.objectives.policy import check_pretrained, check_seq_len, initial_variables
 
@@ -148,7 +148,4 @@ class DPOObjective:
         }
 
     def derive(self, means: dict[str, float]) -> dict[str, float]:
-        """Add the chosen answers' perplexity to averaged evaluation metrics."""
-        if "loss" in means:
-            means = {**means, "perplexity": float(np.exp(min(means["loss"], 80.0)))}
-        return means
+        return with_perplexity(means)  # the chosen answers' perplexity

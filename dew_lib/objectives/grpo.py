@@ -35,13 +35,12 @@ import numpy as np
 
 from dew_lib.data.dataset import describe
 from dew_lib.objectives import algorithms
-from dew_lib.objectives.base import LossTerms, Metrics, check_token_ids
+from dew_lib.objectives.base import LossTerms, Metrics, check_token_ids, with_perplexity
 from dew_lib.objectives.batch import REQUIRED, proximal_mode
-from dew_lib.objectives.lm import score_targets
+from dew_lib.objectives.lm import prompt_layout, score_targets
 from dew_lib.options import choice
 from dew_lib.objectives.policy import check_pretrained, check_seq_len, initial_variables
 from dew_lib.objectives.scoring import support_log_probs
-from dew_lib.sampling import prompt_layout
 
 PACKED_FIELDS = REQUIRED
 ALIGNED_FIELDS = PACKED_FIELDS + ("old_log_probs", "versions", "call_index", "session_weights",
@@ -293,9 +292,7 @@ class GRPOObjective:
                 "accuracy": ((top * weights).sum(), count)}
 
     def derive(self, means: dict[str, float]) -> dict[str, float]:
-        if "loss" in means:
-            means = {**means, "perplexity": float(np.exp(min(means["loss"], 80.0)))}
-        return means
+        return with_perplexity(means)
 
 
 _SCORING_FIELDS = ("input_ids", "text_segment_ids", "text_positions", "support_ids", "support_columns")

@@ -17,7 +17,7 @@ import numpy as np
 
 from dew_lib.data.chat import Role
 from dew_lib.data.dataset import describe
-from dew_lib.objectives.base import LossTerms, Metrics, check_token_ids
+from dew_lib.objectives.base import LossTerms, Metrics, check_token_ids, with_perplexity
 from dew_lib.objectives.policy import check_pretrained, check_seq_len, initial_variables
 
 OPTIONAL_FIELDS = ("text_roles", "text_segment_ids", "text_positions")
@@ -78,6 +78,15 @@ def score_targets_with_entropy(model, params, inputs, targets, segments=None, po
     entropy = -jnp.sum(jnp.exp(log_softmax) * log_softmax, axis=-1)
     picked = jnp.take_along_axis(log_softmax, targets[..., None], axis=-1)[..., 0]
     return picked, jnp.argmax(logits, axis=-1) == targets, entropy
+
+
+def prompt_layout(prompt_length: jax.Array, width: int):
+    """Segment ids (0 on left padding) and positions (0 at each row's first real token)."""
+    pad = width - prompt_length[:, None]
+    columns = jnp.arange(width)[None, :]
+    segments = (columns >= pad).astype(jnp.int32)
+    positions = jnp.maximum(columns - pad, 0).astype(jnp.int32)
+    return segments, positions
 
 
 class LMObjective:
@@ -160,7 +169,4 @@ class LMObjective:
         return self._loss_sums(params, batch)
 
     def derive(self, means: dict[str, float]) -> dict[str, float]:
-        """Add perplexity to averaged evaluation metrics."""
-        if "loss" in means:
-            means = {**means, "perplexity": float(np.exp(min(means["loss"], 80.0)))}
-        return means
+        return with_perplexity(means)

@@ -13,11 +13,14 @@ continues from it, and one that already reached its steps restores without train
 rerun of a finished chain only reloads. The stage name only labels the directory.
 
 The chain exposes the knobs most runs change (beta, reward, groups, max_new_tokens, sample).
-For a decoded-text reward, stop tokens or a sampling temperature, build SampledRollout and
-Trainer yourself: a Recipe's GRPO stages read rewards on token-id text.
+For a decoded-text reward, stop tokens or a sampling temperature, build the stage with
+`build_grpo` (build.py) and a Trainer yourself: a Recipe's GRPO stages read rewards on token-id
+text. Every stage's objects come from the builders in build.py, the same ones the pipeline's
+training task uses; the chain only maps a Stage to their options.
 
 Not here: a command line (the Prefect flows in flows/ are the runnable pipeline), evaluation
-between stages, learning-rate schedules per stage.
+between stages, learning-rate schedules per stage, asynchronous GRPO (GRPOOptions(mode="async")
+with `build_grpo`).
 """
 
 from __future__ import annotations
@@ -30,15 +33,11 @@ from typing import Any
 import jax
 import optax
 
-from dew_lib.data.chat import Role
 from dew_lib.data.chat_messages import ChatMessages
 from dew_lib.data.preference import PreferencePairs
 from dew_lib.data.prompts import Prompts
-from dew_lib.objectives.dpo import DPOObjective
-from dew_lib.objectives.grpo import GRPOObjective
-from dew_lib.objectives.lm import LMObjective
-from dew_lib.rollouts.sampled import SampledRollout
-from dew_lib.sampling import Sampling
+from dew_lib.recipes.build import (Built, DPOOptions, GRPOOptions, SFTOptions, build_dpo, build_grpo,
+                                   build_sft)
 from dew_lib.train.trainer import Trainer, TrainState
 
 DataSpec = ChatMessages | PreferencePairs | Prompts
@@ -111,32 +110,33 @@ class Recipe:
         if len(set(names)) != len(names):
             raise ValueError(f"Recipe stage names must be distinct (they name directories), got {names}")
 
-    def trainer(self, index: int, stage: Stage, start: Any) -> Trainer:
-        """The Trainer for one stage, starting from the variables `start`."""
-        key = jax.random.fold_in(self.key, index)
+    def build(self, stage: Stage, start: Any) -> Built:
+        """The objects of one stage (objective, loaded data, rollout), starting from `start`."""
         if stage.kind == "sft":
-            objective = LMObjective(self.model, stage.data.seq_len, pretrained=start,
-                                    loss_role=Role.ASSISTANT, ema_decay=None)
-            return Trainer(objective, self.optimizer, key=key)
+            return build_sft(self.model, start, stage.data, SFTOptions(batch=self.batch))
         if stage.kind == "dpo":
-            objective = DPOObjective(self.model, stage.data.seq_len - 1, beta=stage.beta,
-                                     pretrained=start)
-            return Trainer(objective, self.optimizer, key=key)
-        seq_len = stage.data.max_prompt_len + stage.max_new_tokens - 1
-        objective = GRPOObjective(self.model, seq_len, beta=stage.beta, pretrained=start)
-        sampling = Sampling(temperature=1.0 if stage.sample else 0.0)
-        rollout = SampledRollout(objective, reward=stage.reward, groups=stage.groups,
-                                 max_new_tokens=stage.max_new_tokens, sampling=sampling)
-        return Trainer(objective, self.optimizer, key=key, rollout=rollout)
+            return build_dpo(self.model, start, stage.data, DPOOptions(batch=self.batch, beta=stage.beta))
+        options = GRPOOptions(batch=self.batch, groups=stage.groups, max_new_tokens=stage.max_new_tokens,
+                              beta=stage.beta, temperature=1.0 if stage.sample else 0.0)
+        return build_grpo(self.model, start, stage.data, options, reward=stage.reward)
+
+    def trainer(self, index: int, stage: Stage, start: Any, built: Built | None = None) -> Trainer:
+        """The Trainer for one stage, starting from the variables `start` (from `built` when
+        given, else from `build(stage, start)`, which also loads the stage's data)."""
+        built = self.build(stage, start) if built is None else built
+        key = jax.random.fold_in(self.key, index)
+        return Trainer(built.objective, self.optimizer, key=key, rollout=built.rollout)
 
     def run(self, sinks_for: Callable[[Stage], Sequence[Any]] | None = None) -> list[TrainState]:
         """Train every stage in order; `sinks_for(stage)` picks each stage's metric sinks."""
         states: list[TrainState] = []
         start = self.pretrained
         for index, stage in enumerate(self.stages):
-            trainer = self.trainer(index, stage, start)
+            built = self.build(stage, start)
+            trainer = self.trainer(index, stage, start, built)
             state = trainer.fit(
-                stage.data.load(batch=self.batch), steps=stage.steps, log_every=stage.log_every,
+                built.dataset, steps=stage.steps, log_every=stage.log_every,
+                eval_every=built.eval_every,
                 directory=os.path.join(os.fspath(self.directory), stage.name),
                 checkpoint_every=stage.checkpoint_every,
                 sinks=None if sinks_for is None else sinks_for(stage),

@@ -32,6 +32,7 @@ import numpy as np
 from dew_lib.data.prompts import METADATA, text_field
 from dew_lib.objectives import algorithms
 from dew_lib.objectives.batch import PackedBatch
+from dew_lib.options import integer
 from dew_lib.records.sessions import Call, Session, Status
 from dew_lib.rollouts.packing import pack
 from dew_lib.sampling import Sampling, generate
@@ -69,14 +70,12 @@ class SampledRollout:
                 f"SampledRollout.groups must be at least 2, got {groups}; group-relative advantages "
                 "compare each completion with the others drawn for its prompt"
             )
-        if max_new_tokens < 1:
-            raise ValueError(f"SampledRollout.max_new_tokens must be >= 1, got {max_new_tokens}")
+        max_new_tokens = integer("SampledRollout.max_new_tokens", max_new_tokens)
         if not callable(reward):
             raise TypeError("SampledRollout.reward must be callable as reward(data_source, "
                             "completion, ground_truth, extra_info) -> float")
         algorithms.advantage_function(estimator)
-        if workers < 1:
-            raise ValueError(f"SampledRollout.workers must be >= 1, got {workers}")
+        workers = integer("SampledRollout.workers", workers)
         if reward_details is not None and not callable(reward_details):
             raise TypeError("SampledRollout.reward_details must be callable with no arguments "
                             "(e.g. CodeReward.last_runs) or None")

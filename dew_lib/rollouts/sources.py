@@ -49,8 +49,17 @@ from typing import Any
 
 import numpy as np
 
-from dew_lib.records.episodes import (Action, EnvironmentFactory, Episode, EpisodeId, EpisodeStatus,
-                                      Observation, Transition, Verifier)
+from dew_lib.records.episodes import (
+    Action,
+    EnvironmentFactory,
+    Episode,
+    EpisodeId,
+    EpisodeStatus,
+    Observation,
+    Transition,
+    Verifier,
+)
+from dew_lib.options import integer
 from dew_lib.records.sessions import Call, Session, Status, Task
 from dew_lib.rollouts.sampled import Reward, token_text
 
@@ -96,8 +105,7 @@ class _Source:
     """What both sources share: the futures they hand out and cancel."""
 
     def __init__(self, workers: int, name: str):
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"{name}.workers must be a positive int, got {workers!r}")
+        workers = integer(f"{name}.workers", workers)
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name)
         self._live: dict[Future, _Live] = {}
         self._lock = threading.Lock()
@@ -168,8 +176,7 @@ class PromptSource(_Source):
         if not callable(reward):
             raise TypeError("PromptSource.reward must be callable as reward(data_source, completion, "
                             "ground_truth, extra_info) -> float")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"PromptSource.max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        max_new_tokens = integer("PromptSource.max_new_tokens", max_new_tokens)
         if reward_details is not None and not callable(reward_details):
             raise TypeError("PromptSource.reward_details must be callable with no arguments "
                             f"(e.g. TaskReward.last_runs), got {type(reward_details).__name__}")
@@ -259,10 +266,9 @@ class EnvironmentSource(_Source):
         for name, value in (("environment", environment), ("verifier", verifier)):
             if not callable(value):
                 raise TypeError(f"EnvironmentSource.{name} must be callable")
-        for name, value in (("max_prompt_tokens", max_prompt_tokens),
-                            ("max_new_tokens", max_new_tokens), ("max_turns", max_turns)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"EnvironmentSource.{name} must be a positive int, got {value!r}")
+        max_prompt_tokens, max_new_tokens, max_turns = (
+            integer(f"EnvironmentSource.{name}", value) for name, value in
+            (("max_prompt_tokens", max_prompt_tokens), ("max_new_tokens", max_new_tokens), ("max_turns", max_turns)))
         super().__init__(workers, "EnvironmentSource")
         self.server, self.environment, self.verifier = server, environment, verifier
         self.max_prompt_tokens, self.max_new_tokens, self.max_turns = (

@@ -31,6 +31,7 @@ import time
 import uuid
 from typing import Any
 
+from dew_lib.options import integer
 from dew_lib.sandbox.launcher import PATH, Finished, SandboxUnavailable
 from dew_lib.sandbox.limits import SandboxLimits
 from dew_lib.sandbox.process import outcome_of
@@ -58,10 +59,9 @@ class ContainerRunner:
             raise ValueError(f"ContainerRunner.image must name an image such as 'python:3.12-slim', got {image!r}")
         if not isinstance(runtime, str) or not runtime:
             raise ValueError(f"ContainerRunner.runtime must be 'docker' or an OCI runtime name, got {runtime!r}")
-        if isinstance(cpu_shares, bool) or not isinstance(cpu_shares, int) or cpu_shares < 2:
-            raise ValueError(f"ContainerRunner.cpu_shares must be an integer >= 2, got {cpu_shares!r}")
-        if isinstance(tmp_bytes, bool) or not isinstance(tmp_bytes, int) or tmp_bytes < 1 << 20:
-            raise ValueError(f"ContainerRunner.tmp_bytes must be an integer >= 1 MiB, got {tmp_bytes!r}")
+        cpu_shares = integer("ContainerRunner.cpu_shares", cpu_shares, at_least=2)
+        tmp_bytes = integer("ContainerRunner.tmp_bytes", tmp_bytes, at_least=1 << 20,
+                            accepts="an integer >= 1 MiB")
         if client is None:
             import docker
 

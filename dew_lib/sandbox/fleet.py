@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
+from dew_lib.options import integer
 from dew_lib.sandbox.limits import SandboxLimits
 from dew_lib.sandbox.program import Outcome, Program
 
@@ -38,9 +39,7 @@ class SandboxFleet:
             raise ValueError(f"SandboxFleet.runner must have a run(program, limits) method, got {runner!r}")
         if not isinstance(limits, SandboxLimits):
             raise ValueError(f"SandboxFleet.limits must be a SandboxLimits, got {type(limits).__name__}")
-        workers = (os.cpu_count() or 1) if workers is None else workers
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"SandboxFleet.workers must be a positive integer, got {workers!r}")
+        workers = integer("SandboxFleet.workers", (os.cpu_count() or 1) if workers is None else workers)
         self.runner = runner
         self.limits = limits
         self.workers = workers

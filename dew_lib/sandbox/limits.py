@@ -21,7 +21,8 @@ Not here: the runners that apply these (`process.py`, `namespace.py`, `container
 from __future__ import annotations
 
 import dataclasses
-import math
+
+from dew_lib.options import integer, number
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,13 +46,11 @@ class SandboxLimits:
     max_processes: int = 64
 
     def __post_init__(self):
-        wall = self.wall_seconds
-        if isinstance(wall, bool) or not isinstance(wall, (int, float)) or not math.isfinite(wall) or wall <= 0:
-            raise ValueError(f"SandboxLimits.wall_seconds must be a positive number of seconds, got {wall!r}")
-        object.__setattr__(self, "wall_seconds", float(wall))
+        object.__setattr__(self, "wall_seconds", number("SandboxLimits.wall_seconds", self.wall_seconds,
+                                                        above=0, accepts="a positive number of seconds"))
         minimum = {"cpu_seconds": 1, "memory_bytes": 1 << 20, "max_output_bytes": 1,
                    "max_file_bytes": 1, "max_processes": 1}
         for name, least in minimum.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"SandboxLimits.{name} must be an integer >= {least}, got {value!r}")
+            value = integer(f"SandboxLimits.{name}", getattr(self, name), at_least=least,
+                            accepts=f"an integer >= {least}")
+            object.__setattr__(self, name, value)

@@ -31,6 +31,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 
+from dew_lib.options import integer
 from dew_lib.sandbox import launcher
 from dew_lib.sandbox.limits import SandboxLimits
 from dew_lib.sandbox.process import outcome_of
@@ -69,10 +70,9 @@ class NamespaceRunner:
                                  f"{WORKDIR} or the whole host; bind something narrower")
             if not os.path.exists(path):
                 raise ValueError(f"NamespaceRunner.read_only path {path!r} does not exist")
-        if isinstance(tmp_bytes, bool) or not isinstance(tmp_bytes, int) or tmp_bytes < 1 << 20:
-            raise ValueError(f"NamespaceRunner.tmp_bytes must be an integer >= 1 MiB, got {tmp_bytes!r}")
         self.read_only = extra
-        self.tmp_bytes = tmp_bytes
+        self.tmp_bytes = integer("NamespaceRunner.tmp_bytes", tmp_bytes, at_least=1 << 20,
+                                 accepts="an integer >= 1 MiB")
         self.root = root
         self.user = user if os.geteuid() == 0 else None
         self._bwrap = launcher.tool("bwrap", "bubblewrap")

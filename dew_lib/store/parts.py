@@ -70,6 +70,26 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def write_json(path: str, value, **dump) -> None:
+    """Write `value` as JSON to `path` so a reader sees the old file or the whole new one, and a
+    crash after the return keeps the new one: a unique temporary file in the same directory,
+    fsync'ed, renamed over `path`, then the directory fsync'ed. `dump` goes to `json.dump`."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    try:
+        with open(tmp, "x", encoding="utf-8") as out:
+            json.dump(value, out, **dump)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    fsync_dir(directory)
+
+
 def _encoding(schema: pa.Schema) -> dict:
     """Parquet settings per column. Scalar columns: LZ4, which DuckDB decodes as fast as its own
     files; dictionaries for strings and integers (run, status, step), plain floats; min/max

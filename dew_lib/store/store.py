@@ -29,7 +29,8 @@ import duckdb
 import pyarrow as pa
 
 from dew_lib.store import rows as _rows
-from dew_lib.store.parts import FileLock, StoreError, fsync_dir, held, replace_file, swap_count, swaps_since
+from dew_lib.store.parts import (FileLock, StoreError, fsync_dir, held, replace_file, swap_count, swaps_since,
+                                 write_json)
 from dew_lib.store.schema import FORMAT, TABLES, empty, placeholder, view_sql
 from dew_lib.store.schema import glob as _glob
 
@@ -112,7 +113,7 @@ class Store:
                 if not os.path.exists(path) and not glob.glob(_glob(self.directory, table)):
                     replace_file(empty(table), path, os.path.join(self.directory, ".gens", "_tmp"))
             if not os.path.exists(format_path):
-                _write_json(format_path, {"format": FORMAT})
+                write_json(format_path, {"format": FORMAT})
             self._views_file()
         finally:
             guard.release()
@@ -145,7 +146,7 @@ class Store:
             for leftover in (tmp, tmp + ".wal"):
                 if os.path.exists(leftover):
                     os.remove(leftover)
-        _write_json(marker, wanted)
+        write_json(marker, wanted)
 
     def code_version(self) -> str:
         """The git commit of the code (with `+dirty` for local changes) or the package version."""
@@ -309,13 +310,3 @@ LEFT JOIN last l USING (run, stage)
 LEFT JOIN accuracy a USING (run, stage)
 ORDER BY r.started_at DESC, r.run, s.started_at
 """
-
-
-def _write_json(path: str, value: dict) -> None:
-    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))

@@ -8,55 +8,29 @@ one copy of the model plus one scratch tensor. `Pretrained.save` writes the reve
 staged beside the target and swapped in. `Pretrained.export` yields the same tensors by name
 without touching disk, for pushing weights straight into a serving engine.
 
-Not here: downloading from the Hub (directories must be local), `.bin`/pickle checkpoints,
-multi-process gathering before a save (gather to host first; `export` and `save` need every
-leaf's data on this process).
+Not here: reading the tensors (`loading`) and writing them (`saving`), downloading from the Hub
+(directories must be local), `.bin`/pickle checkpoints.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from dew_lib.models import rotary
 from dew_lib.models.decoder import CausalTransformer
-from dew_lib.models.pretrained import families, files, layout
+from dew_lib.models.pretrained import families, layout, loading, saving
 from dew_lib.models.pretrained.families import Family, UnsupportedCheckpoint
-from dew_lib.models.pretrained.files import CheckpointError
+from dew_lib.models.pretrained.formats import CONFIG, GENERATION_CONFIG, model_dtype, numpy_dtype
+from dew_lib.models.pretrained.loading import ShardingSpec
 
-CONFIG = "config.json"
-GENERATION_CONFIG = "generation_config.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-_DTYPE_ALIASES = {"f32": "float32", "fp32": "float32", "bf16": "bfloat16", "f16": "float16",
-                  "fp16": "float16"}
-_SAVE_DTYPES = ("float32", "bfloat16", "float16")
-
-ShardingSpec = Sharding | Mesh | Callable[[tuple[str, ...], tuple[int, ...]], Sharding] | None
-
-
-def _dtype(value: Any) -> np.dtype:
-    """A numpy dtype (bfloat16 via ml_dtypes) from a jnp/np dtype or a name such as "bf16"."""
-    if isinstance(value, str):
-        value = _DTYPE_ALIASES.get(value.lower(), value.lower())
-    return np.dtype(jnp.dtype(value))
-
-
-def _model_dtype(value: Any) -> Any:
-    """The jnp scalar type (as `models.build` uses) for a float dtype given in any spelling."""
-    name = _dtype(value).name
-    if name not in _SAVE_DTYPES:
-        raise ValueError(f"parameters load as one of {_SAVE_DTYPES}, not {name}")
-    return getattr(jnp, name)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -78,49 +52,6 @@ def _load_tokenizer(directory: Path) -> Any:
     from transformers import AutoTokenizer  # imported late: loading weights does not need it
 
     return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-
-
-def _params_of(variables: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The `params` collection of full Flax variables (a bare params mapping is accepted too)."""
-    if "params" in variables:
-        return variables["params"]
-    if "embed_tokens" in variables:
-        return variables
-    raise ValueError(
-        f"expected Flax variables with a 'params' collection, got keys {sorted(variables)[:8]}"
-    )
-
-
-def _flatten(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, prefix + (key,)))
-        else:
-            out[prefix + (key,)] = value
-    return out
-
-
-def _sharding_for(spec: ShardingSpec, path: tuple[str, ...], shape: tuple[int, ...]):
-    if spec is None or isinstance(spec, Sharding):
-        return spec
-    if isinstance(spec, Mesh):
-        return NamedSharding(spec, PartitionSpec())
-    return spec(path, shape)
-
-
-def _place(array: np.ndarray, sharding: Sharding | None, *, owned: bool) -> jax.Array:
-    """Put a host array (possibly a strided view) onto devices.
-
-    `owned`: nothing else will touch the array's memory, so a CPU device may adopt it as its
-    buffer instead of copying; otherwise (a reused scratch buffer) a copy is forced.
-    """
-    if sharding is None:
-        return jax.device_put(array, may_alias=owned)
-    if sharding.is_fully_addressable:
-        return jax.device_put(array, sharding, may_alias=owned)
-    # Multi-process: every process reads the same file and fills only its own shards.
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +130,7 @@ class Pretrained:
                 f"architecture {architecture!r} is not supported; supported architectures: "
                 f"{families.SUPPORTED}"
             )
-        built = families.config_for_model(model, family, _dtype(model.param_dtype).name)
+        built = families.config_for_model(model, family, numpy_dtype(model.param_dtype).name)
         if tokenizer is not None:
             for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
                 value = getattr(tokenizer, field, None)
@@ -224,10 +155,10 @@ class Pretrained:
         directory = Path(directory)
         config = _read_json(directory / CONFIG)
         _, options = families.decoder_options(config)
-        param_dtype = _model_dtype(dtype)
+        param_dtype = model_dtype(dtype)
         model = CausalTransformer(
             **options,
-            dtype=param_dtype if compute_dtype is None else _model_dtype(compute_dtype),
+            dtype=param_dtype if compute_dtype is None else model_dtype(compute_dtype),
             param_dtype=param_dtype,
         )
         generation = directory / GENERATION_CONFIG
@@ -263,112 +194,7 @@ class Pretrained:
         (replicated on it), or a callable `(params_path, flax_shape) -> Sharding` for per-leaf
         layouts (a layer leaf's shape has the leading layer axis).
         """
-        directory = Path(directory)
-        expected = self.tensors
-        located = files.locate(directory)
-        stored = files.headers(located)
-        self._check_stored(stored, expected)
-        embedding = expected[0].name
-        if self.model.tie_embeddings and layout.TIED_COPY in located and not files.same_tensor(
-                located, layout.TIED_COPY, embedding):
-            raise CheckpointError(
-                f"tie_word_embeddings is true but the checkpoint's {layout.TIED_COPY} differs "
-                f"from {embedding}; transformers would use them untied, so set "
-                "tie_word_embeddings to false in config.json (or drop the copy)"
-            )
-        target = _dtype(self.model.param_dtype)
-
-        def direct(tensor):  # stored exactly as Flax wants it: read into the final buffer
-            return not tensor.transpose and files.FLOAT_DTYPES[stored[tensor.name][0]] == target
-
-        # Each params leaf with the tensors that fill it: one, or one per layer for a stacked
-        # layer leaf (read into its slice of the leaf's buffer).
-        by_leaf: dict[tuple[str, ...], list[layout.Tensor]] = {}
-        for tensor in expected:
-            by_leaf.setdefault(tensor.path, []).append(tensor)
-        shapes = layout.leaf_shapes(expected)
-        # Tensors not read straight into place pass through one scratch buffer, sized for the
-        # largest of them.
-        scratch_bytes = max(
-            [math.prod(t.shape) * files.FLOAT_DTYPES[stored[t.name][0]].itemsize
-             for t in expected if not direct(t)] or [0]
-        )
-        scratch = files.aligned_empty(scratch_bytes) if scratch_bytes else None
-        params: dict[str, Any] = {}
-        with contextlib.ExitStack() as stack:
-            readers = {path: stack.enter_context(files.Reader(path))
-                       for path in dict.fromkeys(located[t.name] for t in expected)}
-            for path, group in by_leaf.items():
-                placement = _sharding_for(sharding, path, shapes[path])
-                if group[0].layer is None:
-                    leaf = self._read_one(readers[located[group[0].name]], group[0], direct,
-                                          scratch, target, placement)
-                else:
-                    leaf = self._read_stack(readers, located, group, shapes[path], direct,
-                                            scratch, target, placement)
-                node = params
-                for key in path[:-1]:
-                    node = node.setdefault(key, {})
-                node[path[-1]] = leaf
-        return {"params": params}
-
-    @staticmethod
-    def _read_one(reader, tensor, direct, scratch, target, placement) -> jax.Array:
-        """One tensor as one params leaf."""
-        if direct(tensor):
-            return _place(reader.read(tensor.name), placement, owned=True)
-        array = reader.read(tensor.name, scratch[: reader.nbytes(tensor.name)])
-        owned = array.dtype != target
-        if owned:
-            array = array.astype(target)
-        leaf = _place(array.T if tensor.transpose else array, placement, owned=owned)
-        leaf.block_until_ready()  # the scratch buffer is reused next
-        return leaf
-
-    @staticmethod
-    def _read_stack(readers, located, group, shape, direct, scratch, target, placement
-                    ) -> jax.Array:
-        """The tensors of every layer into one stacked leaf `[L, ...]`, each at its index."""
-        buffer = files.aligned_empty(math.prod(shape) * target.itemsize)
-        stacked = buffer.view(target).reshape(shape)
-        per_layer = len(buffer) // shape[0]
-        for tensor in group:
-            reader = readers[located[tensor.name]]
-            if direct(tensor):
-                start = tensor.layer * per_layer
-                reader.read(tensor.name, buffer[start:start + per_layer])
-            else:
-                array = reader.read(tensor.name, scratch[: reader.nbytes(tensor.name)])
-                stacked[tensor.layer] = array.T if tensor.transpose else array
-        return _place(stacked, placement, owned=True)
-
-    def _check_stored(self, stored: Mapping[str, tuple[str, tuple[int, ...]]],
-                      expected: list[layout.Tensor]) -> None:
-        names = {t.name for t in expected}
-        missing = [t.name for t in expected if t.name not in stored]
-        if missing:
-            raise CheckpointError(
-                f"checkpoint is missing {len(missing)} tensor(s) the {self.family.architecture} "
-                f"config requires: {missing[:10]}"
-            )
-        extra = [n for n in stored if n not in names and not layout.ignorable(n, self.model)]
-        if extra:
-            raise CheckpointError(
-                f"checkpoint has {len(extra)} tensor(s) the {self.family.architecture} config does "
-                f"not account for: {extra[:10]}"
-            )
-        for t in expected:
-            dtype, shape = stored[t.name]
-            if shape != t.shape:
-                raise CheckpointError(
-                    f"tensor {t.name} has shape {shape} in the checkpoint but the config implies "
-                    f"{t.shape}"
-                )
-            if dtype not in files.FLOAT_DTYPES:
-                raise CheckpointError(
-                    f"tensor {t.name} is stored as {dtype}; Dew loads float tensors only "
-                    f"({sorted(files.FLOAT_DTYPES)})"
-                )
+        return loading.load(self, directory, sharding=sharding)
 
     # -- out -------------------------------------------------------------------------------
 
@@ -381,43 +207,7 @@ class Pretrained:
         a weight push can send it from the device; a NumPy leaf yields a NumPy array. Nothing
         touches disk and only the tensor being yielded is newly allocated.
         """
-        target = None if dtype is None else _dtype(dtype)
-        if target is not None and target.name not in _SAVE_DTYPES:
-            raise ValueError(f"cannot export as {target.name}; use one of {_SAVE_DTYPES}")
-        flat = self._leaves(variables)
-        for tensor in self.tensors:
-            leaf = flat[tensor.path]
-            if tensor.layer is not None:
-                leaf = leaf[tensor.layer]
-            if isinstance(leaf, jax.Array):
-                out = leaf if target is None else leaf.astype(target)
-                yield tensor.name, (out.T if tensor.transpose else out)
-            else:
-                out = np.asarray(leaf)
-                out = out if target is None else out.astype(target, copy=False)
-                yield tensor.name, np.ascontiguousarray(out.T if tensor.transpose else out)
-
-    def _leaves(self, variables: Mapping[str, Any]) -> dict[tuple[str, ...], Any]:
-        """The params leaves by path, checked to be exactly the model's, with its shapes."""
-        flat = _flatten(_params_of(variables))
-        expected = layout.leaf_shapes(self.tensors)
-        missing = [".".join(p) for p in expected if p not in flat]
-        extra = [".".join(p) for p in flat if p not in expected]
-        if missing or extra:
-            hint = ("; these variables keep one layers_i subtree per layer: convert them with "
-                    "dew_lib.models.decoder.stack_layers" if any(p[0] == "layers_0" for p in flat)
-                    else "")
-            raise ValueError(
-                f"variables do not match the model: missing params {missing[:10]}, "
-                f"unexpected params {extra[:10]}{hint}"
-            )
-        for path, want in expected.items():
-            shape = tuple(np.shape(flat[path]))
-            if shape != want:
-                raise ValueError(
-                    f"param {'.'.join(path)} has shape {shape}, the model expects {want}"
-                )
-        return flat
+        return saving.export(self, variables, dtype=dtype)
 
     def save(
         self,
@@ -437,37 +227,8 @@ class Pretrained:
         written to a hidden sibling directory and renamed over `directory` at the end, so a
         reader never sees half a checkpoint. At most one shard's tensors are on the host at once.
         """
-        limit = files.parse_size(max_shard_size)
-        flat = self._leaves(variables)
-        for path, leaf in flat.items():
-            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-                raise ValueError(
-                    f"param {'.'.join(path)} spans processes; gather the variables to host "
-                    "memory (e.g. multihost_utils.process_allgather) before saving"
-                )
-        target = None if dtype is None else _dtype(dtype)
-        dtypes = {_dtype(flat[t.path].dtype) if target is None else target for t in self.tensors}
-        if len(dtypes) != 1 or next(iter(dtypes)).name not in _SAVE_DTYPES:
-            raise ValueError(
-                f"save writes one float dtype among {_SAVE_DTYPES}; the leaves would give "
-                f"{sorted(d.name for d in dtypes)} (pass dtype=...)"
-            )
-        saved = next(iter(dtypes))
-        sizes = [(t.name, math.prod(t.shape) * saved.itemsize) for t in self.tensors]
-        config = {**self.config, "dtype": saved.name}
-        if "torch_dtype" in config:
-            config["torch_dtype"] = saved.name
-        stream = ((name, np.asarray(array)) for name, array in self.export(variables, dtype=saved))
-        with files.staged_directory(Path(directory), overwrite) as stage:
-            files.write(stage, stream, sizes, limit)
-            (stage / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            if self.generation_config is not None:
-                (stage / GENERATION_CONFIG).write_text(
-                    json.dumps(dict(self.generation_config), indent=2) + "\n"
-                )
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(str(stage))
-        return Path(directory)
+        return saving.save(self, variables, directory, dtype=dtype,
+                           max_shard_size=max_shard_size, overwrite=overwrite)
 
 
 class Loaded(NamedTuple):

@@ -39,9 +39,7 @@ the loss (`dew_lib.objectives.grpo`), multi-process trainers (refused at constru
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import dataclasses
 import itertools
 import math
 import queue
@@ -54,17 +52,18 @@ import jax
 import numpy as np
 
 from dew_lib.data.dataset import Batch, Dataset
-from dew_lib.inference.base import Publisher
-from dew_lib.objectives import algorithms
+from dew_lib.inference.base import Publisher, push_weights
 from dew_lib.objectives.batch import PackedBatch
-from dew_lib.objectives.grpo import GRPOObjective
 from dew_lib.records.scheduler import SchedulerRecord, SessionLog
-from dew_lib.records.sessions import TRUNCATION, Session, SessionSource, Status, Task
-from dew_lib.rollouts.packing import pack, session_metrics, trains
+from dew_lib.records.sessions import Session, SessionSource, Status, Task
+from dew_lib.rollouts.packing import pack, trains
 from dew_lib.rollouts.scheduler.admission import completed, placement, trained_sessions
+from dew_lib.rollouts.scheduler.ledger import Ledger
+from dew_lib.rollouts.scheduler.outcomes import Offers, noted_stale, outcome, reusable, stale
 from dew_lib.rollouts.scheduler.states import Attempt, Group, GroupState, Sample, TaskBatch
-from dew_lib.rollouts.scheduler.stream import ScheduledDataset, TaskStream
+from dew_lib.rollouts.scheduler.stream import ScheduledDataset, TaskReader, TaskStream
 from dew_lib.rollouts.scheduler.tasks import task_ids
+from dew_lib.rollouts.scheduler.validation import check_options
 
 
 class RolloutScheduler:
@@ -98,51 +97,10 @@ class RolloutScheduler:
                  support_capacity: int | None = None,
                  log: Callable[[SchedulerRecord], None] | None = None,
                  session_log: Callable[[SessionLog], None] | None = None):
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"RolloutScheduler runs in single-process trainers only; this is process "
-                f"{jax.process_index()} of {jax.process_count()}. Run the trainer in one process "
-                "(it may use every local device)")
-        for name, value, low in (("width", width, 2), ("rows", rows, 1), ("groups", groups, 1),
-                                 ("oversample", oversample, 0), ("max_lag", max_lag, 0),
-                                 ("ahead", ahead, 0), ("sync_every", sync_every, 1),
-                                 ("max_attempts", max_attempts, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"RolloutScheduler.{name} must be an int >= {low}, got {value!r}")
-        if admit is not None and (isinstance(admit, bool) or not isinstance(admit, int) or admit < 1):
-            raise ValueError(f"RolloutScheduler.admit must be None or an int >= 1, got {admit!r}")
-        if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
-            raise ValueError(f"RolloutScheduler.timeout must be None or positive seconds, got {timeout!r}")
-        if max_lag < ahead + sync_every - 1:
-            raise ValueError(
-                f"RolloutScheduler.max_lag={max_lag} is below ahead + sync_every - 1 = "
-                f"{ahead + sync_every - 1}: a rollout submitted {ahead} batches ahead under weights "
-                f"up to {sync_every - 1} updates old would always be discarded. Raise max_lag to "
-                f"{ahead + sync_every - 1} or lower ahead or sync_every")
-        if truncation not in TRUNCATION:
-            raise ValueError(f"RolloutScheduler.truncation must be one of {TRUNCATION}, got {truncation!r}")
-        algorithms.advantage_function(estimator)
-        objective_width = getattr(objective, "width", None)
-        if objective_width is not None and objective_width != width:
-            raise ValueError(
-                f"RolloutScheduler.width={width} but the objective reads rows of seq_len + 1 = "
-                f"{objective_width}; set GRPOObjective(seq_len={width - 1}) or width={objective_width}")
-        if not isinstance(objective, GRPOObjective):
-            raise TypeError("RolloutScheduler needs a GRPOObjective (its update scores the "
-                            f"proximal policy); got {type(objective).__name__}")
-        if max_lag > 0 and getattr(objective, "behavior_importance", None) is None:
-            raise ValueError(
-                f"RolloutScheduler(max_lag={max_lag}) trains on rollouts drawn by older weights, "
-                "which needs an importance correction: set GRPOObjective(behavior_importance=2.0) "
-                "(a TIS cap) or a (low, high) IcePop band, or run max_lag=0 with ahead=0")
-        for name, thing, methods in (("source", source, ("submit", "cancel")),
-                                     ("weights", weights, ("load",))):
-            missing = [m for m in methods if not callable(getattr(thing, m, None))]
-            if missing:
-                raise TypeError(f"RolloutScheduler.{name} lacks {missing}; a {name} needs "
-                                f"{list(methods)}")
-        if not callable(tasks):
-            raise TypeError("RolloutScheduler.tasks must be callable as tasks(batch) -> [Task]")
+        check_options(objective, source, weights, width=width, rows=rows, tasks=tasks,
+                      groups=groups, oversample=oversample, admit=admit, max_lag=max_lag,
+                      ahead=ahead, sync_every=sync_every, max_attempts=max_attempts,
+                      timeout=timeout, estimator=estimator, truncation=truncation)
         self.objective, self.source, self.weights = objective, source, weights
         self.width, self.rows, self.task_fn = width, rows, tasks
         self.groups, self.oversample, self.admit = groups, oversample, admit
@@ -152,22 +110,15 @@ class RolloutScheduler:
         self.log, self.session_log = log, session_log
 
         self._events: queue.SimpleQueue[Attempt] = queue.SimpleQueue()
-        self._generation = 0
-        self._inner: Iterator[Batch] | None = None
-        self._next_position = 0
-        self._tasks_per_batch: int | None = None
-        self._ahead: collections.deque[TaskBatch] = collections.deque()  # read, not yet yielded
-        self._given: TaskBatch | None = None     # yielded, waiting for its call
-        self._batches: dict[int, TaskBatch] = {}  # read and not yet consumed, by position
+        self._reader = TaskReader(tasks, groups + oversample)
         self._served: int | None = None
         self._updates = 0
         self._key_words: list[int] = [0]
         self._order = itertools.count()
-        self._offered: dict[tuple[str, int, int], Session] = {}
-        self._entries: list[tuple[Session, str, float | None, bool]] = []
+        self._offers = Offers()
         self._broken: BaseException | None = None
-        self._closed = False
-        self._reset_counts()
+        self._closed = self._closing = False
+        self._ledger = Ledger(session_log)
 
     # ----- the stream --------------------------------------------------------------------------
     def tasks(self, dataset: Dataset) -> Dataset:
@@ -184,51 +135,15 @@ class RolloutScheduler:
     def _open(self, inner: Iterator[Batch], position: int) -> Iterator[Batch]:
         self._check_open()
         self._cancel_all()
-        self._generation += 1
-        self._inner, self._next_position = inner, int(position)
-        self._ahead.clear()
-        self._batches.clear()
-        self._given = None
         self._broken = None
-        return TaskStream(self, self._generation)
+        return TaskStream(self, self._reader.open(inner, position))
 
     def _next_batch(self, generation: int) -> Batch:
-        if generation != self._generation:
-            raise RuntimeError("this task stream was replaced by a newer one (the scheduler's "
-                               "tasks(dataset) stream was opened again); read from the new one")
         self._check_open()
-        batch = self._ahead.popleft() if self._ahead else self._read()
-        self._given = batch
-        return batch.data
+        return self._reader.next(generation)
 
     def _stream_state(self, generation: int) -> Any:
-        if generation != self._generation:
-            raise RuntimeError("this task stream was replaced by a newer one")
-        if self._ahead:
-            return self._ahead[0].stream_state
-        state = getattr(self._inner, "state", None)
-        return state() if state is not None else None
-
-    def _read(self) -> TaskBatch:
-        state = getattr(self._inner, "state", None)
-        stream_state = state() if state is not None else None
-        data = next(self._inner)  # StopIteration ends the trainer's stream as usual
-        tasks = list(self.task_fn(data))
-        if not tasks or not all(isinstance(t, Task) for t in tasks):
-            raise ValueError(f"tasks(batch) must return a nonempty list of Task, got {tasks!r:.200}")
-        if self._tasks_per_batch is None:
-            self._tasks_per_batch = len(tasks)
-        elif len(tasks) != self._tasks_per_batch:
-            raise ValueError(
-                f"the batch at position {self._next_position} has {len(tasks)} tasks and earlier "
-                f"ones {self._tasks_per_batch}; the scheduler's group ids need a fixed batch size")
-        batch = TaskBatch(self._next_position, data, stream_state)
-        size = self.groups + self.oversample
-        batch.groups = [Group(batch, i, batch.position * len(tasks) + i, task, size)
-                        for i, task in enumerate(tasks)]
-        self._batches[batch.position] = batch
-        self._next_position += 1
-        return batch
+        return self._reader.state(generation)
 
     # ----- resume ------------------------------------------------------------------------------
     def reuse(self, sessions: Iterable[Any]) -> int:
@@ -242,26 +157,7 @@ class RolloutScheduler:
         the resumed state descends from) and its oldest call is within max_lag of them. Anything
         else is drawn again. Admission then checks the lag again as for any rollout.
         """
-        count = 0
-        for item in sessions:
-            session = getattr(item, "session", item)
-            if not isinstance(session, Session):
-                raise TypeError(f"reuse takes Session objects or StoredSession rows, got "
-                                f"{type(item).__name__}")
-            if not self._admissible(session):
-                continue
-            key = (session.task, session.group, session.sample)
-            if key not in self._offered:
-                count += 1
-            self._offered[key] = session
-        return count
-
-    def _admissible(self, session: Session) -> bool:
-        if session.status in (Status.COMPLETED, Status.AGENT_ERROR):
-            return session.reward is not None
-        if session.status is Status.TRUNCATED:
-            return self.truncation != "score" or session.reward is not None
-        return False
+        return self._offers.add(sessions, self.truncation)
 
     # ----- the trainer's call ------------------------------------------------------------------
     def __call__(self, state, batch: Batch, key) -> PackedBatch:
@@ -269,25 +165,25 @@ class RolloutScheduler:
         if self._broken is not None:
             raise RuntimeError("the scheduler failed on an earlier call and cancelled its work; open "
                                "the task stream again (resume the trainer) to continue") from self._broken
-        current = self._given
+        current = self._reader.given
         if current is None or batch is not current.data:
             raise ValueError("RolloutScheduler got a batch its task stream did not just yield; train "
                              "on scheduler.tasks(dataset) so the scheduler sees every batch first")
-        self._given = None
+        self._reader.given = None
         self._updates = updates = int(np.asarray(jax.device_get(state.updates)))
         if jax.dtypes.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key):
             key = jax.random.key_data(key)
         self._key_words = [int(w) for w in np.asarray(key, np.uint32).ravel()]
-        self._reset_counts()
+        self._ledger.reset()
         try:
             self._push(state.params, updates)
             self._cancel_stale_in_flight(updates)
-            while len(self._ahead) < self.ahead:
+            while len(self._reader.ahead) < self.ahead:
                 try:
-                    self._ahead.append(self._read())
+                    self._reader.ahead.append(self._reader.read())
                 except StopIteration:
                     break
-            for pending in (current, *self._ahead):
+            for pending in (current, *self._reader.ahead):
                 if not pending.submitted:
                     self._submit_batch(pending)
             self._drain()
@@ -296,17 +192,17 @@ class RolloutScheduler:
             started = time.perf_counter()
             admitted = self._admit(current)
             waited = time.perf_counter() - started
-            del self._batches[current.position]
+            del self._reader.batches[current.position]
             sessions = trained_sessions(admitted, self.groups)
             latencies = [s.latency for g in admitted for s in g.finished[:self.groups]]
             for group in admitted:
                 for sample in group.finished[:self.groups]:
-                    self._entry(sample, "admitted", trained=trains(sample.session, self.truncation))
+                    self._ledger.sample(sample, "admitted", trained=trains(sample.session, self.truncation))
             if not admitted:
                 raise RuntimeError(
                     f"no group of the batch at position {current.position} could be admitted "
-                    f"({self._abandoned} abandoned after max_attempts={self.max_attempts}, "
-                    f"{self._cut} cut, resubmissions {dict(self._resubmitted)}); the source keeps "
+                    f"({self._ledger.abandoned} abandoned after max_attempts={self.max_attempts}, "
+                    f"{self._ledger.cut} cut, resubmissions {dict(self._ledger.resubmitted)}); the source keeps "
                     "failing: see the causes and details of the recorded sessions")
             packed = pack(sessions, self.width, rows=self.rows, estimator=self.estimator,
                           truncation=self.truncation, support_capacity=self.support_capacity)
@@ -318,31 +214,28 @@ class RolloutScheduler:
             try:
                 self._cancel_all()
                 self._drain()  # every attempt is cancelled now, so this only records them
-                self._flush()
+                self._ledger.flush(self._updates, self._reader.batches.values())
             except Exception as later:  # noqa: BLE001 - the first failure is the one to raise
                 error.add_note(f"while cancelling the batch's work: {type(later).__name__}: {later}")
             raise
-        oldest = min((call.version for s in sessions for call in s.calls), default=updates)
-        metrics = session_metrics(sessions, packed, latencies=[x for x in latencies if x is not None],
-                                  version=updates, truncation=self.truncation)
-        metrics["sessions/reused"] = float(sum(x is None for x in latencies))
-        record = SchedulerRecord(
-            updates=updates, version=int(oldest), lag=int(updates - oldest), groups=len(admitted),
-            resubmitted=dict(self._resubmitted), cancelled=self._cancelled,
-            abandoned=self._abandoned, cut=self._cut, waited=waited, metrics=metrics)
+        record = self._ledger.record(updates, sessions, packed, latencies, groups=len(admitted),
+                                     waited=waited, truncation=self.truncation)
         self.last_record = record
-        self._flush()
+        self._ledger.flush(self._updates, self._reader.batches.values())
         if self.log is not None:
             self.log(record)
         return packed
 
     def close(self, timeout: float = 10.0) -> None:
-        """Cancel every rollout in flight; the source belongs to the caller. Rollouts that
-        finished before the call are recorded as pending (a resumed run can train them), the
-        cancelled ones as cancelled once their source reports them, for which close waits up to
-        `timeout` seconds (a source that has not reported by then leaves them unrecorded)."""
+        """Cancel every rollout in flight and draw nothing new; the source belongs to the caller,
+        who may have closed it already. Rollouts that finished before the call are recorded as
+        pending (a resumed run can train them), failed ones as abandoned, stale ones as
+        discarded, the cancelled ones as cancelled once their source reports them, for which
+        close waits up to `timeout` seconds (a source that has not reported by then leaves them
+        unrecorded)."""
         if self._closed:
             return
+        self._closing = True  # from here on a failed or stale rollout is recorded, never drawn again
         try:
             self._drain()
         finally:
@@ -350,11 +243,11 @@ class RolloutScheduler:
             self._cancel_all()
             concurrent.futures.wait([a.future for a in running], timeout=timeout)
             self._drain()
-            self._flush()
+            self._ledger.flush(self._updates, self._reader.batches.values())
         self._closed = True
-        self._generation += 1
-        self._batches.clear()
-        self._ahead.clear()
+        self._reader.generation += 1
+        self._reader.batches.clear()
+        self._reader.ahead.clear()
 
     def __enter__(self) -> RolloutScheduler:
         return self
@@ -366,33 +259,20 @@ class RolloutScheduler:
         if self._closed:
             raise RuntimeError("the RolloutScheduler is closed; build a new one")
 
-    def _reset_counts(self):
-        self._resubmitted: collections.Counter[str] = collections.Counter()
-        self._cancelled = self._abandoned = self._cut = 0
-
     # ----- weights -----------------------------------------------------------------------------
     def _push(self, params, updates: int) -> None:
         served = self._served
-        if served is not None and 0 <= updates - served < self.sync_every:
-            return
-        for _ in range(2):
-            self.weights.load(params, updates)
-            reported = getattr(self.weights, "version", updates)
-            if reported == updates:
-                break
-        else:
-            raise RuntimeError(
-                f"pushing version {updates} did not move the publisher's version (it reports "
-                f"{reported} after two loads); check the engine's weight-update endpoint")
-        self._served = updates
+        if served is None or not 0 <= updates - served < self.sync_every:
+            push_weights(self.weights, params, updates)
+            self._served = updates
 
     # ----- submission --------------------------------------------------------------------------
     def _submit_batch(self, batch: TaskBatch) -> None:
         batch.submitted = True
         for group in batch.groups:
             for sample in group.samples:
-                stored = self._offered.pop((group.task.id, group.id, sample.index), None)
-                if stored is not None and self._reusable(stored):
+                stored = self._offers.take(group.task.id, group.id, sample.index)
+                if stored is not None and reusable(stored, self._updates, self.max_lag):
                     sample.attempt = stored.attempt
                     sample.session = stored
                     group.finished.append(sample)
@@ -401,10 +281,6 @@ class RolloutScheduler:
                         break
                     continue
                 self._launch(sample)
-
-    def _reusable(self, session: Session) -> bool:
-        versions = [call.version for call in session.calls] or [self._updates + 1]
-        return max(versions) <= self._updates and self._updates - min(versions) <= self.max_lag
 
     def _seed(self, sample: Sample) -> int:
         entropy = [*self._key_words, sample.group.id, sample.index, sample.attempt]
@@ -429,7 +305,7 @@ class RolloutScheduler:
         self.source.cancel(attempt.future)
 
     def _in_flight(self) -> list[Attempt]:
-        return [s.current for b in self._batches.values() for g in b.groups for s in g.samples
+        return [s.current for b in self._reader.batches.values() for g in b.groups for s in g.samples
                 if s.current is not None]
 
     def _cancel_all(self) -> None:
@@ -438,13 +314,13 @@ class RolloutScheduler:
 
     def _cancel_stale_in_flight(self, updates: int) -> None:
         for attempt in self._in_flight():
-            if updates - attempt.version > self.max_lag:
+            if not attempt.cancelled and updates - attempt.version > self.max_lag:
                 self._cancel(attempt)
-                self._cancelled += 1
-                self._resubmit(attempt.sample, "stale")
+                self._ledger.cancelled += 1
+                self._fail(attempt.sample, "stale", None, None)
 
     def _resubmit(self, sample: Sample, cause: str) -> None:
-        self._resubmitted[cause] += 1
+        self._ledger.resubmitted[cause] += 1
         sample.attempt += 1
         self._launch(sample)
 
@@ -462,34 +338,14 @@ class RolloutScheduler:
             except queue.Empty:
                 return
 
-    def _outcome(self, attempt: Attempt) -> Session:
-        """The session an attempt ended with, relabelled; a stand-in when it has none."""
-        sample, group, future = attempt.sample, attempt.sample.group, attempt.future
-        labels = dict(task=group.task.id, group=group.id, sample=sample.index, attempt=attempt.number)
-        if future.cancelled():
-            return Session(**labels, status=Status.CANCELLED, detail="cancelled before it finished")
-        error = future.exception()
-        if error is not None:
-            if not attempt.cancelled:
-                raise error  # a source that raises is broken
-            return Session(**labels, status=Status.CANCELLED,
-                           detail=f"cancelled; the source then raised {type(error).__name__}: {error}")
-        session = future.result()
-        if not isinstance(session, Session):
-            if attempt.cancelled:
-                return Session(**labels, status=Status.CANCELLED,
-                               detail=f"cancelled; the source then returned {type(session).__name__}")
-            raise TypeError(f"the source resolved a future to {type(session).__name__}, not a Session")
-        return dataclasses.replace(session, **labels)
-
     def _handle(self, attempt: Attempt) -> None:
         sample, group = attempt.sample, attempt.sample.group
         latency = time.perf_counter() - attempt.submitted
         if attempt.cancelled or sample.current is not attempt:
-            self._entries.append((self._outcome(attempt), "cancelled", latency, False))
+            self._ledger.session(outcome(attempt), "cancelled", latency, False)
             return
         sample.current = None  # finished, whatever it says: nothing left to cancel
-        session = self._outcome(attempt)
+        session = outcome(attempt)
         status = session.status
         if status in (Status.INFRA_ERROR, Status.CANCELLED):
             self._fail(sample, status.value, session, latency)
@@ -505,31 +361,37 @@ class RolloutScheduler:
         if session.reward is not None and not math.isfinite(float(session.reward)):
             raise ValueError(f"the source reported reward {session.reward} for task "
                              f"{group.task.id!r}, sample {sample.index}; rewards must be finite")
-        if self._stale(session, attempt.version):
-            self._entries.append((session, "discarded", latency, False))
-            self._resubmit(sample, "stale")
+        if stale(session, self._updates, self.max_lag, attempt.version):
+            self._fail(sample, "stale", session, latency, recorded_as="discarded")
             return
         sample.session, sample.latency, sample.logged = session, latency, None
         group.finished.append(sample)
         if len(group.finished) == self.groups:
             self._complete(group)
 
-    def _stale(self, session: Session, submitted_version: int) -> bool:
-        oldest = min((call.version for call in session.calls), default=submitted_version)
-        return self._updates - oldest > self.max_lag
-
-    def _fail(self, sample: Sample, cause: str, session: Session | None, latency) -> None:
+    def _fail(self, sample: Sample, cause: str, session: Session | None, latency, *,
+              recorded_as: str = "resubmitted") -> None:
+        """A failed attempt, a stale one included: drawn again up to max_attempts (its session
+        recorded as `recorded_as`), then given up, and its group abandoned when too few samples
+        are left. Once close began nothing is drawn: the session is recorded and left there."""
         sample.failures += 1
         group = sample.group
+        if self._closing:
+            if session is not None:
+                self._ledger.session(session, "discarded" if cause == "stale" else "abandoned",
+                                      latency, False)
+            return
         if sample.failures < self.max_attempts:
             if session is not None:
-                self._entries.append((session, "resubmitted", latency, False))
+                self._ledger.session(session, recorded_as, latency, False)
             self._resubmit(sample, cause)
             return
         sample.given_up = True
         if session is not None:
-            self._entries.append((session, "abandoned", latency, False))
-        if sum(not s.given_up for s in group.samples) < self.groups:
+            if cause == "stale":
+                session = noted_stale(session, self._updates, self.max_lag, self.max_attempts)
+            self._ledger.session(session, "abandoned", latency, False)
+        if group.state.open and sum(not s.given_up for s in group.samples) < self.groups:
             self._abandon(group)
 
     def _complete(self, group: Group) -> None:
@@ -538,7 +400,7 @@ class RolloutScheduler:
         for sample in group.samples:  # the oversampled stragglers
             if sample.current is not None:
                 self._cancel(sample.current)
-                self._cancelled += 1
+                self._ledger.cancelled += 1
 
     def _settle(self, group: Group, state: GroupState, cause: str) -> None:
         """End a group that will not train: cancel what runs, record what finished."""
@@ -546,33 +408,30 @@ class RolloutScheduler:
         for sample in group.samples:
             if sample.current is not None:
                 self._cancel(sample.current)
-                self._cancelled += 1
+                self._ledger.cancelled += 1
         for sample in group.finished:
-            self._entry(sample, cause)
+            self._ledger.sample(sample, cause)
         group.finished = []
 
     def _abandon(self, group: Group) -> None:
-        self._abandoned += 1
+        self._ledger.abandoned += 1
         self._settle(group, GroupState.ABANDONED, "abandoned")
-
-    def _entry(self, sample: Sample, cause: str, trained: bool = False) -> None:
-        self._entries.append((sample.session, cause, sample.latency, trained))
-        sample.logged = cause
 
     def _recheck_finished(self, updates: int) -> None:
         """Discard finished rollouts that became too stale while they waited."""
-        for batch in list(self._batches.values()):
+        for batch in list(self._reader.batches.values()):
             for group in batch.groups:
                 if not group.state.open:
                     continue
                 for sample in list(group.finished):
-                    if self._stale(sample.session, updates):
+                    if not group.state.open:  # abandoned by an earlier sample's last attempt
+                        break
+                    if stale(sample.session, updates, self.max_lag, updates):
                         group.finished.remove(sample)
-                        self._entry(sample, "discarded")
-                        sample.session = None
+                        session, sample.session = sample.session, None
                         if group.state is GroupState.COMPLETE:
                             group.move(GroupState.RUNNING)
-                        self._resubmit(sample, "stale")
+                        self._fail(sample, "stale", session, sample.latency, recorded_as="discarded")
 
     def _check_timeouts(self) -> tuple[bool, float | None]:
         """Cancel rollouts past their deadline: (whether any was, seconds until the next one)."""
@@ -619,29 +478,13 @@ class RolloutScheduler:
         state = placement(group, admitted, size=self.groups, width=self.width, rows=self.rows,
                           truncation=self.truncation)
         if state is GroupState.CUT:
-            self._cut += 1
+            self._ledger.cut += 1
             for sample in group.finished:
-                self._entry(sample, "cut")
+                self._ledger.sample(sample, "cut")
             group.finished = []
         else:
             admitted.append(group)
         group.move(state)
-
-    # ----- recording ---------------------------------------------------------------------------
-    def _flush(self) -> None:
-        """Hand the settled sessions (and the finished ones still waiting, as pending) to
-        session_log."""
-        for batch in self._batches.values():
-            for group in batch.groups:
-                if group.state.open:
-                    for sample in group.finished:
-                        if sample.logged is None:
-                            self._entry(sample, "pending")
-        entries, self._entries = self._entries, []
-        if self.session_log is None or not entries:
-            return
-        sessions, causes, latencies, trained = zip(*entries, strict=True)
-        self.session_log(SessionLog(self._updates, sessions, causes, latencies, trained))
 
 
 __all__ = ["RolloutScheduler"]

@@ -1,0 +1,115 @@
+"""Stage builders for rectified-flow image models: flow-matching pre-training and Flow-GRPO.
+
+The image counterpart of build.py, and the one place that maps these stages' options to objects
+(tasks/flow_train.py turns its pydantic forms into these options):
+
+    images   + FlowPretrainOptions -> DiffusionObjective (no EMA), shuffled image batches
+    a model  + FlowGRPOOptions     -> FlowGRPOObjective (unguided, FlowSDE exploration) with a
+                                      FlowRollout; each step's batch is only a size (fresh noise)
+
+Both return `Built` (build.py) with no evaluation; the caller picks the optimizer and key and
+wraps the rollout to record or preview it.
+
+Not here: conditioned models (prompts or labels), guidance, reading images or saved models
+(the caller), previews and the run store (tasks/flow_train.py), Prefect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from dew_lib.data import Dataset
+from dew_lib.diffusion import DiffusionObjective, Field, FlowGRPOObjective, FlowRollout, FlowSDE, InputSpec
+from dew_lib.options import integer, number
+from dew_lib.recipes.build import Built
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlowPretrainOptions:
+    """batch: images per step. preview_steps: time points of the objective's deterministic
+    sampler (its previews). seed: the order the images are shuffled in, a new one every epoch."""
+
+    batch: int
+    preview_steps: int = 41
+    seed: int = 0
+
+    def __post_init__(self):
+        integer("FlowPretrainOptions.batch", self.batch)
+        integer("FlowPretrainOptions.preview_steps", self.preview_steps, at_least=2)
+        integer("FlowPretrainOptions.seed", self.seed, at_least=0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlowGRPOOptions:
+    """batch: groups per step (rows of fresh noise). groups: samples per group. rollout_steps:
+    time points of a rollout path, both ends included. train_steps: train on the first this many
+    transitions of each path (None: all). beta: weight of the transition KL to the starting
+    model. clip_range: PPO clip of the per-coordinate ratio. noise_level: the SDE's exploration
+    noise. preview_steps: time points of the objective's deterministic sampler (its previews)."""
+
+    batch: int
+    groups: int = 4
+    rollout_steps: int = 11
+    train_steps: int | None = None
+    beta: float = 0.0
+    clip_range: float = 1e-4
+    noise_level: float = 0.7
+    preview_steps: int = 41
+
+    def __post_init__(self):
+        integer("FlowGRPOOptions.batch", self.batch)
+        integer("FlowGRPOOptions.groups", self.groups, at_least=2,
+                accepts="an integer >= 2 (a group of one has no relative advantage)")
+        integer("FlowGRPOOptions.rollout_steps", self.rollout_steps, at_least=2)
+        integer("FlowGRPOOptions.train_steps", self.train_steps, optional=True)
+        number("FlowGRPOOptions.beta", self.beta, at_least=0)
+        number("FlowGRPOOptions.clip_range", self.clip_range, above=0)
+        number("FlowGRPOOptions.noise_level", self.noise_level, at_least=0)
+        integer("FlowGRPOOptions.preview_steps", self.preview_steps, at_least=2)
+
+
+def image_batches(images: np.ndarray, batch: int, seed: int) -> Iterator[dict[str, np.ndarray]]:
+    """Endless shuffled batches of `{"image": uint8 [batch, H, W, C]}`, a new order every epoch."""
+    if len(images) < batch:
+        raise ValueError(f"the training set has {len(images)} images, fewer than batch={batch}; "
+                         "lower the batch or add images")
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(images))
+        for start in range(0, len(order) - batch + 1, batch):
+            yield {"image": images[order[start:start + batch]]}
+
+
+def build_flow_pretrain(model, process, variables, images: np.ndarray,
+                        options: FlowPretrainOptions) -> Built:
+    """Flow-matching pre-training of `model` under `process` on uint8 `images` [N, H, W, C],
+    starting from `variables` (None: a fresh init)."""
+    inputs = InputSpec(Field("image", tuple(images.shape[1:])))
+    objective = DiffusionObjective(model, process, inputs, ema_decay=None, steps=options.preview_steps,
+                                   pretrained=variables)
+    dataset = Dataset(train=lambda partition: image_batches(images, options.batch, options.seed),
+                      records=len(images), batch=options.batch)
+    return Built(objective=objective, dataset=dataset)
+
+
+def build_flow_grpo(model, process, variables, shape: Sequence[int], reward,
+                    options: FlowGRPOOptions) -> Built:
+    """Flow-GRPO of the unconditioned `model` (its `variables` also the frozen reference) on
+    images of `shape` (H, W, C), scored by `reward(images, batch) -> [N]`."""
+    inputs = InputSpec(Field("image", shape))
+    objective = FlowGRPOObjective(model, process, inputs, sde=FlowSDE(noise_level=options.noise_level),
+                                  beta=options.beta, clip_range=options.clip_range, guidance=None,
+                                  steps=options.preview_steps, pretrained=variables)
+    rollout = FlowRollout(objective, reward, groups=options.groups, steps=options.rollout_steps,
+                          train_steps=options.train_steps)
+    source = {"image": np.zeros((options.batch, *shape), np.uint8)}  # only its size is used
+    dataset = Dataset(train=lambda partition: itertools.repeat(source), batch=options.batch)
+    return Built(objective=objective, dataset=dataset, rollout=rollout)
+
+
+__all__ = ["FlowGRPOOptions", "FlowPretrainOptions", "build_flow_grpo", "build_flow_pretrain",
+           "image_batches"]

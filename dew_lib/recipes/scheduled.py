@@ -1,0 +1,108 @@
+"""Asynchronous GRPO's rollout: the RolloutScheduler over a PromptSource on the native server.
+
+`ScheduledRollout` is the Trainer's rollout that `build_grpo` (build.py) returns when
+`GRPOOptions.mode == "async"`. It starts a `NativeRolloutServer` on the starting policy, scores
+completions with the stage's reward on the source's thread pool as draws finish, and, given the
+stage's `dew_lib.store.StageWriter`, records in the run store every SchedulerRecord
+(`scheduler_records`) and every session the scheduler settles, with its cause (admitted,
+pending, discarded, cancelled, resubmitted, abandoned, cut) and, for code tasks, the verdict of
+every program the reward ran (through the `verdicts` callable the caller passes).
+
+On resume, `reuse_from` reads, before the stage drops what the killed attempt recorded after its
+checkpoint, the sessions that attempt (found by the run that recorded the checkpoint) finished
+within the staleness bound of the checkpoint's update (`Store.resumable_sessions`, the path
+tests/test_rollout_scheduler.py SIGKILLs), and offers them to the scheduler, so they are trained
+instead of drawn again. See docs/rl.md, "Resume".
+
+Not here: the scheduler and sources themselves (dew_lib.rollouts), the synchronous mode
+(build.py), multi-turn environments, Prefect (tasks/train.py calls this).
+"""
+
+from __future__ import annotations
+
+from dew_lib.inference import NativeRolloutServer, Server, ServeTask
+from dew_lib.objectives import GRPOObjective
+from dew_lib.rollouts import PromptSource, RolloutScheduler, prompt_tasks
+from dew_lib.sampling import Sampling
+
+TRUNCATION = "score"  # a completion that used its whole budget is still graded and trained
+
+
+class ScheduledRollout:
+    """RolloutScheduler + PromptSource + NativeRolloutServer for one GRPO stage; `close` stops them.
+
+    options: GRPOOptions (its async fields: ahead, max_lag, sync_every, oversample, max_attempts,
+    timeout, slots, behavior_importance). reward: grades each completion. max_prompt_len: the
+    prompt spec's width. decode: sampled ids -> text (None: token-id text). reward_details: the
+    reward's record of its latest call on the calling thread (e.g. CodeReward.last_runs).
+    writer: the stage's StageWriter (None: nothing recorded). verdicts: program runs -> Verdict rows.
+    """
+
+    def __init__(self, options, model, variables, reward, *, max_prompt_len: int, decode=None,
+                 reward_details=None, writer=None, verdicts=None):
+        prompt, response = max_prompt_len, options.max_new_tokens
+        width = prompt + response
+        self.objective = GRPOObjective(model, width - 1, beta=options.beta, pretrained=variables,
+                                       sampling_temperature=options.sampling_temperature,
+                                       behavior_importance=options.behavior_importance)
+        self.stage, self.verdicts = writer, verdicts
+        sampling = Sampling(temperature=options.temperature, eos_id=options.eos_id)
+        self.server = NativeRolloutServer(Server.from_task(
+            ServeTask(model=model, variables=variables, sampling=sampling),
+            slots=options.slots, capacity=width))
+        self.source = None
+        try:
+            decoded = {} if decode is None else {"decode": decode}
+            self.source = PromptSource(self.server, reward, max_new_tokens=response,
+                                       workers=max(8, getattr(reward, "workers", 1)),
+                                       reward_details=reward_details if writer is not None else None,
+                                       **decoded)
+            self.scheduler = RolloutScheduler(
+                self.objective, self.source, self.server, width=width,
+                rows=options.batch * options.groups, tasks=prompt_tasks, groups=options.groups,
+                oversample=options.oversample, max_lag=options.max_lag, ahead=options.ahead,
+                sync_every=options.sync_every, max_attempts=options.max_attempts,
+                timeout=options.timeout, truncation=TRUNCATION,
+                log=None if writer is None else writer.record,
+                session_log=None if writer is None else self._record)
+        except BaseException:
+            if self.source is not None:
+                self.source.close()
+            self.server.close()
+            raise
+
+    def _record(self, log) -> None:
+        runs = [self.source.pop_details(s) for s in log.sessions]
+        verdicts = self.verdicts
+        self.stage.sessions(log.sessions, update=log.update, latencies=log.latencies,
+                            causes=log.causes, trained=log.trained, truncation=TRUNCATION,
+                            verdicts=[verdicts(r or ()) for r in runs] if any(runs) and verdicts else None)
+
+    def dataset(self, dataset):
+        """The stage's prompts, registered with the scheduler as the trainer reads them."""
+        return self.scheduler.tasks(dataset)
+
+    def __call__(self, state, batch, key):
+        return self.scheduler(state, batch, key)
+
+    def reuse_from(self, store, run: str, stage: str, resumed: int, checkpoint: str) -> tuple[str, int]:
+        """Offer the sessions an earlier attempt of this stage finished within the staleness
+        bound of update `resumed` (the checkpoint's; the stage trains without accumulation, so
+        steps are updates). store: the run store (`dew_lib.store.Store`). checkpoint: the path the
+        stage resumes from; the run that recorded it wrote those sessions (this run on a Prefect
+        retry, an earlier flow run of the same pipeline name when a killed process is run
+        again). Returns (that run, samples offered).
+        """
+        _, found = store.rows("SELECT run FROM checkpoints WHERE stage = ? AND step = ? AND path = ? "
+                              "ORDER BY written_at DESC LIMIT 1", [stage, int(resumed), checkpoint])
+        earlier = found[0][0] if found else run
+        offered = self.scheduler.reuse(store.resumable_sessions(earlier, stage, updates=resumed,
+                                                                max_lag=self.scheduler.max_lag))
+        return earlier, offered
+
+    def close(self) -> None:
+        try:
+            self.scheduler.close()
+        finally:
+            self.source.close()
+            self.server.close()

@@ -1,0 +1,59 @@
+"""What a RolloutScheduler refuses at construction, with errors that name the option and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from dew_lib.objectives import algorithms
+from dew_lib.objectives.grpo import GRPOObjective
+from dew_lib.options import choice, integer, number
+from dew_lib.records.sessions import TRUNCATION
+
+
+def check_options(objective: Any, source: Any, weights: Any, *, width, rows, tasks, groups,
+                  oversample, admit, max_lag, ahead, sync_every, max_attempts, timeout, estimator,
+                  truncation) -> None:
+    """Refuse a schedule that cannot run: see RolloutScheduler's docstring."""
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"RolloutScheduler runs in single-process trainers only; this is process "
+            f"{jax.process_index()} of {jax.process_count()}. Run the trainer in one process "
+            "(it may use every local device)")
+    for name, value, low in (("width", width, 2), ("rows", rows, 1), ("groups", groups, 1),
+                             ("oversample", oversample, 0), ("max_lag", max_lag, 0),
+                             ("ahead", ahead, 0), ("sync_every", sync_every, 1),
+                             ("max_attempts", max_attempts, 1)):
+        integer(f"RolloutScheduler.{name}", value, at_least=low)
+    integer("RolloutScheduler.admit", admit, optional=True)
+    number("RolloutScheduler.timeout", timeout, above=0, optional=True)
+    if max_lag < ahead + sync_every - 1:
+        raise ValueError(
+            f"RolloutScheduler.max_lag={max_lag} is below ahead + sync_every - 1 = "
+            f"{ahead + sync_every - 1}: a rollout submitted {ahead} batches ahead under weights "
+            f"up to {sync_every - 1} updates old would always be discarded. Raise max_lag to "
+            f"{ahead + sync_every - 1} or lower ahead or sync_every")
+    choice("RolloutScheduler.truncation", truncation, TRUNCATION)
+    algorithms.advantage_function(estimator)
+    objective_width = getattr(objective, "width", None)
+    if objective_width is not None and objective_width != width:
+        raise ValueError(
+            f"RolloutScheduler.width={width} but the objective reads rows of seq_len + 1 = "
+            f"{objective_width}; set GRPOObjective(seq_len={width - 1}) or width={objective_width}")
+    if not isinstance(objective, GRPOObjective):
+        raise TypeError("RolloutScheduler needs a GRPOObjective (its update scores the "
+                        f"proximal policy); got {type(objective).__name__}")
+    if max_lag > 0 and getattr(objective, "behavior_importance", None) is None:
+        raise ValueError(
+            f"RolloutScheduler(max_lag={max_lag}) trains on rollouts drawn by older weights, "
+            "which needs an importance correction: set GRPOObjective(behavior_importance=2.0) "
+            "(a TIS cap) or a (low, high) IcePop band, or run max_lag=0 with ahead=0")
+    for name, thing, methods in (("source", source, ("submit", "cancel")),
+                                 ("weights", weights, ("load",))):
+        missing = [m for m in methods if not callable(getattr(thing, m, None))]
+        if missing:
+            raise TypeError(f"RolloutScheduler.{name} lacks {missing}; a {name} needs "
+                            f"{list(methods)}")
+    if not callable(tasks):
+        raise TypeError("RolloutScheduler.tasks must be callable as tasks(batch) -> [Task]")
