@@ -4,8 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
+# Prefect's telemetry off in everything a target starts: its server's heartbeat logs "Failed to
+# send telemetry" every 10 minutes offline, and its SDK's analytics. Set them to opt back in.
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export DO_NOT_TRACK ?= 1
 
-.PHONY: run test bench setup clean sandbox-tools ui
+.PHONY: run test bench setup clean sandbox-tools browser-tools ui
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +43,21 @@ sandbox-tools:
 	    echo "note: bwrap is missing (Debian/Ubuntu: apt-get install bubblewrap); NamespaceRunner tests will skip"; \
 	  fi; }
 
-test: $(STAMP) sandbox-tools
+# chromium, which tests/test_prefect_ui.py drives headless to look at the Prefect UI: installed the
+# same way (Debian's package, no browser download); without it that test skips saying why.
+browser-tools:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium (Debian package) for the Prefect UI test"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 || \
+	      { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null; } || \
+	      echo "warning: could not install chromium; the Prefect UI test will skip"; \
+	  else \
+	    echo "note: chromium is missing (Debian/Ubuntu: apt-get install chromium); the Prefect UI test will skip"; \
+	  fi; }
+
+test: $(STAMP) sandbox-tools browser-tools
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS)
 
 bench: $(STAMP) sandbox-tools

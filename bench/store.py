@@ -36,8 +36,9 @@ PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 16, 4, 24, 64
 
 
 def demo_step():
-    """A GRPO trainer at the demo's sizes whose rollout hook writes the step's sessions to the
-    store when `step.stage` is set (as dew_lib.recipes.RecordedRollout does)."""
+    """A GRPO trainer at the demo's sizes whose rollout hook writes the step's sessions (and the
+    prompts of tasks it has not written yet) to the store when `step.stage` is set (as
+    dew_lib.recipes.RecordedRollout does)."""
     import jax
     import optax
 
@@ -72,6 +73,7 @@ def demo_step():
                 latencies = [0.5] * len(written)
                 update = int(jax.device_get(state.updates))
                 start = time.perf_counter()
+                self.stage.prompts(rollout.last_tasks, update=update, decode=rollout.decode)
                 self.stage.sessions(written, update=update, latencies=latencies, causes="admitted",
                                     truncation="score")
                 self.in_write.append(time.perf_counter() - start)

@@ -2,6 +2,11 @@
 the UI with edited parameters, and a nightly retraining on a cron schedule. `make ui` runs this
 beside a local Prefect server; on a team's server, run it (or `prefect deploy` with prefect.yaml
 and a process worker) where the repository and its data are.
+
+Prefect's runner starts each flow run as a child process of this one; such a child ends when
+this process does, also when this one is killed with SIGKILL (it watches this process from the
+moment it imports tasks/ui.py, tasks/lifetimes.py). SIGTERM stops the runner, which ends its
+flow runs first. Started by `make ui`, this process ends with deployments/ui.py the same way.
 """
 
 from __future__ import annotations
@@ -12,6 +17,13 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # flows/ and tasks/ import the same way from here as from make run
     sys.path.insert(0, ROOT)
+
+from tasks.lifetimes import children_exit_with_me, exit_with_marked_parent, quiet_prefect  # noqa: E402
+
+quiet_prefect()  # before Prefect is imported
+if __name__ == "__main__":
+    exit_with_marked_parent()  # started by make ui: ends with it, at most 15 s after it
+    children_exit_with_me()  # the flow runs started from here end with this process
 
 from prefect import serve  # noqa: E402
 

@@ -6,8 +6,9 @@
     dew schema [TABLE]            # the tables and what their columns hold
 
 `--store PATH` (default: $DEW_STORE, else `runs`) is the project directory, its `dew.duckdb` or
-its `store/` directory. A query that fails (bad SQL, an unknown table) or a store that does not
-exist prints one message to stderr and exits with status 1.
+its `store/` directory; it and the output options go before the command or after it
+(`dew --store X sql ...`). A query that fails (bad SQL, an unknown table), a store that does not
+exist or cannot be read prints one message to stderr and exits with status 1.
 
 Not here: writing the store (dew_lib.store), running stages (the Prefect flows).
 """
@@ -94,18 +95,26 @@ def emit(columns: Sequence[str], rows: Sequence[Sequence[Any]], form: str, max_w
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dew", description="Query Dew's run store.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    # The options exist before the command (with the defaults) and after it (SUPPRESS: a
+    # subcommand that does not see one leaves what was given before it).
+    parser.set_defaults(store=os.environ.get("DEW_STORE", "runs"), form=None, max_width=48)
 
     def add_store(sub):
-        sub.add_argument("--store", default=os.environ.get("DEW_STORE", "runs"),
+        sub.add_argument("--store", default=argparse.SUPPRESS,
                          help="project directory, its dew.duckdb or its store/ (default: $DEW_STORE or runs)")
 
     def add_format(sub):
         group = sub.add_mutually_exclusive_group()
-        group.add_argument("--csv", dest="form", action="store_const", const="csv", help="print CSV")
-        group.add_argument("--json", dest="form", action="store_const", const="json", help="print a JSON array")
-        sub.add_argument("--max-width", type=int, default=48,
-                         help="cut table cells longer than this (0: never; tables only)")
+        group.add_argument("--csv", dest="form", action="store_const", const="csv", default=argparse.SUPPRESS,
+                           help="print CSV")
+        group.add_argument("--json", dest="form", action="store_const", const="json", default=argparse.SUPPRESS,
+                           help="print a JSON array")
+        sub.add_argument("--max-width", type=int, default=argparse.SUPPRESS,
+                         help="cut table cells longer than this (0: never; tables only; default 48)")
+
+    add_store(parser)
+    add_format(parser)
+    commands = parser.add_subparsers(dest="command", required=True)
 
     sql = commands.add_parser("sql", help="run a SQL query over the store's views")
     sql.add_argument("query", help='e.g. "SELECT * FROM runs"')
@@ -145,14 +154,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         from dew_lib.store import Store, StoreError
 
-        store = Store(args.store)
         try:
+            store = Store(args.store)
             if args.command == "sql":
                 columns, rows = store.rows(args.query)
             else:
                 columns, rows = store.runs()
-        except (duckdb.Error, StoreError) as error:
-            print(f"dew: {error}", file=sys.stderr)
+        except (duckdb.Error, StoreError, OSError) as error:
+            print(f"dew: {' '.join(str(error).split())}", file=sys.stderr)  # one line
             return 1
         emit(columns, rows, args.form or "table", args.max_width, out)
         out.flush()

@@ -59,10 +59,10 @@ def flow_grpo_pipeline(params: FlowPipelineParams = FlowPipelineParams()) -> dic
     mark_run(store_root, run, "completed")
     seconds = time.perf_counter() - started
     table = [_row(r) for r in results]
-    create_table_artifact(table, key=artifact_key(params.name, "stages"),
+    create_table_artifact(table, key=artifact_key(run, "stages"),
                           description="what each image stage ended at")
     summary = _summary(table, results, store_root, seconds)
-    create_markdown_artifact(summary, key=artifact_key(params.name, "summary"),
+    create_markdown_artifact(summary, key=artifact_key(run, "summary"),
                              description="what the Flow-GRPO pipeline produced")
     logger.info("\n%s", summary)
     return {"run": run, "model": results[-1].model.path, "seconds": seconds,

@@ -1,8 +1,11 @@
 """pipeline: data, then SFT, DPO and GRPO, each evaluated on held-out prompts; `make run`.
 
 Each stage starts from the previous stage's final policy (DPO and GRPO freeze it as their
-reference). A rerun with the same name and inputs reuses every finished stage; a failed stage
-is retried by Prefect and continues from its last checkpoint.
+reference). Each stage works in the directory of its inputs, runs/<name>/<stage>/<key[:12]>/
+(tasks/storage.py): a rerun with the same name and inputs reuses every finished stage, a failed
+or killed stage continues from its last checkpoint there, and a stage whose inputs changed
+(its parameters, the data, the policy it starts from, the seed) trains from step 0, and so does
+every stage after it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from flows.dpo import dpo
 from flows.evaluate import evaluate
 from flows.grpo import grpo
 from flows.sft import sft
+from tasks.lengths import check_lengths
 from tasks.params import PipelineParams, command_line
 from tasks.policy import initial_policy
 from tasks.records import mark_run
@@ -45,9 +49,11 @@ def pipeline(params: PipelineParams = PipelineParams()) -> dict:
     mark_run(store_root, run, "running", params.model_dump(mode="json"))
     try:
         data = data_prep(params.data, os.path.join(directory, "data"), params.seed)
+        check_lengths(data, params)  # logs what each length cuts; refuses before anything trains
         policy = initial_policy(params.model, data, os.path.join(directory, "init"), params.seed)
-        table = [_row("start", evaluate("start", policy, data, params.evaluation, directory,
-                                        store_root, run, reward=params.reward))]
+        start = evaluate("start", policy, data, params.evaluation, directory, store_root, run,
+                         reward=params.reward)
+        table = [_row("start", start, start.cached)]  # its only work is the evaluation
         for stage in params.stages:
             graded = {"reward": params.reward} if stage == "grpo" else {}
             result = STAGES[stage](getattr(params, stage), data, policy,
@@ -56,39 +62,47 @@ def pipeline(params: PipelineParams = PipelineParams()) -> dict:
             policy = result.policy
             accuracy = evaluate(stage, policy, data, params.evaluation, directory, store_root,
                                 run, getattr(params, stage).steps, reward=params.reward)
-            table.append(_row(stage, accuracy, result.cached))
+            table.append(_row(stage, accuracy, result.cached))  # the stage reused, not its evaluation
     except BaseException as error:
         mark_run(store_root, run, "failed", error=f"{type(error).__name__}: {error}")
         raise
     mark_run(store_root, run, "completed")
     seconds = time.perf_counter() - started
-    create_table_artifact(table, key=artifact_key(params.name, "accuracy"),
+    create_table_artifact(table, key=artifact_key(run, "accuracy"),
                           description="held-out accuracy after each stage")
-    summary = _summary(table, policy.path, store_root, directory, seconds)
-    create_markdown_artifact(summary, key=artifact_key(params.name, "summary"),
+    last = os.path.join(directory, params.stages[-1]) if params.stages else None
+    summary = _summary(table, policy.path, last, store_root, directory, seconds)
+    create_markdown_artifact(summary, key=artifact_key(run, "summary"),
                              description="what the pipeline produced")
     logger.info("\n%s", summary)
     return {"run": run, "accuracy": {r["stage"]: r["accuracy"] for r in table},
             "sampled_accuracy": {r["stage"]: r["sampled_accuracy"] for r in table},
-            "policy": policy.path, "seconds": seconds}
+            "reused": {r["stage"]: r["reused"] for r in table}, "policy": policy.path,
+            "seconds": seconds}
 
 
-def _row(stage: str, result, cached: bool = False) -> dict:
+def _row(stage: str, result, reused: bool) -> dict:
+    """A closing table row; `reused` is true only when the stage's inputs matched a finished
+    result (the log says why each other stage trained, resumed or started from scratch)."""
     sampled = None if result.sampled_accuracy is None else round(result.sampled_accuracy, 4)
     return {"stage": stage, "accuracy": round(result.accuracy, 4), "sampled_accuracy": sampled,
-            "answered": result.answered, "reused": bool(cached or result.cached)}
+            "answered": result.answered, "reused": bool(reused)}
 
 
 def _percent(value: float | None) -> str:
     return "" if value is None else f"{100 * value:.1f}%"
 
 
-def _summary(table, policy: str, store_root: str, directory: str, seconds: float) -> str:
+def _summary(table, policy: str, last: str | None, store_root: str, directory: str,
+             seconds: float) -> str:
     lines = ["| stage | held-out accuracy, greedy | sampled (mean of the drawn answers) | reused |",
              "| --- | --- | --- | --- |"]
     lines += [f"| {r['stage']} | {_percent(r['accuracy'])} | {_percent(r['sampled_accuracy'])} | "
               f"{'yes' if r['reused'] else ''} |" for r in table]
-    lines += ["", f"Final policy (Hugging Face format): `{policy}`",
+    lines += ["", f"Final policy (Hugging Face format): `{policy}`"
+              + (f", also `{last}/policy` until that stage runs with other inputs" if last else ""),
+              f"Each stage's files: `{directory}/<stage>/latest/` (its last inputs; older input sets "
+              f"beside it, see docs/pipeline.md)",
               f"Run store: `{os.path.join(store_root, 'dew.duckdb')}` (try `dew runs`)",
               f"Curves: `{directory}/<stage>/curves.png`", f"Wall time: {seconds:.0f} s"]
     return "\n".join(lines)

@@ -9,6 +9,12 @@ and held-out evaluation prompts whose ground truth is what CodeReward runs (MBPP
 HumanEval's `check`), SFT conversations answering the training prompts with the reference
 solutions, and a byte-level BPE tokenizer unless DataParams.tokenizer names one. There are no
 DPO pairs.
+
+Your own files (source "files") are read as they are, or, when DataParams.columns maps their fields
+or DataParams.ground_truth_after extracts the reference answer (GSM8K: question/answer, the answer
+after "####"), rewritten in the pipeline's layout under the run's data directory.
+
+What the stages' lengths would cut of the prepared data is counted in tasks/lengths.py.
 """
 
 from __future__ import annotations
@@ -27,6 +33,12 @@ from tasks.params import DataParams
 from tasks.storage import read_json, write_json, write_lines
 
 GENERATOR_VERSION = 2  # bump when the files below would come out differently
+FILES_ONLY = {"columns", "ground_truth_after", "max_truncated"}  # fields no generated file depends on
+
+
+def _generator_params(params: DataParams) -> dict:
+    """What the arithmetic and code files depend on (a new files-only field keeps their fingerprints)."""
+    return params.model_dump(mode="json", exclude=FILES_ONLY)
 
 
 def _prompt_record(problem: Problem) -> dict:
@@ -49,7 +61,7 @@ def _pair(tokenizer, problem: Problem, wrong: int) -> dict:
 
 def generate_arithmetic(params: DataParams, directory: str, seed: int) -> DataManifest:
     """Write the arithmetic task's files under `directory` (or reuse an identical earlier set)."""
-    key = fingerprint("arithmetic", GENERATOR_VERSION, params, seed)
+    key = fingerprint("arithmetic", GENERATOR_VERSION, _generator_params(params), seed)
     manifest_path = os.path.join(directory, "manifest.json")
     existing = read_json(manifest_path)
     if existing is not None and existing.get("fingerprint") == key:
@@ -90,6 +102,173 @@ def user_files(params: DataParams) -> DataManifest:
                         tokenizer=params.tokenizer, chat_path=params.chat_path, chat_val_path=None,
                         pairs_path=params.pairs_path, prompts_path=params.prompts_path,
                         eval_path=params.eval_path, fingerprint=fingerprint("files", stats))
+
+
+MAPPED_VERSION = 1  # bump when mapped files would come out differently
+PAIR_NAMES = ("prompt", "chosen", "rejected", "chosen_mask", "rejected_mask", "tools")
+PATH_FIELDS = {"chat": "chat_path", "pairs": "pairs_path", "prompts": "prompts_path", "eval": "eval_path"}
+
+
+class _Mapped:
+    """Reads one of the user's files through DataParams.columns: `value(index, name)` is the row's
+    value of the pipeline's `name`, and every refusal names the file, row, field and fix."""
+
+    def __init__(self, params: DataParams, kind: str):
+        from dew_lib.data.readers import read_rows
+
+        self.params, self.kind = params, kind
+        self.path = getattr(params, PATH_FIELDS[kind])
+        self.rows = read_rows(self.path)
+        self.records = self.rows.get(range(len(self.rows)))
+
+    def field(self, name: str) -> str:
+        return self.params.columns.get(name, name)
+
+    def has(self, name: str) -> bool:
+        return self.field(name) in self.rows.columns
+
+    def describe(self, name: str) -> str:
+        """Where `name` is read from: the field the mapping names, or the field of that name."""
+        if name in self.params.columns:
+            return f"field {self.field(name)!r} (DataParams.columns[{name!r}])"
+        return f"field {name!r} (map another with DataParams.columns[{name!r}])"
+
+    def origin(self, name: str) -> str:
+        return f"the {self.describe(name)}"
+
+    def need(self, *names: str) -> None:
+        for name in names:
+            if not self.has(name):
+                raise ValueError(f"{PATH_FIELDS[self.kind]} {self.path} has no {self.describe(name)}; "
+                                 f"its fields are {list(self.rows.columns)}. Set DataParams.columns, "
+                                 f"e.g. for GSM8K {_GSM8K}")
+
+    def value(self, index: int, name: str, required: bool = True):
+        value = self.records[index].get(self.field(name))
+        if value is None and required:
+            raise ValueError(f"{self.rows.where(index)}: no value in {self.origin(name)}, which the "
+                             f"{PATH_FIELDS[self.kind]} rows need")
+        return value
+
+
+_GSM8K = '{"prompt": "question", "completion": "answer", "ground_truth": "answer"}'
+
+
+def jsonable(value):
+    """A value read from Parquet or JSON as plain JSON-able Python (arrays as lists)."""
+    if hasattr(value, "tolist"):
+        return jsonable(value.tolist())
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def _as_prompt(value):
+    """A plain-string prompt becomes one user message, as ChatMessages reads it for SFT, so that GRPO
+    and evaluation prompt the model through the chat template it was trained with."""
+    value = jsonable(value)
+    return [{"role": "user", "content": value}] if isinstance(value, str) else value
+
+
+def _ground_truth(source: _Mapped, index: int) -> str:
+    value = source.value(index, "ground_truth")
+    text = value if isinstance(value, str) else json.dumps(jsonable(value))
+    marker = source.params.ground_truth_after
+    if marker is None:
+        return text
+    if marker not in text:
+        raise ValueError(f"{source.rows.where(index)}: {source.origin('ground_truth')} has no "
+                         f"{marker!r} (DataParams.ground_truth_after) to take the reference answer "
+                         "after; give the marker your answers use, or leave ground_truth_after empty "
+                         "to take the whole field")
+    answer = text.rsplit(marker, 1)[1].strip()
+    if not answer:
+        raise ValueError(f"{source.rows.where(index)}: nothing follows {marker!r} in "
+                         f"{source.origin('ground_truth')}; the reference answer cannot be empty")
+    return answer
+
+
+def _prompt_rows(source: _Mapped) -> list[dict]:
+    """GRPO or evaluation rows: prompt, ground_truth, data_source and extra_info; a GRPO row's
+    `extra_info.solution` is its completion when it has one (DPO's pairs from the policy take it as
+    the chosen side)."""
+    source.need("prompt", "ground_truth")
+    out = []
+    for index in range(len(source.records)):
+        extra = jsonable(source.value(index, "extra_info", required=False))
+        if extra is None:
+            extra = {}
+        elif isinstance(extra, str):
+            try:
+                extra = json.loads(extra) if extra.strip() else {}
+            except json.JSONDecodeError:
+                pass
+        completion = source.value(index, "completion", required=False) if source.kind == "prompts" else None
+        if isinstance(extra, dict) and isinstance(completion, str) and "solution" not in extra:
+            extra = {**extra, "solution": completion}
+        row = {"prompt": _as_prompt(source.value(index, "prompt")),
+               "ground_truth": _ground_truth(source, index)}
+        data_source = source.value(index, "data_source", required=False)
+        if data_source is not None:
+            row["data_source"] = str(data_source)
+        if extra not in (None, {}):
+            row["extra_info"] = extra if isinstance(extra, str) else json.dumps(extra)
+        out.append(row)
+    return out
+
+
+def _renamed_rows(source: _Mapped, names: tuple[str, ...]) -> list[dict]:
+    """Rows with the fields of `names` under the pipeline's names (ChatMessages and
+    PreferencePairs read and check them at training time)."""
+    present = [n for n in names if source.has(n)]
+    return [{n: jsonable(source.records[i][source.field(n)]) for n in present
+             if source.records[i].get(source.field(n)) is not None}
+            for i in range(len(source.records))]
+
+
+def _chat_rows(source: _Mapped) -> list[dict]:
+    if source.has("completion"):
+        source.need("prompt")
+    elif not source.has("messages"):
+        raise ValueError(f"chat_path {source.path} has neither the {source.describe('completion')} "
+                         f"nor the {source.describe('messages')}; its fields are "
+                         f"{list(source.rows.columns)}. SFT reads a prompt and a completion, or "
+                         f"conversations as messages: set DataParams.columns, e.g. for GSM8K {_GSM8K}")
+    return _renamed_rows(source, ("prompt", "completion", "tools") if source.has("completion")
+                         else ("messages", "tools"))
+
+
+def mapped_files(params: DataParams, directory: str) -> DataManifest:
+    """The user's files rewritten in the pipeline's layout under `directory`, their fields read
+    through DataParams.columns and the reference answer through ground_truth_after."""
+    if params.eval_path is None:
+        raise ValueError("DataParams(source='files') needs eval_path: every pipeline ends in an "
+                         "evaluation on held-out prompts")
+    given = {kind: getattr(params, field) for kind, field in PATH_FIELDS.items()}
+    stats = {kind: None if p is None else (os.path.abspath(p), os.path.getsize(p), os.path.getmtime(p))
+             for kind, p in given.items()}
+    key = fingerprint("files-mapped", MAPPED_VERSION, params.columns, params.ground_truth_after, stats)
+    manifest_path = os.path.join(directory, "manifest.json")
+    existing = read_json(manifest_path)
+    if existing is not None and existing.get("fingerprint") == key:
+        return DataManifest(**existing)
+    build = {"chat": _chat_rows, "pairs": lambda s: _renamed_rows(s, PAIR_NAMES),
+             "prompts": _prompt_rows, "eval": _prompt_rows}
+    paths = {}
+    for kind, path in given.items():
+        if path is None:
+            continue
+        rows = build[kind](_Mapped(params, kind))
+        paths[kind] = os.path.join(directory, f"{kind}.jsonl")
+        write_lines(paths[kind], rows)
+    manifest = DataManifest(directory=directory, tokenizer=params.tokenizer,
+                            chat_path=paths.get("chat"), chat_val_path=None,
+                            pairs_path=paths.get("pairs"), prompts_path=paths.get("prompts"),
+                            eval_path=paths["eval"], fingerprint=key)
+    write_json(manifest_path, manifest.model_dump())  # last: its presence means the set is whole
+    return manifest
 
 
 CODE_VERSION = 1  # bump when the code task's files would come out differently
@@ -166,7 +345,7 @@ def code_splits(rows: list[dict], layout: str, params: DataParams) -> tuple[list
 def prepare_code(params: DataParams, directory: str, seed: int) -> DataManifest:
     """Write code-task prompts, evaluation rows, SFT conversations and (unless given) a tokenizer."""
     path = os.path.abspath(params.code_path)
-    key = fingerprint("code", CODE_VERSION, params, seed, (path, os.path.getsize(path),
+    key = fingerprint("code", CODE_VERSION, _generator_params(params), seed, (path, os.path.getsize(path),
                                                            os.path.getmtime(path)))
     manifest_path = os.path.join(directory, "manifest.json")
     existing = read_json(manifest_path)
@@ -203,7 +382,7 @@ def prepare_data(params: DataParams, directory: str, seed: int) -> DataManifest:
     """Generate or check the run's data and return where each part lives."""
     logger = get_run_logger()
     if params.source == "files":
-        manifest = user_files(params)
+        manifest = user_files(params) if params.read_as_given() else mapped_files(params, directory)
     elif params.source == "code":
         manifest = prepare_code(params, directory, seed)
     else:
@@ -221,3 +400,4 @@ def read_eval(path: str) -> list[dict]:
             raise ValueError(f"{path} line {index + 1}: an evaluation row needs 'prompt' and "
                              "'ground_truth'")
     return rows
+

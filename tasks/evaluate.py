@@ -78,7 +78,7 @@ def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: E
     key = fingerprint("evaluate", policy.fingerprint, data.fingerprint, params)
     saved_path = os.path.join(directory, f"evaluation-{stage}.json")
     saved = read_json(saved_path)
-    rows = read_eval(data.eval_path)
+    rows = read_eval(data.eval_path)[: params.limit]  # EvalParams.limit: the first rows only
     k = params.samples
     if saved is not None and saved.get("fingerprint") == key:
         answers, drawn, cached = saved["answers"], saved["sampled"], True
@@ -93,7 +93,7 @@ def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: E
     graded_rows = rows * (1 + k)
     with TaskReward(reward or RewardParams()) as grader:
         scores, runs = score_all(grader, graded_rows, answers + drawn)
-    results = [Evaluation(item=n % len(rows), prompt=str(row["prompt"]), answer=answer, score=score,
+    results = [Evaluation(item=n % len(rows), prompt=row["prompt"], answer=answer, score=score,
                           reference=str(row["ground_truth"]), task=str(row.get("task_id", "")),
                           correct=score >= 1.0, sample=n // len(rows),
                           temperature=params.temperature if n >= len(rows) else 0.0)

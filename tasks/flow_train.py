@@ -1,8 +1,11 @@
 """The training tasks of the rectified-flow stages: flow-matching pre-training and Flow-GRPO.
 
-They follow tasks/train.py: a retry continues from the stage's last checkpoint (`Trainer.fit`
-restores it from the stage directory and the store drops what earlier attempts recorded after
-it), and `result.json`, written last, lets a rerun with the same inputs skip the stage.
+They follow tasks/train.py: a stage works in the directory of its inputs,
+`runs/<name>/<stage>/<key[:12]>/` (tasks/storage.py `stage_directory`); a retry continues from
+the last checkpoint there (`Trainer.fit` restores it and the store drops what earlier attempts
+recorded after it), `result.json`, written last, lets a rerun with the same inputs skip the
+stage, and changed inputs train from step 0 in a directory of their own (or, when only `steps`
+grew, on from a copy of the shorter run's checkpoint).
 
 What they add is what an image stage shows. At every logged step (and at the start and the
 end) the live model samples the same fixed noise with the deterministic sampler; the grid is
@@ -43,10 +46,13 @@ from tasks.images import build_dit, load_dit, load_images, reward_named, save_di
 from tasks.manifests import DiTRef, ImageManifest, ImageStageResult, fingerprint
 from tasks.params import DiTParams, FlowGRPOParams, FlowPretrainParams, StageParams
 from tasks.records import open_stage
-from tasks.storage import read_json, write_json
+from tasks.storage import (KEEP_VARIABLE, continue_shorter, keep_inputs, read_json, rebased,
+                           stage_directory, write_json)
 from tasks.train import _history, final_metrics
-from tasks.ui import Deadline, LogSink, ProgressSink, plot_curves, publish_images, publish_stage
+from tasks.ui import (Deadline, LogSink, ProgressSink, keep_last_checkpoint, plot_curves, publish_images,
+                      publish_stage)
 
+LINKS = ("model", "checkpoints", "previews", "metrics.jsonl", "curves.png")  # also under runs/<name>/<stage>/
 SHOWN = ("loss", "reward", "policy_loss", "transition_kl", "clip_fraction", "grad_norm",
          "steps_per_second")
 
@@ -145,32 +151,55 @@ def _checkpoint_position(checkpoints: str) -> int | None:
         existing.close()
 
 
-def _fit(stage: str, kind: str, params: StageParams, key: str, directory: str, store_root: str,
-         run: str, build) -> ImageStageResult:
+def _labels(stage: str) -> dict[str, str]:
+    """How the log names each group of an image stage's inputs when they changed."""
+    return {"params": f"{stage} parameters", "model": "model parameters", "data": "the images",
+            "start": "the starting model", "seed": "seed"}
+
+
+def _fit(stage: str, kind: str, params: StageParams, key: str, inputs: dict, directory: str,
+         store_root: str, run: str, build) -> ImageStageResult:
     """What both stages share: skip a finished stage, resume, fit with every sink, save, publish.
 
-    build(writer, resumed) -> (trainer, dataset, previews, extra sinks, save(state) -> DiTRef,
-    extra_metrics() -> dict), where resumed is the checkpoint step a retry continues from, or None.
+    inputs: what `key` was computed from, as JSON (named in the log when they change).
+    build(writer, resumed, directory) -> (trainer, dataset, previews, extra sinks,
+    save(state) -> DiTRef, extra_metrics() -> dict), where resumed is the checkpoint step a retry
+    continues from, or None, and directory the one of these inputs.
     """
     logger = get_run_logger()
+    place = stage_directory(directory, key, inputs, LINKS)
+    directory = place.directory
+    for gone in place.pruned:
+        logger.info("%s: removed %s, an older input set (%s keeps %d)", stage, gone, KEEP_VARIABLE,
+                    keep_inputs())
     done = read_json(os.path.join(directory, "result.json"))
     with open_stage(store_root, run, stage, kind, params.model_dump(mode="json")) as writer:
         if done is not None and done.get("fingerprint") == key:
-            result = ImageStageResult(**done["result"]).model_copy(update={"cached": True})
-            logger.info("%s already finished with these inputs; reusing %s", stage, result.model.path)
+            result = ImageStageResult(**rebased(done["result"], directory)).model_copy(
+                update={"cached": True})
+            logger.info("%s reused: it finished with these inputs before (%s)", stage, result.model.path)
             writer.finish("completed", result.metrics)
             return result
         checkpoints = os.path.join(directory, "checkpoints")
         resumed = _checkpoint_position(checkpoints)
         if resumed is not None:
-            logger.info("%s resumes from its checkpoint at step %d", stage, resumed)
+            logger.info("%s resumes from its checkpoint at step %d (same inputs)", stage, resumed)
+        elif shorter := continue_shorter(place, inputs, params.steps, checkpoints):  # Adam at a
+            _, resumed, before = shorter  # constant rate: a longer run trains on from a shorter one
+            logger.info("%s resumes from the checkpoint at step %d of the same inputs with steps=%d "
+                        "(only steps changed: %d -> %d, so it trains on from there)", stage, resumed,
+                        before, before, params.steps)
+        else:
+            logger.info("%s trains from scratch (%s)", stage, place.fresh_reason(inputs, _labels(stage)))
+        if resumed is not None:
             writer.discard_after(resumed)
-        trainer, dataset, previews, extra_sinks, save, extra = build(writer, resumed)
+        trainer, dataset, previews, extra_sinks, save, extra = build(writer, resumed, directory)
         log_path = os.path.join(directory, "metrics.jsonl")
         sinks = [*extra_sinks, LogSink(stage, SHOWN), ProgressSink(stage, params.steps), writer.sink(),
                  JsonlSink(log_path), Deadline(stage, params.max_minutes)]  # last, as in train.py
         state = trainer.fit(dataset, steps=params.steps, log_every=params.log_every,
                             directory=checkpoints, checkpoint_every=params.checkpoint_every, sinks=sinks)
+        logger.info("%s: %s", stage, keep_last_checkpoint(checkpoints))
         if params.steps not in previews.means:
             previews(state.params, params.steps)
         model = save(state)
@@ -191,11 +220,14 @@ def _fit(stage: str, kind: str, params: StageParams, key: str, directory: str, s
 @task(retries=2, retry_delay_seconds=1, task_run_name="train-{stage}")
 def pretrain_stage(stage: str, params: FlowPretrainParams, data: ImageManifest, model: DiTParams,
                    directory: str, store_root: str, run: str, seed: int) -> ImageStageResult:
-    """Flow-matching pre-training of a SimpleDiT on `data`, saved under `directory`/model."""
+    """Flow-matching pre-training of a SimpleDiT on `data`, saved under `directory`/<key[:12]>/model
+    (also reachable as `directory`/model until other inputs start)."""
     relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
     key = fingerprint("flow_pretrain", relevant, model, data.fingerprint, seed)
+    inputs = {"params": relevant.model_dump(mode="json"), "model": model.model_dump(mode="json"),
+              "data": data.fingerprint, "seed": seed}
 
-    def build(writer, resumed):
+    def build(writer, resumed, directory):
         if model.pretrained is not None:
             dit, variables, shape, process = load_dit(model.pretrained)
             if tuple(shape) != tuple(data.shape):
@@ -216,18 +248,20 @@ def pretrain_stage(stage: str, params: FlowPretrainParams, data: ImageManifest, 
                                       os.path.join(directory, "model"), key)
         return trainer, built.dataset, previews, [hook], save, dict
 
-    return _fit(stage, "flow_pretrain", params, key, directory, store_root, run, build)
+    return _fit(stage, "flow_pretrain", params, key, inputs, directory, store_root, run, build)
 
 
 @task(retries=2, retry_delay_seconds=1, task_run_name="train-{stage}")
 def grpo_stage(stage: str, params: FlowGRPOParams, start: DiTRef, directory: str, store_root: str,
                run: str, seed: int) -> ImageStageResult:
-    """Flow-GRPO from the SimpleDiT at `start` against the named reward, saved under `directory`/model."""
+    """Flow-GRPO from the SimpleDiT at `start` against the named reward, saved under
+    `directory`/<key[:12]>/model (also reachable as `directory`/model until other inputs start)."""
     relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
     key = fingerprint("flow_grpo", relevant, start.fingerprint, seed)
+    inputs = {"params": relevant.model_dump(mode="json"), "start": start.fingerprint, "seed": seed}
     reward = reward_named(params.reward)
 
-    def build(writer, resumed):
+    def build(writer, resumed, directory):
         dit, variables, shape, process = load_dit(start.path)
         options = FlowGRPOOptions(batch=params.batch, groups=params.groups,
                                   rollout_steps=params.rollout_steps, train_steps=params.train_steps,
@@ -247,4 +281,4 @@ def grpo_stage(stage: str, params: FlowGRPOParams, start: DiTRef, directory: str
                          "preview_reward_final": previews.means[params.steps]}
         return trainer, built.dataset, previews, [], save, extra
 
-    return _fit(stage, "flow_grpo", params, key, directory, store_root, run, build)
+    return _fit(stage, "flow_grpo", params, key, inputs, directory, store_root, run, build)

@@ -26,16 +26,75 @@ def _existing(value: str | None) -> str | None:
     return value
 
 
+def read_params_file(path: str) -> dict:
+    """A parameters file: JSON or YAML (by its extension; YAML otherwise), the fields of the
+    flow's parameters as the UI form shows them, or a deployment's `{"params": {...}}`."""
+    import json
+
+    import yaml
+
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    try:
+        value = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as error:
+        raise ValueError(f"{path} is not {'JSON' if path.endswith('.json') else 'YAML'}: {error}") from None
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a {type(value).__name__}; a parameters file is a mapping of "
+                         'fields, e.g. {"name": "gsm8k", "data": {"source": "files", ...}}')
+    if set(value) == {"params"} and isinstance(value["params"], dict):
+        value = value["params"]  # the deployment's shape: parameters={"params": {...}}
+    return value
+
+
+def _merged(base: dict, changes: dict) -> dict:
+    """`base` with `changes` written over it, mappings merged field by field."""
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = (_merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict)
+                    else value)
+    return out
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(directory: str | None) -> bool:
+    """Whether a checkpoint directory ships a tokenizer (the files Pretrained loads one from)."""
+    return directory is not None and any(os.path.isfile(os.path.join(directory, name))
+                                         for name in TOKENIZER_FILES)
+
+
 def command_line(argv: list[str], defaults: Params, *, prog: str, description: str) -> Params:
-    """`defaults` with `--name`, `--root` and `--seed` taken from the command line."""
+    """`defaults`, or the parameters file `--params FILE` (JSON or YAML), with `--name`, `--root`
+    and `--seed` from the command line over either."""
     import argparse
 
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--name", default=defaults.name)
-    parser.add_argument("--root", default=defaults.root)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--params", metavar="FILE", help="a JSON or YAML file of parameters, the "
+                        "fields the UI form shows (or a deployment's {\"params\": {...}}); fields it "
+                        "leaves out keep their defaults")
+    parser.add_argument("--name", help=f"run name (default: {defaults.name})")
+    parser.add_argument("--root", help=f"project directory (default: {defaults.root})")
+    parser.add_argument("--seed", type=int, help=f"seed (default: {defaults.seed})")
     args = parser.parse_args(argv)
-    return type(defaults)(**{**dict(defaults), "name": args.name, "root": args.root, "seed": args.seed})
+    given = dict(defaults)
+    if args.params is not None:
+        try:
+            given = _merged(defaults.model_dump(), read_params_file(args.params))
+        except (OSError, ValueError) as error:
+            parser.error(str(error))
+    given = {**given, **{field: getattr(args, field) for field in ("name", "root", "seed")
+                         if getattr(args, field) is not None}}
+    return type(defaults)(**given)
+
+
+# The names DataParams.columns maps to fields of the user's files (tasks/data.py reads them).
+COLUMN_NAMES = ("prompt", "completion", "ground_truth", "messages", "tools", "data_source",
+                "extra_info", "chosen", "rejected", "chosen_mask", "rejected_mask")
+GSM8K_COLUMNS = '{"prompt": "question", "completion": "answer", "ground_truth": "answer"}'
 
 
 class DataParams(Params):
@@ -61,15 +120,54 @@ class DataParams(Params):
                                             "train split, task_id 601-974; HumanEval: the rows after the "
                                             "held-out ones); empty: all of them")
 
+    columns: dict[str, str] = Field(
+        default_factory=dict, description="files: which field of your files holds each thing the "
+        "pipeline reads, the same for every file: prompt, completion (the SFT answer), ground_truth "
+        "(the reference answer), messages, tools, data_source, extra_info, chosen, rejected, "
+        "chosen_mask, rejected_mask. GSM8K: {\"prompt\": \"question\", \"completion\": \"answer\", "
+        "\"ground_truth\": \"answer\"}. Names left out are read from the field of that name")
+    ground_truth_after: str | None = Field(
+        None, min_length=1, description="files: the reference answer is the text after the last "
+        "occurrence of this marker in the ground_truth field (GSM8K: \"####\"); empty: the whole field")
+    max_truncated: float = Field(
+        0.01, ge=0, le=1, description="share of the rows a length may cut (SFT conversations longer "
+        "than sft.seq_len + 1, GRPO prompts longer than grpo.max_prompt_len, DPO pairs from the "
+        "policy longer than dpo.seq_len) before the run is refused; the pipeline counts them after "
+        "preparing the data, before training. 1: never refuse")
+
     _exists = field_validator("chat_path", "pairs_path", "prompts_path", "eval_path", "tokenizer",
                               "code_path")(_existing)
+
+    @field_validator("columns")
+    @classmethod
+    def _known_columns(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, field in value.items():
+            if name not in COLUMN_NAMES:
+                hint = (f" The keys are the pipeline's names and the values your fields: did you mean "
+                        f"{{{field!r}: {name!r}}}?" if field in COLUMN_NAMES else "")
+                raise ValueError(f"DataParams.columns has the key {name!r}, which is not a name the pipeline "
+                                 f"reads; map these names to the fields of your files: "
+                                 f"{', '.join(COLUMN_NAMES)}, e.g. for GSM8K {GSM8K_COLUMNS}.{hint}")
+            if not field.strip():
+                raise ValueError(f"DataParams.columns[{name!r}] is empty; give the field of your files that "
+                                 f"holds the {name}")
+        return value
 
     @model_validator(mode="after")
     def _code_needs_a_file(self) -> DataParams:
         if self.source == "code" and self.code_path is None:
             raise ValueError("DataParams(source='code') needs code_path: an MBPP or HumanEval file, "
                              "e.g. shared/data/mbpp/mbpp.jsonl")
+        if self.source != "files" and (self.columns or self.ground_truth_after is not None):
+            given = "columns" if self.columns else "ground_truth_after"
+            raise ValueError(f"DataParams.{given} maps the fields of your files and applies to "
+                             f"source='files' only, not source={self.source!r}; set source='files' "
+                             "with chat_path, prompts_path and eval_path, or leave it empty")
         return self
+
+    def read_as_given(self) -> bool:
+        """True when the files are read as they are: no field is mapped and no answer extracted."""
+        return not self.columns and self.ground_truth_after is None
 
 
 class ModelParams(Params):
@@ -177,6 +275,8 @@ class EvalParams(Params):
     temperature: float = Field(1.0, gt=0, description="temperature of the drawn answers (GRPO "
                                "samples at 1.0 by default)")
     seed: int = Field(0, description="seeds the drawn answers: every stage draws with the same keys")
+    limit: int | None = Field(None, ge=1, description="evaluate only the first this many held-out "
+                              "rows (empty: all of them)")
 
 
 class PipelineParams(Params):
@@ -200,6 +300,19 @@ class PipelineParams(Params):
         if self.data.source == "code" and "dpo" in self.stages:
             raise ValueError("data.source='code' has no preference pairs for DPO; choose stages "
                              "without 'dpo', e.g. stages=['sft', 'grpo']")
+        return self
+
+    @model_validator(mode="after")
+    def _files_need_a_tokenizer(self) -> PipelineParams:
+        if (self.data.source == "files" and self.data.tokenizer is None
+                and not has_tokenizer(self.model.pretrained)):
+            model = ("model.pretrained is empty (the embedded decoder takes its vocabulary from the "
+                     "tokenizer)" if self.model.pretrained is None else
+                     f"model.pretrained={self.model.pretrained!r} ships no tokenizer files")
+            raise ValueError(f"data.source='files' needs a tokenizer to read your files and size the "
+                             f"model, and data.tokenizer is empty while {model}; set data.tokenizer to "
+                             "a tokenizer directory (e.g. shared/data/tokenizers/qwen3), or "
+                             "model.pretrained to a checkpoint that has one")
         return self
 
 

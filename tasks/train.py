@@ -5,13 +5,18 @@ into a data spec and the options of dew_lib.recipes (SFTOptions, DPOOptions, GRP
 builders make the objective, dataset and rollout, sync or async; what it adds is the optimizer,
 the run store, the UI and the two kinds of resume.
 
-Two kinds of resume meet here:
-  * a retry (an exception, or the process killed and the flow run again) continues from the
-    stage's last checkpoint: `Trainer.fit` restores it from the stage directory, and the store
-    drops what earlier attempts recorded after that checkpoint;
-  * a rerun with the same inputs skips the stage: `result.json`, written last, records a
-    fingerprint of the stage's parameters, data and starting policy, and a match returns the
-    saved result without touching the model.
+A stage works in the directory of its inputs, `runs/<name>/<stage>/<key[:12]>/` (key: the
+fingerprint of its parameters, data, starting policy, seed and, for GRPO, reward parameters;
+tasks/storage.py `stage_directory`), so two kinds of resume meet here and neither crosses inputs:
+  * a retry (an exception, or the process killed and the flow run again with the same inputs)
+    continues from the last checkpoint in that directory: `Trainer.fit` restores it, and the
+    store drops what earlier attempts recorded after that checkpoint;
+  * a rerun with the same inputs skips the stage: `result.json`, written last, records the key,
+    and a match returns the saved result without touching the model.
+Changed inputs find a directory with neither and train from step 0, except a DPO or GRPO stage
+whose inputs differ from an earlier set only in `steps`: it continues a copy of that set's
+checkpoint, as one longer run would (`continue_shorter`). The log says which happened, and for
+a fresh start which input group changed since the stage's previous start.
 
 Not here: what a stage's options build (dew_lib/recipes), the image stages (tasks/flow_train.py).
 """
@@ -37,9 +42,11 @@ from tasks.params import DPOParams, GRPOParams, RewardParams, SFTParams, StagePa
 from tasks.policy import load_policy, save_policy
 from tasks.records import open_stage
 from tasks.rewards import TaskReward, verdicts
-from tasks.storage import read_json, write_json
-from tasks.ui import Deadline, LogSink, ProgressSink, plot_curves, publish_stage
+from tasks.storage import (KEEP_VARIABLE, continue_shorter, keep_inputs, read_json, rebased,
+                           stage_directory, write_json)
+from tasks.ui import Deadline, LogSink, ProgressSink, keep_last_checkpoint, plot_curves, publish_stage
 
+LINKS = ("policy", "checkpoints", "metrics.jsonl", "curves.png")  # also under runs/<name>/<stage>/
 SHOWN = ("loss", "reward", "rewards/accuracy", "rewards/margin", "kl", "accuracy", "val/loss",
          "grad_norm", "steps_per_second")
 
@@ -95,6 +102,12 @@ def _build(kind: str, params: StageParams, pretrained, variables, data: DataMani
                       writer=writer, verdicts=verdicts)
 
 
+def _labels(stage: str) -> dict[str, str]:
+    """How the log names each group of a stage's inputs when they changed."""
+    return {"params": f"{stage} parameters", "data": "the data", "start": "the starting policy",
+            "seed": "seed", "reward": "reward parameters"}
+
+
 def optimizer_for(kind: str, params: StageParams) -> optax.GradientTransformation:
     rate = params.learning_rate
     if kind == "sft":
@@ -127,7 +140,8 @@ def final_metrics(history) -> dict[str, float]:
 def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, start: PolicyRef,
                 directory: str, store_root: str, run: str, seed: int,
                 reward: RewardParams | None = None) -> StageResult:
-    """Train one stage from `start` and save its final policy under `directory`/policy.
+    """Train one stage from `start` and save its final policy under `directory`/<key[:12]>/policy
+    (also reachable as `directory`/policy, through `directory`/latest, until other inputs start).
 
     reward: how GRPO grades its completions (tasks/rewards.py); part of a GRPO stage's fingerprint.
     """
@@ -135,12 +149,20 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
     relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
     graded = [reward or RewardParams()] if kind == "grpo" else []
     key = fingerprint(kind, relevant, data.fingerprint, start.fingerprint, seed, *graded)
+    inputs = {"params": relevant.model_dump(mode="json"), "data": data.fingerprint,
+              "start": start.fingerprint, "seed": seed,
+              **({"reward": graded[0].model_dump(mode="json")} if graded else {})}
+    place = stage_directory(directory, key, inputs, LINKS)
+    directory = place.directory
+    for gone in place.pruned:
+        logger.info("%s: removed %s, an older input set (%s keeps %d)", stage, gone, KEEP_VARIABLE,
+                    keep_inputs())
     done = read_json(os.path.join(directory, "result.json"))
     with (open_stage(store_root, run, stage, kind, params.model_dump(mode="json")) as writer,
           TaskReward(reward or RewardParams()) as grader):
         if done is not None and done.get("fingerprint") == key:
-            result = StageResult(**done["result"]).model_copy(update={"cached": True})
-            logger.info("%s already finished with these inputs; reusing %s", stage, result.policy.path)
+            result = StageResult(**rebased(done["result"], directory)).model_copy(update={"cached": True})
+            logger.info("%s reused: it finished with these inputs before (%s)", stage, result.policy.path)
             writer.finish("completed", result.metrics)
             return result
         pretrained, variables = load_policy(start, data.tokenizer)
@@ -149,16 +171,25 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
         trainer = Trainer(built.objective, optimizer_for(kind, params), key=jax.random.key(seed),
                           rollout=built.rollout)
         checkpoints = os.path.join(directory, "checkpoints")
-        resumed = None
+        resumed, written = None, os.path.abspath(checkpoints)  # the step it resumes at; where written
         if os.path.isdir(checkpoints):
             existing = Checkpoints(checkpoints)
             resumed = existing.latest()
             existing.close()
         if resumed is not None:
-            logger.info("%s resumes from its checkpoint at step %d", stage, resumed)
+            logger.info("%s resumes from its checkpoint at step %d (same inputs)", stage, resumed)
+        elif kind != "sft" and (shorter := continue_shorter(place, inputs, params.steps, checkpoints)):
+            # SFT's learning-rate schedule spans its steps; DPO's and GRPO's do not
+            written, resumed, before = shorter
+            logger.info("%s resumes from the checkpoint at step %d of the same inputs with steps=%d "
+                        "(only steps changed: %d -> %d, so it trains on from there)", stage, resumed,
+                        before, before, params.steps)
+        else:
+            logger.info("%s trains from scratch (%s)", stage, place.fresh_reason(inputs, _labels(stage)))
+        if resumed is not None:
             if isinstance(built.rollout, ScheduledRollout):  # before the killed attempt's rows go
                 earlier, offered = built.rollout.reuse_from(
-                    Store(store_root), run, stage, resumed, os.path.join(existing.directory, str(resumed)))
+                    Store(store_root), run, stage, resumed, os.path.join(written, str(resumed)))
                 logger.info("%s reuses up to %d finished rollouts that run %s did not train on",
                             stage, offered, earlier)
             writer.discard_after(resumed)
@@ -170,6 +201,7 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
             state = trainer.fit(built.dataset, steps=params.steps, log_every=params.log_every,
                                 eval_every=built.eval_every, directory=checkpoints,
                                 checkpoint_every=params.checkpoint_every, sinks=sinks)
+            logger.info("%s: %s", stage, keep_last_checkpoint(checkpoints))
         finally:
             built.close()
         policy = save_policy(pretrained, state.params, os.path.join(directory, "policy"), key)

@@ -1,6 +1,11 @@
 """What a training stage shows in the Prefect UI: logs, a moving progress bar, a table of final
 metrics, a PNG of its curves and, for image stages, preview grids. All of it comes from Trainer
-sinks and hooks, so the library stays unaware of Prefect."""
+sinks and hooks, so the library stays unaware of Prefect.
+
+The keys of a stage's progress, metrics and curves artifacts begin with the store's run id
+(`demo-1a2b3c4d-sft-curves`), so runs do not share them. Images are embedded as
+`data:image/png` URLs, which both Prefect UIs display (a page served over http shows no
+`file://` image)."""
 
 from __future__ import annotations
 
@@ -14,11 +19,68 @@ from prefect import get_run_logger
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact,
                                create_table_artifact, update_progress_artifact)
 
+from tasks.lifetimes import exit_with_marked_parent
+
+# Every flow imports this module: a flow run that deployments/serve.py started ends with it.
+exit_with_marked_parent()
+
+
+EMBEDDED_BYTES = 256 * 1024  # a larger PNG is linked by its path, not embedded
+
 
 def artifact_key(*parts: str) -> str:
     """Prefect artifact keys allow lowercase letters, digits and dashes only."""
     text = "-".join(parts).lower()
-    return "".join(c if c.isalnum() or c == "-" else "-" for c in text).strip("-")
+    return "".join(c if c.isascii() and c.isalnum() or c == "-" else "-" for c in text).strip("-")
+
+
+def current_run() -> str | None:
+    """The store's run id of the task or flow this is called in (its `run` parameter), if any."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    for context in (TaskRunContext.get(), FlowRunContext.get()):
+        run = (getattr(context, "parameters", None) or {}).get("run") if context is not None else None
+        if isinstance(run, str) and run:
+            return run
+    return None
+
+
+def run_key(*parts: str) -> str:
+    """An artifact key that begins with the current run's id, so each run has its own."""
+    run = current_run()
+    return artifact_key(*([run] if run else []), *parts)
+
+
+def png_markdown(title: str, path: str) -> str:
+    """`path` as a markdown image the Prefect UI shows: a `data:image/png` URL (its markdown
+    renderer refuses `file://`), or only the path when the file is over EMBEDDED_BYTES."""
+    if os.path.getsize(path) > EMBEDDED_BYTES:
+        return f"(`{path}` is over {EMBEDDED_BYTES // 1024} KB; open it from the run directory)"
+    with open(path, "rb") as handle:
+        encoded = base64.b64encode(handle.read()).decode("ascii")
+    return f"![{title}](data:image/png;base64,{encoded})"
+
+
+def keep_last_checkpoint(directory: str) -> str:
+    """Once a stage's training has finished, remove all but its last checkpoint (training keeps
+    two; a resume reads only the last) and say what is kept and where, for the log."""
+    from dew_lib.train.checkpoint import Checkpoints
+
+    removed = []
+    if os.path.isdir(directory):
+        existing = Checkpoints(directory)
+        try:
+            removed = sorted(existing.manager.all_steps())[:-1]
+            for step in removed:
+                existing.manager.delete(step)
+        finally:
+            existing.close()
+    steps = sorted(int(p) for p in os.listdir(directory) if p.isdigit()) if os.path.isdir(directory) else []
+    size = sum(os.path.getsize(os.path.join(folder, name)) for step in steps
+               for folder, _, names in os.walk(os.path.join(directory, str(step))) for name in names)
+    kept = ", ".join(map(str, steps)) or "none"
+    gone = f"; removed the older step {', '.join(map(str, removed))}" if removed else ""
+    return f"kept the last checkpoint, step {kept} ({size / 2**20:.1f} MiB), in {directory}{gone}"
 
 
 class LogSink:
@@ -42,7 +104,7 @@ class ProgressSink:
 
     def __init__(self, stage: str, steps: int):
         self.steps = steps
-        self.artifact = create_progress_artifact(0.0, key=artifact_key(stage, "progress"),
+        self.artifact = create_progress_artifact(0.0, key=run_key(stage, "progress"),
                                                  description=f"{stage}: training steps done")
 
     def begin(self, position: int, steps: int) -> None:
@@ -85,26 +147,30 @@ def plot_curves(history, path: str, title: str) -> str:
     axes = axes if len(panels) > 1 else [axes]
     for axis, name in zip(axes, panels, strict=False):
         points = [(s, m[name]) for s, m in history if name in m and math.isfinite(m[name])]
-        axis.plot([s for s, _ in points], [v for _, v in points], marker=".")
+        axis.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) <= 200 else None)
         axis.set_title(name)
         axis.set_xlabel("step")
     figure.suptitle(title)
     figure.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    figure.savefig(path, dpi=80)
+    figure.savefig(path, dpi=80)  # at most 960 x 240 pixels, tens of KB: embedded in the artifact
     plt.close(figure)
     return path
 
 
 def publish_stage(stage: str, metrics: Mapping[str, float], plot: str | None) -> None:
-    """The stage's final metrics as a table artifact and its curves as a markdown artifact."""
+    """The stage's final metrics as a table artifact and its curves as a markdown artifact that
+    shows the PNG (embedded) above its metrics."""
     rows = [{"metric": k, "value": round(v, 6)} for k, v in sorted(metrics.items())]
-    create_table_artifact(rows, key=artifact_key(stage, "metrics"),
+    create_table_artifact(rows, key=run_key(stage, "metrics"),
                           description=f"{stage}: metrics of the last logged window")
     if plot is not None:
+        table = ["| metric | value |", "| --- | --- |",
+                 *(f"| {r['metric']} | {r['value']:.6g} |" for r in rows)]
         create_markdown_artifact(
-            f"### {stage} curves\n\nSaved at `{plot}`.\n\n![{stage} curves](file://{plot})\n",
-            key=artifact_key(stage, "curves"), description=f"{stage}: loss and reward curves")
+            "\n".join([f"### {stage} curves", "", png_markdown(f"{stage} curves", plot), "",
+                       f"Saved at `{plot}`.", "", *table, ""]),
+            key=run_key(stage, "curves"), description=f"{stage}: loss and reward curves")
 
 
 def publish_images(stage: str, step: int, images: list[tuple[str, str]], lines: list[str]) -> None:
@@ -115,8 +181,6 @@ def publish_images(stage: str, step: int, images: list[tuple[str, str]], lines: 
     """
     parts = [f"### {stage} at step {step}", "", *lines, ""]
     for title, path in images:
-        with open(path, "rb") as handle:
-            encoded = base64.b64encode(handle.read()).decode("ascii")
-        parts += [f"**{title}** (`{path}`)", "", f"![{title}](data:image/png;base64,{encoded})", ""]
+        parts += [f"**{title}** (`{path}`)", "", png_markdown(title, path), ""]
     create_markdown_artifact("\n".join(parts), key=artifact_key(stage, "preview"),
                              description=f"{stage}: samples at step {step}")

@@ -1,10 +1,13 @@
-"""A run-store writer in its own process, for tests/test_store_processes.py.
+"""A run-store writer in its own process, for tests/test_store_processes.py and
+tests/test_store_snapshots.py.
 
 Writes updates `start..steps-1` of run RUN, stage STAGE into the project directory PATH: each
 update is one GRPO step's worth of sessions (16 tasks x 4 samples, 64 sampled ids each, drawn
 from a generator seeded by the update, so a rerun writes identical rows) and its metrics. After
 each update is durable it prints `committed U`. Compaction runs often, so readers and kills meet
-generation swaps.
+generation swaps. `--seconds S` writes updates until S seconds have passed instead (`--steps`
+then only bounds them), `--prompts` sets the tasks per update, and `--compact-after`,
+`--keep-loose` and `--merge-after` the writer's compaction (2, 0, 2: every write compacts).
 """
 
 import argparse
@@ -18,10 +21,10 @@ from dew_lib.store import Store
 PROMPTS, SAMPLES, TOKENS = 16, 4, 64
 
 
-def sessions_for(update: int) -> list[Session]:
+def sessions_for(update: int, prompts: int = PROMPTS) -> list[Session]:
     rng = np.random.default_rng(update)
     out = []
-    for p in range(PROMPTS):
+    for p in range(prompts):
         prompt = rng.integers(1, 300, 24)
         for s in range(SAMPLES):
             call = Call(prompt_ids=prompt, sampled_ids=rng.integers(1, 300, TOKENS),
@@ -39,14 +42,23 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--pause", type=float, default=0.0)
+    parser.add_argument("--seconds", type=float, default=0.0)
+    parser.add_argument("--prompts", type=int, default=PROMPTS)
+    parser.add_argument("--compact-after", type=int, default=4)
+    parser.add_argument("--keep-loose", type=int, default=1)
+    parser.add_argument("--merge-after", type=int, default=2)
     args = parser.parse_args()
     store = Store(args.path)
-    with store.writer(args.run, compact_after=4, keep_loose=1, merge_after=2) as run:
+    deadline = time.monotonic() + args.seconds
+    with store.writer(args.run, compact_after=args.compact_after, keep_loose=args.keep_loose,
+                      merge_after=args.merge_after) as run:
         run.start(params={"steps": args.steps})
         stage = run.stage(args.stage, kind="grpo")
         for update in range(args.start, args.steps):
-            stage.sessions(sessions_for(update), update=update, latencies=[0.5] * PROMPTS * SAMPLES,
-                           causes="admitted")
+            if args.seconds and time.monotonic() > deadline:
+                break
+            stage.sessions(sessions_for(update, args.prompts), update=update,
+                           latencies=[0.5] * args.prompts * SAMPLES, causes="admitted")
             stage.metrics(update, {"loss": 1.0 / (update + 1), "reward/mean": 0.5})
             stage.flush()
             print(f"committed {update}", flush=True)

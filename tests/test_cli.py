@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -85,3 +86,80 @@ def test_the_installed_dew_command_runs(project):
     out = dew("sql", "SELECT run, status FROM runs", "--store", project, "--csv", command=(INSTALLED,))
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["run,status", "demo,completed"]
+
+
+def test_global_options_go_before_the_command_too(project):
+    out = dew("--store", project, "sql", "SELECT count(*) AS n FROM metrics", "--csv")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["n", "4"]
+    out = dew("--store", project, "--json", "runs")
+    assert out.returncode == 0, out.stderr
+    assert [row["stage"] for row in json.loads(out.stdout)] == ["sft"]
+    after = dew("--store", "/nowhere", "sql", "SELECT count(*) AS n FROM metrics", "--store", project, "--csv")
+    assert after.stdout.splitlines() == ["n", "4"], after.stderr  # the later one wins
+
+
+def test_a_damaged_format_file_is_one_line_naming_it(tmp_path):
+    Store(tmp_path).create()
+    (tmp_path / "store" / "format.json").write_text("{not json")
+    out = dew("sql", "SELECT 1", "--store", tmp_path)
+    assert out.returncode == 1 and out.stdout == ""
+    assert len(out.stderr.splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("dew: ") and str(tmp_path / "store" / "format.json") in out.stderr
+    assert '{"format": 2}' in out.stderr  # what it should hold
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """A GRPO stage logging `reward`, an evaluation with greedy and sampled answers whose start
+    was queued behind a slow write, and a stage whose writer went away after one record."""
+    path = tmp_path_factory.mktemp("graded") / "runs"
+    store = Store(path)
+    with store.writer("g") as run:
+        run.start()
+        with run.stage("grpo", kind="grpo") as stage:
+            stage.metrics(1, {"loss": 0.5, "reward": 0.25})
+            stage.metrics(2, {"loss": 0.25, "reward": 0.75})
+        run.worker.submit(lambda: time.sleep(0.5))  # the stage's start row waits behind this
+        with run.stage("eval", kind="evaluate") as stage:
+            greedy = [Evaluation(item=i, prompt="p", answer="a", score=float(i < 3), correct=i < 3)
+                      for i in range(4)]
+            drawn = [Evaluation(item=i, prompt="p", answer="a", score=float(i == 0), correct=i == 0,
+                                temperature=1.0, sample=s) for s in (1, 2) for i in range(4)]
+            stage.evaluations(greedy + drawn, step=2)
+        stage = run.stage("cut", kind="grpo")
+        stage.metrics(1, {"loss": 1.0})
+        stage.close()  # no finish: the writer is gone, the stage shows as interrupted
+        run.finish()
+    return path
+
+
+def runs_by_stage(path):
+    out = dew("runs", "--store", path, "--json")
+    assert out.returncode == 0, out.stderr
+    return {row["stage"]: row for row in json.loads(out.stdout)}
+
+
+def test_dew_runs_shows_the_grpo_reward(graded):
+    rows = runs_by_stage(graded)
+    assert rows["grpo"]["reward"] == 0.75 and rows["grpo"]["loss"] == 0.25
+
+
+def test_dew_runs_shows_greedy_and_sampled_accuracy_apart(graded):
+    rows = runs_by_stage(graded)
+    assert (rows["eval"]["accuracy"], rows["eval"]["sampled"]) == (0.75, 0.25)
+    assert rows["grpo"]["sampled"] is None
+
+
+def test_dew_runs_seconds_are_never_negative(graded):
+    rows = runs_by_stage(graded)
+    assert all(row["seconds"] >= 0 for row in rows.values()), rows
+    table = dew("runs", "--store", graded)
+    assert " -0 " not in table.stdout and "-0\n" not in table.stdout, table.stdout
+
+
+def test_an_interrupted_stages_seconds_end_at_its_last_record(graded):
+    rows = runs_by_stage(graded)
+    assert rows["cut"]["stage_status"] == "interrupted"
+    time.sleep(1.5)
+    assert runs_by_stage(graded)["cut"]["seconds"] == rows["cut"]["seconds"]  # not until now

@@ -232,7 +232,9 @@ def test_grpo_and_evaluation_on_mbpp_record_a_verdict_per_program(
     from flows.pipeline import pipeline
     from tasks import evaluate, train
 
-    params = PipelineParams(root=str(tmp_path), name="mbpp", stages=("grpo",), **TINY,
+    params = PipelineParams(root=str(tmp_path), name="mbpp", stages=("grpo",),
+                            **{**TINY, "model": {**TINY["model"], "max_seq_len": 1024},
+                               "grpo": {**TINY["grpo"], "max_prompt_len": 576}},
                             data=dict(source="code", code_path=mbpp_path(shared_data),
                                       code_test_problems=3, code_train_problems=4))
     layout, train_rows, held = held_out(params.data)
@@ -272,7 +274,8 @@ def test_humaneval_canonical_solutions_evaluate_to_accuracy_one(
     from flows.pipeline import pipeline
     from tasks import evaluate
 
-    params = PipelineParams(root=str(tmp_path), name="humaneval", stages=(), **TINY,
+    params = PipelineParams(root=str(tmp_path), name="humaneval", stages=(),
+                            **{**TINY, "model": {**TINY["model"], "max_seq_len": 1024}},
                             data=dict(source="code", code_path=humaneval_path(shared_data),
                                       code_test_problems=5))
     layout, _, held = held_out(params.data)

@@ -135,3 +135,80 @@ def test_a_run_started_through_the_api_completes_and_lands_in_the_store(tmp_path
     assert rows == [("completed",)]
     _, stages = store.rows("SELECT stage, status FROM stages ORDER BY stage")
     assert dict(stages)["grpo"] == "completed" and len(stages) == 7
+
+
+def living_descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every living descendant of `pid`, from /proc."""
+    def stat(p):
+        try:
+            with open(f"/proc/{p}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+            return int(fields[1]), fields[0], fields[19]
+        except OSError:
+            return None
+
+    table = {int(p): s for p in os.listdir("/proc") if p.isdigit() and (s := stat(p)) and s[1] != "Z"}
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [(child, s[2]) for child, s in table.items() if s[0] == parent]
+        found += children
+        frontier += [child for child, _ in children]
+    return found
+
+
+def still_alive(processes) -> list:
+    def started_at(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+            return None if fields[0] == "Z" else fields[19]
+        except OSError:
+            return None
+    return [(pid, start) for pid, start in processes if started_at(pid) == start]
+
+
+@pytest.mark.slow
+def test_a_flow_run_ends_when_the_serving_process_is_killed(tmp_path):
+    """serve.py's runner starts each flow run as a child; killed with SIGKILL, serve.py takes the
+    flow run with it (tasks/lifetimes.py exit_with_marked_parent). The stage logs nothing after
+    its start, so no write to a closed stream ends it instead."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    log_path = tmp_path / "services.log"
+    long = {**TINY, "sft": {**TINY["sft"], "steps": 100_000, "log_every": 100_000,
+                            "checkpoint_every": 100_000}}
+    flow_runs = []
+    with open(log_path, "w") as log, prefect_server(tmp_path, log, log_path) as (api, env), \
+            started([sys.executable, os.path.join(ROOT, "deployments", "serve.py")], env, log) as served, \
+            temporary_settings(updates={PREFECT_API_URL: api}):
+
+        async def start_run():
+            async with get_client() as client:
+                deployment = await client.read_deployment_by_name("pipeline/pipeline")
+                run = await client.create_flow_run_from_deployment(
+                    deployment.id, parameters={"params": {**long, "root": str(tmp_path / "runs")}})
+                return run.id
+
+        wait_for(lambda: "deployments are being served" in log_path.read_text(), 300,
+                 "serving the deployments", log_path)
+        asyncio.run(start_run())
+        try:
+            # the flow run is a child of serve.py that has got as far as training
+            wait_for(lambda: "for flow 'sft'" in log_path.read_text(), 600, "the flow run training", log_path)
+            time.sleep(3)
+            flow_runs = living_descendants(served.pid)
+            assert flow_runs
+            served.kill()
+            served.wait(timeout=30)
+            deadline = time.monotonic() + 40
+            while still_alive(flow_runs) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            with open(log_path) as handle:
+                tail = handle.read()[-3000:]
+            assert not still_alive(flow_runs), f"the flow run outlived serve.py: {flow_runs}\n{tail}"
+        finally:
+            for pid, _ in still_alive(flow_runs):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)

@@ -217,3 +217,38 @@ def test_an_unwritable_store_fails_at_the_start_naming_the_path(harness, tmp_pat
     blocker.write_text("not a directory")
     with pytest.raises(Exception, match="a-file"):
         pipeline(tiny(blocker / "runs"))
+
+
+def test_the_command_line_reads_a_parameters_file_that_name_root_and_seed_override(tmp_path):
+    form = tmp_path / "gsm8k.json"  # the UI form's fields
+    form.write_text(json.dumps({"name": "gsm8k", "seed": 5, "sft": {"steps": 7},
+                                "evaluation": {"limit": 3}}))
+    given = command_line(["--params", str(form)], PipelineParams(), prog="python -m flows", description="")
+    assert (given.name, given.seed, given.sft.steps, given.sft.batch, given.evaluation.limit) == \
+        ("gsm8k", 5, 7, SFTParams().batch, 3)
+    wrapped = tmp_path / "deployment.yaml"  # a deployment's {"params": {...}}, in YAML
+    wrapped.write_text("params:\n  name: gsm8k\n  sft: {steps: 7}\n")
+    given = command_line(["--params", str(wrapped), "--name", "mine", "--root", str(tmp_path), "--seed", "2"],
+                         PipelineParams(), prog="python -m flows", description="")
+    assert (given.name, given.root, given.seed, given.sft.steps) == ("mine", str(tmp_path), 2, 7)
+
+
+def test_a_bad_parameters_file_is_refused_naming_the_file_or_the_field(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        command_line(["--params", str(tmp_path / "missing.json")], PipelineParams(), prog="python -m flows",
+                     description="")
+    assert "missing.json" in capsys.readouterr().err
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"name": "x",')
+    with pytest.raises(SystemExit):
+        command_line(["--params", str(broken)], PipelineParams(), prog="python -m flows", description="")
+    assert "broken.json is not JSON" in capsys.readouterr().err
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- name: x\n")
+    with pytest.raises(SystemExit):
+        command_line(["--params", str(listed)], PipelineParams(), prog="python -m flows", description="")
+    assert "list.yaml holds a list; a parameters file is a mapping of fields" in capsys.readouterr().err
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps({"data": {"colums": {"prompt": "question"}}}))
+    with pytest.raises(ValidationError, match=r"data.colums\n  Extra inputs are not permitted"):
+        command_line(["--params", str(typo)], PipelineParams(), prog="python -m flows", description="")

@@ -1,5 +1,6 @@
 """SampledRollout: what the reward sees, what the batch holds, learning, and bad input."""
 
+import hashlib
 import itertools
 
 import jax
@@ -8,8 +9,8 @@ import optax
 import pytest
 
 from dew_lib import Dataset, Trainer, models
-from dew_lib.objectives import GRPOObjective, loss
-from dew_lib.rollouts import RewardFailed, SampledRollout
+from dew_lib.objectives import GRPOObjective, algorithms, loss
+from dew_lib.rollouts import RewardFailed, SampledRollout, prompt_tasks
 from dew_lib.sampling import Sampling
 from dew_lib.train.sinks import MemorySink
 
@@ -63,9 +64,40 @@ def test_each_completion_is_scored_on_its_text_and_packed_with_eos_in_the_mask()
         row = batch["session_index"] == n
         assert batch["input_ids"][row].tolist() == sampled  # EOS included in the response mask
         np.testing.assert_allclose(batch["old_log_probs"][row], call.raw_log_probs)
-        assert session.task == str(n // 3) and session.sample == n % 3
+        assert session.task == rollout.last_tasks[n // 3].id  # the dataset's id (see below)
+        assert session.group == n // 3 and session.sample == n % 3
     assert 0 < stopped < 6  # both kinds occurred with this seed
     assert batch["response_mask"].sum() == sum(len(s.calls[0].sampled_ids) for s in rollout.last_sessions)
+
+
+def test_sessions_name_the_prompt_by_its_stable_task_id_and_repeated_prompts_stay_two_groups():
+    # Rows 0 and 2 (and 1 and 3) hold the same prompt: one task id, two groups, each normalized
+    # against its own samples only.
+    objective = GRPOObjective(MODEL, seq_len=9)
+    rollout = SampledRollout(objective, reward=lambda s, completion, t, e: float(len(completion.split())),
+                             groups=3, max_new_tokens=6, sampling=Sampling(temperature=1.0, eos_id=EOS),
+                             workers=1)
+    state = Trainer(objective, optax.sgd(0.0), key=jax.random.key(0)).initial_state()
+    batch = prompts(4)
+    packed = rollout(state, batch, jax.random.key(3))
+    expected = [hashlib.sha256(np.asarray(ids, np.int32).tobytes() + b"\0" + b"9").hexdigest()[:16]
+                for ids in ([3, 4], [5, 6, 7])]
+    assert [t.id for t in rollout.last_tasks] == expected * 2 == [t.id for t in prompt_tasks(batch)]
+    assert [t.data["prompt_ids"].tolist() for t in rollout.last_tasks] == [[3, 4], [5, 6, 7]] * 2
+    sessions = rollout.last_sessions
+    assert [(s.task, s.group, s.sample) for s in sessions] == [
+        (expected[b % 2], b, k) for b in range(4) for k in range(3)]
+    rewards = np.array([s.reward for s in sessions])
+    want = algorithms.advantages("group", rewards, np.repeat(np.arange(4), 3))
+    for n, advantage in enumerate(want):
+        assert np.allclose(packed["advantages"][packed["session_index"] == n], advantage)
+    merged = algorithms.advantages("group", rewards, np.repeat(np.arange(4) % 2, 3))
+    assert not np.allclose(want, merged)  # the check above would see one group per prompt
+
+    batch["task_id"] = np.array([11, 12, 11, 13])  # a dataset's own ids win
+    rollout(state, batch, jax.random.key(3))
+    assert [s.task for s in rollout.last_sessions[::3]] == ["11", "12", "11", "13"]
+    assert [s.group for s in rollout.last_sessions[::3]] == [0, 1, 2, 3]
 
 
 def test_at_another_temperature_the_update_scores_the_old_policy_itself():

@@ -4,6 +4,8 @@ Real processes (a reader while a writer writes, SIGKILL, two runs at once) are i
 test_store_processes.py; the `dew` command in test_cli.py.
 """
 
+import contextlib
+import json
 import os
 import threading
 import time
@@ -119,8 +121,8 @@ def test_every_table_lands_and_dew_duckdb_opens_in_the_duckdb_client(tmp_path):
         run.finish("completed")
     database = duckdb.connect(str(tmp_path / "dew.duckdb"), read_only=True)
     views = {row[0] for row in database.sql("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
-    assert views == {"runs", "stages", "sessions", "calls", "verdicts", "scheduler_records", "metrics",
-                     "evaluations", "samples", "checkpoints"}
+    assert views == {"runs", "stages", "sessions", "calls", "prompts", "verdicts", "scheduler_records",
+                     "metrics", "evaluations", "samples", "checkpoints"}
     counts = {v: database.sql(f"SELECT count(*) FROM {v}").fetchall()[0][0] for v in sorted(views)}
     assert counts["runs"] == 1 and counts["stages"] == 3 and counts["sessions"] == 4 and counts["calls"] == 4
     assert counts["samples"] == 2
@@ -344,3 +346,68 @@ def test_a_table_stays_queryable_before_its_first_part_and_after_its_last(tmp_pa
     with store.writer("r") as run, run.stage("sft") as stage:
         stage.discard_after(0)  # the only part of the table goes
     assert count(store, "SELECT count(*) FROM metrics") == [0]
+
+
+def test_a_prompt_given_as_messages_is_stored_as_json(tmp_path):
+    store = Store(tmp_path)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2= ünd"}]
+    with store.writer("r") as run, run.stage("eval") as stage:
+        stage.evaluations([Evaluation(item=0, prompt=messages, answer="4", score=1.0),
+                           Evaluation(item=1, prompt={"question": "1+1="}, answer="2", score=1.0),
+                           Evaluation(item=2, prompt=np.array([5, 6]), answer="3", score=0.0),
+                           Evaluation(item=3, prompt="3+3=", answer="6", score=1.0)], step=0)
+    stored = count(store, "SELECT prompt FROM evaluations ORDER BY item")
+    assert [json.loads(p) for p in stored[:3]] == [messages, {"question": "1+1="}, [5, 6]]
+    assert stored[3] == "3+3="  # text stays text
+    assert store.rows("SELECT prompt->>'$[1].content' FROM evaluations WHERE item = 0")[1] == [("2+2= ünd",)]
+
+
+@contextlib.contextmanager
+def read_only(path, monkeypatch):
+    """Make the tree under `path` unwritable: permissions, or (as root, whom they do not stop) an
+    os.open and os.mkdir that refuse writes there."""
+    if os.geteuid() != 0:
+        modes = {}
+        for root, dirs, _ in os.walk(path):
+            for d in [root, *(os.path.join(root, d) for d in dirs)]:
+                modes[d] = os.stat(d).st_mode
+                os.chmod(d, modes[d] & ~0o222)
+        try:
+            yield
+        finally:
+            for d, mode in modes.items():
+                os.chmod(d, mode)
+        return
+    inside = str(path)
+    real_open, real_mkdir = os.open, os.mkdir
+    writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+
+    def guarded_open(file, flags, *args, **kwargs):
+        if flags & writes and os.fspath(file).startswith(inside):
+            raise PermissionError(13, "Permission denied", os.fspath(file))
+        return real_open(file, flags, *args, **kwargs)
+
+    def guarded_mkdir(file, *args, **kwargs):
+        if os.fspath(file).startswith(inside):
+            raise PermissionError(13, "Permission denied", os.fspath(file))
+        return real_mkdir(file, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "open", guarded_open)
+        patch.setattr(os, "mkdir", guarded_mkdir)
+        yield
+
+
+def test_a_read_only_store_is_read_and_refuses_writers_with_a_store_error(tmp_path, monkeypatch):
+    store = Store(tmp_path)
+    with store.writer("r") as run, run.stage("sft") as stage:
+        stage.metrics(1, {"loss": 1.0})
+    with read_only(tmp_path, monkeypatch):
+        assert Store(tmp_path).rows("SELECT count(*) FROM metrics")[1] == [(1,)]
+        with pytest.raises(StoreError, match=f"cannot write the run store at {store.directory}: .*writable"):
+            Store(tmp_path).writer("r")
+    os.remove(tmp_path / "dew.duckdb")  # no snapshot to read, and none can be published: the links
+    with read_only(tmp_path, monkeypatch):
+        assert Store(tmp_path).rows("SELECT count(*) FROM metrics")[1] == [(1,)]
+    with pytest.raises(StoreError, match="cannot create the run store at"), read_only(tmp_path, monkeypatch):
+        Store(tmp_path / "inner" / "runs").writer("r")

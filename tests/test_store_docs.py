@@ -8,7 +8,7 @@ import pytest
 
 from dew_lib.diffusion.flow_rollout import FlowRolloutRecord
 from dew_lib.records.sessions import Call, Session, Status
-from dew_lib.store import TABLES, Evaluation, Store, Verdict
+from dew_lib.store import TABLES, Evaluation, Prompt, Store, Verdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "docs", "store.md")]
@@ -32,6 +32,7 @@ def store(tmp_path_factory):
             stage.evaluations([Evaluation(item=0, prompt="1+1=", answer="2", score=1.0)], step=10)
         with run.stage("grpo", kind="grpo") as stage:
             call = Call(prompt_ids=[5, 6], sampled_ids=[7, 8], behavior_log_probs=[-0.5, -0.5], version=39)
+            stage.prompts([Prompt(task="17", prompt="5 6", prompt_ids=[5, 6], ground_truth="2")], update=40)
             stage.sessions([Session(task="17", sample=s, calls=(call,), reward=float(s),
                                     status=Status.COMPLETED if s else Status.INFRA_ERROR) for s in range(3)],
                            update=40, latencies=[0.5, 2.0, 1.0], causes="admitted",
@@ -64,6 +65,8 @@ def store(tmp_path_factory):
                        (1, "4", 1, 0, Status.CANCELLED, "cancelled", 2.5)]
             for update, task, sample, attempt, status, cause, latency in settled:
                 done = status is Status.COMPLETED
+                stage.prompts([Prompt(task=task, prompt_ids=[5, 6], ground_truth=task)], update=update,
+                              decode=lambda ids: " ".join(map(str, ids)))
                 stage.sessions([Session(task=task, sample=sample, attempt=attempt, status=status,
                                         calls=(call,) if done else (), reward=1.0 if done else None)],
                                update=update, latencies=[latency], causes=cause,
@@ -102,3 +105,11 @@ def test_the_scheduler_queries_answer_from_what_the_scheduler_recorded(store):
                          "GROUP BY ALL ORDER BY ALL")[1]
     assert settled == [("admitted", 2, True), ("cancelled", 1, False), ("discarded", 1, False),
                        ("resubmitted", 1, False)]
+
+
+def test_the_prompts_view_joins_sessions_by_task_once_per_task(store):
+    joined = store.rows("SELECT s.run, s.task, count(*), any_value(p.prompt), any_value(p.ground_truth) "
+                        "FROM sessions s JOIN prompts p USING (run, stage, task) GROUP BY ALL ORDER BY ALL")[1]
+    assert joined == [("demo-1", "17", 3, "5 6", "2"), ("demo-2", "3", 3, "5 6", "3"), ("demo-2", "4", 2, "5 6", "4")]
+    assert store.rows("SELECT run, task, update FROM prompts ORDER BY ALL")[1] == [
+        ("demo-1", "17", 40), ("demo-2", "3", 0), ("demo-2", "4", 1)]

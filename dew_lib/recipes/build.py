@@ -153,7 +153,9 @@ class Built:
 
 class RecordedRollout:
     """Runs a SampledRollout and writes every session it drew to the run store, with the verdict
-    of every program a code reward ran for it (the rollout's `last_reward_details`).
+    of every program a code reward ran for it (the rollout's `last_reward_details`), and the
+    prompt of every task it has not recorded yet (`prompts`: the rollout's `last_tasks`, decoded
+    with its `decode`), under the same update.
 
     writer: the stage's `dew_lib.store.StageWriter`. verdicts: a reward's program runs -> Verdict
     rows, or None to record sessions without verdicts.
@@ -170,6 +172,7 @@ class RecordedRollout:
         runs = self.rollout.last_reward_details
         update = int(jax.device_get(state.updates))
         verdicts = self.verdicts
+        self.stage.prompts(self.rollout.last_tasks, update=update, decode=self.rollout.decode)
         self.stage.sessions(sessions, update=update, latencies=[seconds] * len(sessions),
                             causes="admitted", truncation="score",
                             verdicts=[verdicts(r or ()) for r in runs] if runs and verdicts else None)

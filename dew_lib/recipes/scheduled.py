@@ -6,7 +6,9 @@ completions with the stage's reward on the source's thread pool as draws finish,
 stage's `dew_lib.store.StageWriter`, records in the run store every SchedulerRecord
 (`scheduler_records`) and every session the scheduler settles, with its cause (admitted,
 pending, discarded, cancelled, resubmitted, abandoned, cut) and, for code tasks, the verdict of
-every program the reward ran (through the `verdicts` callable the caller passes).
+every program the reward ran (through the `verdicts` callable the caller passes). The prompt of
+each task (`prompts`) is written with the first of its sessions, under the same update: the
+scheduler's `tasks` function keeps the tasks it built (`prompt_tasks`) until then.
 
 On resume, `reuse_from` reads, before the stage drops what the killed attempt recorded after its
 checkpoint, the sessions that attempt (found by the run that recorded the checkpoint) finished
@@ -23,6 +25,7 @@ from __future__ import annotations
 from dew_lib.inference import NativeRolloutServer, Server, ServeTask
 from dew_lib.objectives import GRPOObjective
 from dew_lib.rollouts import PromptSource, RolloutScheduler, prompt_tasks
+from dew_lib.rollouts.sampled import token_text
 from dew_lib.sampling import Sampling
 
 TRUNCATION = "score"  # a completion that used its whole budget is still graded and trained
@@ -46,6 +49,8 @@ class ScheduledRollout:
                                        sampling_temperature=options.sampling_temperature,
                                        behavior_importance=options.behavior_importance)
         self.stage, self.verdicts = writer, verdicts
+        self.decode = decode or token_text
+        self._unrecorded: dict[str, object] = {}  # task id -> Task whose prompt is not written yet
         sampling = Sampling(temperature=options.temperature, eos_id=options.eos_id)
         self.server = NativeRolloutServer(Server.from_task(
             ServeTask(model=model, variables=variables, sampling=sampling),
@@ -59,7 +64,8 @@ class ScheduledRollout:
                                        **decoded)
             self.scheduler = RolloutScheduler(
                 self.objective, self.source, self.server, width=width,
-                rows=options.batch * options.groups, tasks=prompt_tasks, groups=options.groups,
+                rows=options.batch * options.groups, groups=options.groups,
+                tasks=prompt_tasks if writer is None else self._tasks,
                 oversample=options.oversample, max_lag=options.max_lag, ahead=options.ahead,
                 sync_every=options.sync_every, max_attempts=options.max_attempts,
                 timeout=options.timeout, truncation=TRUNCATION,
@@ -71,9 +77,21 @@ class ScheduledRollout:
             self.server.close()
             raise
 
+    def _tasks(self, batch):
+        """prompt_tasks, keeping each task whose prompt the stage has not recorded yet."""
+        tasks = prompt_tasks(batch)
+        for task in tasks:
+            if not self.stage.has_prompt(task.id):
+                self._unrecorded.setdefault(task.id, task)
+        return tasks
+
     def _record(self, log) -> None:
         runs = [self.source.pop_details(s) for s in log.sessions]
         verdicts = self.verdicts
+        named = dict.fromkeys(s.task for s in log.sessions)
+        tasks = [self._unrecorded.pop(t) for t in named if t in self._unrecorded]
+        if tasks:
+            self.stage.prompts(tasks, update=log.update, decode=self.decode)
         self.stage.sessions(log.sessions, update=log.update, latencies=log.latencies,
                             causes=log.causes, trained=log.trained, truncation=TRUNCATION,
                             verdicts=[verdicts(r or ()) for r in runs] if any(runs) and verdicts else None)

@@ -11,7 +11,15 @@ turns every completion into a one-call `Session` and packs them with `pack` into
 A completion that stopped on EOS is COMPLETED; one that used the whole budget is TRUNCATED and
 still scored (truncation "score"), so every draw trains.
 
-After a call, `last_sessions` holds the sessions it drew; with `reward_details` (a function
+Each prompt row is a task named as the asynchronous path names it (`prompt_tasks`): the batch's
+integer `task_id` when it has one, else a hash of the prompt ids and ground truth, so the same
+prompt is the same `Session.task` in every batch, epoch and resume. The row's index in the batch
+is the session's `group`, so groups are keyed by (task, group) and a prompt that appears twice in
+one batch still makes two groups.
+
+After a call, `last_tasks` holds the batch's tasks (one per prompt row, with its prompt ids and
+reward fields: what the run store's `prompts` table records), `last_sessions` the sessions it
+drew; with `reward_details` (a function
 called on the scoring thread right after each reward call, such as `CodeReward.last_runs`),
 `last_reward_details[n]` holds what it returned for `last_sessions[n]`, so a caller can record
 what the reward did (the programs a code reward ran) beside each session.
@@ -29,12 +37,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from dew_lib.data.prompts import METADATA, text_field
 from dew_lib.objectives import algorithms
 from dew_lib.objectives.batch import PackedBatch
 from dew_lib.options import integer
-from dew_lib.records.sessions import Call, Session, Status
+from dew_lib.records.sessions import Call, Session, Status, Task
 from dew_lib.rollouts.packing import pack
+from dew_lib.rollouts.scheduler.tasks import prompt_tasks
 from dew_lib.sampling import Sampling, generate
 
 Reward = Callable[[str, str, str, str], float]
@@ -88,6 +96,7 @@ class SampledRollout:
         self.estimator = estimator
         self.workers = workers
         self.reward_details = reward_details
+        self.last_tasks: list[Task] = []
         self.last_sessions: list[Session] = []
         self.last_reward_details: list[Any] = []
 
@@ -101,13 +110,12 @@ class SampledRollout:
                 f"are {width + self.max_new_tokens} wide, but the objective reads seq_len + 1 = "
                 f"{self.objective.width}; set GRPOObjective(seq_len={width + self.max_new_tokens - 1})"
             )
+        tasks = prompt_tasks(batch)  # each row's stable id, prompt ids and reward fields
         g = self.groups
         drawn = generate(self.objective.model, state.params, np.repeat(prompt, g, axis=0),
                          np.repeat(lengths, g), key=key, max_new_tokens=self.max_new_tokens,
                          sampling=self.sampling)
         tokens, raw, behavior, counts, stopped = jax.device_get(tuple(drawn))
-        metadata = {name: text_field(batch[name]) if name in batch else [""] * rows
-                    for name in METADATA}
 
         def completion(n: int) -> str:
             ids = tokens[n, :counts[n]]
@@ -117,9 +125,10 @@ class SampledRollout:
 
         def score(n: int) -> tuple[float, Any]:
             b = n // g
+            data = tasks[b].data
             try:
-                value = self.reward(metadata["data_source"][b], texts[n],
-                                    metadata["ground_truth"][b], metadata["extra_info"][b])
+                value = self.reward(data["data_source"], texts[n], data["ground_truth"],
+                                    data["extra_info"])
                 details = None if self.reward_details is None else self.reward_details()
                 value = float(value)
             except Exception as error:
@@ -142,10 +151,10 @@ class SampledRollout:
         for n in range(rows * g):
             b = n // g
             ids = tokens[n, :counts[n]]
-            call = Call(prompt_ids=prompt[b, width - lengths[b]:], sampled_ids=ids,
+            call = Call(prompt_ids=tasks[b].data["prompt_ids"], sampled_ids=ids,
                         behavior_log_probs=behavior[n, :counts[n]], raw_log_probs=raw[n, :counts[n]],
                         finish_reason="stop" if stopped[n] else "length", version=version)
-            sessions.append(Session(task=str(b), group=b, sample=n % g, calls=(call,),
+            sessions.append(Session(task=tasks[b].id, group=b, sample=n % g, calls=(call,),
                                     status=Status.COMPLETED if stopped[n] else Status.TRUNCATED,
                                     reward=rewards[n]))
         packed = pack(sessions, self.objective.width, rows=rows * g, estimator=self.estimator,
@@ -156,6 +165,7 @@ class SampledRollout:
             # weights) at the objective's temperature so the ratio compares like with like.
             packed.pop("old_log_probs", None)
             proximal = "in_update"
+        self.last_tasks = tasks
         self.last_sessions = sessions
         self.last_reward_details = [details for _, details in scored]
         return PackedBatch.of(packed, proximal)

@@ -12,21 +12,20 @@ renamed into place, so a reader sees a part whole or not at all and a crash keep
 was renamed. Adding a part, or replacing the only part of a key by one with the same name, is one
 rename. Anything that removes rows (compaction, or a retry that rewrites a key an earlier attempt
 stored in several parts) builds a new generation directory (hard links to the parts it keeps plus
-the new ones) and swaps the link with one rename: readers see the old generation or the new one,
-never a mix, as long as they resolve the link once. DuckDB's glob does not: it lists a directory,
-then stats each name through the link again and silently skips names that are gone. So every
-link move, and the removal of a table's placeholder, happens under a shared lock on
-`store/.locks/_swap.lock`, which also grows by a byte per change; a reader that finds the file
-grown or the lock held after its query ran reruns it (`swaps_since`, used by Store.sql). A
-reader that listed the old generation and opens a part the new one dropped gets a file-not-found
-error and reruns too.
+the new ones) and swaps the link with one rename. A generation directory therefore never loses a
+file while it exists. Readers never go through the link: they read snapshots (snapshot.py) that
+name concrete generation directories, and a generation is removed only once no snapshot a reader
+may hold names it (snapshot.collect). A stream reports every change a snapshot must follow (a new
+generation, or the first part of an empty one) through `on_change`; a Stream without one
+publishes a snapshot itself. Every link move also counts itself in `store/.locks/_swap.lock`
+(`swap_count`, `swaps_since`), under a shared lock on that file.
 
 The first write of a key in a writer's lifetime replaces whatever earlier lifetimes stored under
 that key; later writes of it in the same lifetime add parts. That is what makes a retried task
 write no duplicate rows. One writer per stream at a time: a `flock` on `store/.locks/` enforces it
 and is released by the kernel if the process dies.
 
-Not here: what the rows hold (schema.py, writer.py), views and queries (store.py).
+Not here: what the rows hold (schema.py, writer.py), snapshots (snapshot.py), queries (store.py).
 """
 
 from __future__ import annotations
@@ -40,17 +39,18 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dew_lib.store.schema import empty, placeholder
+from dew_lib.store.schema import placeholder
 
 ROW_GROUP = 122_880  # DuckDB's own row-group size: scans split across threads by row group
 _LOOSE = re.compile(r"^(\d{12})-(\d{4})\.parquet$")
 _COMPACTED = re.compile(r"^c(\d{12})-(\d{12})-([0-9a-f]{8})\.parquet$")
-_GEN = re.compile(r"^g(\d{6})$")
+GEN = re.compile(r"^g(\d{6})$")
 KEYS_METADATA = b"dew.keys"
 
 
@@ -246,12 +246,13 @@ class Stream:
 
     compact_after: fold loose parts into one compacted part once this many exist, keeping the
     parts of the newest `keep_loose` keys loose (a retry usually rewrites those). merge_after:
-    merge compacted parts smaller than `target_bytes` once this many exist.
+    merge compacted parts smaller than `target_bytes` once this many exist. on_change: called
+    when readers' snapshots must change to show this stream's rows (None: publish one now).
     """
 
     def __init__(self, store_dir: str, table: str, run: str, stage: str, key_column: str, *,
                  compact_after: int = 4, keep_loose: int = 1, merge_after: int = 2,
-                 target_bytes: int = 128 << 20):
+                 target_bytes: int = 128 << 20, on_change: Callable[[], None] | None = None):
         self.table, self.key_column = table, key_column
         self.store_dir = store_dir
         self.link = os.path.join(store_dir, table, run, stage)
@@ -259,7 +260,8 @@ class Stream:
         self.tmp = os.path.join(self.home, "tmp")
         self.compact_after, self.keep_loose = compact_after, keep_loose
         self.merge_after, self.target_bytes = merge_after, target_bytes
-        self.placeholder = placeholder(store_dir, table)
+        self.placeholder = placeholder(store_dir, table)  # a zero-row part older Dews wrote
+        self.on_change = on_change
         self.written: dict[int, int] = {}  # keys written in this lifetime -> next seq
         self.loose: dict[int, list[str]] = {}
         self.compacted: dict[str, tuple[frozenset[int], int]] = {}
@@ -276,10 +278,11 @@ class Stream:
             self.gen = os.path.join(self.home, "g000001")
             os.makedirs(self.gen, exist_ok=True)
             self._point_link(self.gen)
-        for name in os.listdir(self.home):  # generations a killed swap left behind
-            path = os.path.join(self.home, name)
-            if _GEN.match(name) and path != self.gen:
-                shutil.rmtree(path, ignore_errors=True)
+        newest = int(os.path.basename(self.gen)[1:])
+        for name in os.listdir(self.home):  # generations a killed swap built but never linked
+            if (match := GEN.match(name)) and int(match[1]) > newest:
+                shutil.rmtree(os.path.join(self.home, name), ignore_errors=True)
+        # Older generations may still be read through a snapshot: snapshot.collect removes them.
         for name in os.listdir(self.gen):
             if match := _LOOSE.match(name):
                 self.loose.setdefault(int(match[1]), []).append(name)
@@ -287,6 +290,14 @@ class Stream:
                 path = os.path.join(self.gen, name)
                 keys = _decode_keys(pq.read_metadata(path).metadata[KEYS_METADATA])
                 self.compacted[name] = (keys, os.path.getsize(path))
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+        else:
+            from dew_lib.store import snapshot  # imports this module
+
+            snapshot.publish(self.store_dir)
 
     def _point_link(self, target: str) -> None:
         relative = os.path.relpath(target, os.path.dirname(self.link))
@@ -320,11 +331,9 @@ class Stream:
         for name, tmp in add.items():
             os.replace(tmp, os.path.join(new, name))
         fsync_dir(new)
-        if not os.listdir(new):  # the table's view must keep a file to bind to
-            replace_file(empty(self.table), self.placeholder, self.tmp)
-        old, self.gen = self.gen, new
-        self._point_link(new)
-        shutil.rmtree(old, ignore_errors=True)
+        self.gen = new
+        self._point_link(new)  # the old generation stays until no snapshot names it
+        self._changed()
 
     @staticmethod
     def _compacted_name(first: int, last: int) -> str:
@@ -337,7 +346,7 @@ class Stream:
     # ----- writing ----------------------------------------------------------------------------
     def write(self, key: int, table: pa.Table) -> None:
         """Commit `table` (rows of one key) durably; see the module docstring for replacement."""
-        seq = self.written.get(key)
+        seq, was_empty = self.written.get(key), not self.loose and not self.compacted
         if seq is None:
             name = loose_name(key, 0)
             stale_loose = set(self.loose.get(key, []))
@@ -358,11 +367,13 @@ class Stream:
             self.loose.setdefault(key, []).append(name)
             self.written[key] = seq + 1
         if os.path.exists(self.placeholder):
-            try:  # the table has a part now; a second file would cost every scan of it
+            try:  # an older Dew's views read it; this one's snapshots never name it
                 with announced_swap(self.store_dir):
                     os.remove(self.placeholder)
             except FileNotFoundError:
                 pass
+        if was_empty:  # snapshots leave an empty generation out: show this one now
+            self._changed()
         self.compact()
 
     def discard_after(self, key: int) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
+import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,13 +28,14 @@ from dew_lib.store.schema import TABLES
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Evaluation:
-    """One evaluated answer. item: the prompt's index in its split; score: the reward's score;
-    correct: whether the answer counts as right (None: the grader does not say); temperature:
-    0 for a greedy answer, else the temperature it was drawn at; sample: 0 for the greedy
-    answer, 1..k for the k answers drawn for the item at `temperature`."""
+    """One evaluated answer. item: the prompt's index in its split; prompt: its text, or its
+    messages (a list or mapping, stored as JSON text); score: the reward's score; correct:
+    whether the answer counts as right (None: the grader does not say); temperature: 0 for a
+    greedy answer, else the temperature it was drawn at; sample: 0 for the greedy answer, 1..k
+    for the k answers drawn for the item at `temperature`."""
 
     item: int
-    prompt: str
+    prompt: str | Sequence[Any] | Mapping[str, Any]
     answer: str
     score: float
     reference: str = ""
@@ -302,13 +304,32 @@ def metrics_table(metrics: Mapping[str, float], *, run: str, stage: str, step: i
                               "written_at": _stamps(when, len(names))})
 
 
+def prompt_text(prompt: Any) -> str:
+    """A prompt as stored: text as it is; messages, token ids or any other structure as JSON."""
+    if isinstance(prompt, str):
+        return prompt
+
+    def plain(value):
+        if isinstance(value, np.ndarray):
+            return value.tolist()
+        if isinstance(value, np.generic):
+            return value.item()
+        if isinstance(value, Mapping):
+            return dict(value)
+        if isinstance(value, (tuple, set, frozenset)):
+            return list(value)
+        return str(value)
+
+    return json.dumps(prompt, ensure_ascii=False, default=plain)
+
+
 def evaluations_table(results: Sequence[Evaluation], *, run: str, stage: str, step: int, split: str,
                       when: datetime.datetime) -> pa.Table:
     n = len(results)
     return _table("evaluations", {
         "run": [run] * n, "stage": [stage] * n, "step": [step] * n, "split": [split] * n,
         "item": [int(r.item) for r in results], "task": [str(r.task) for r in results],
-        "prompt": [r.prompt for r in results], "answer": [r.answer for r in results],
+        "prompt": [prompt_text(r.prompt) for r in results], "answer": [r.answer for r in results],
         "reference": [r.reference for r in results], "score": [float(r.score) for r in results],
         "correct": [r.correct for r in results],
         "components": _map([{k: float(v) for k, v in r.components.items()} for r in results]),

@@ -1,10 +1,16 @@
 """The run store's tables: their columns, their key and the DuckDB views over their parts.
 
 Every table is a set of Parquet parts under `store/<table>/<run>/<stream>/`, all written with the
-exact Arrow schema below, so a view is one `read_parquet` over a glob. Tables whose rows belong
+exact Arrow schema below, so a view is one `read_parquet` over the generations a snapshot names
+(snapshot.py). Tables whose rows belong
 to a training step name that column as their `key`: a writer replaces everything an earlier
 attempt wrote under the same key, which is what makes a retried task idempotent. `runs` and
-`stages` hold one row per run and per stage, replaced whole when their status changes.
+`stages` hold one row per run and per stage, replaced whole when their status changes. A table
+with `unique` columns (`prompts`) may hold a row more than once across writer lifetimes; its
+view keeps the first by key.
+
+Adding a table is not a format change: a store that lacks it gets its (empty) view when a
+snapshot is next published. Changing a table's columns is one (bump FORMAT).
 
 Not here: writing (writer.py), the on-disk layout of parts (parts.py), queries (store.py).
 """
@@ -28,6 +34,7 @@ class Table:
     key: str | None  # the step column a retry replaces by; None: one row per stream, replaced whole
     columns: tuple[tuple[str, pa.DataType, str], ...]
     about: str
+    unique: tuple[str, ...] = ()  # the view keeps one row per these columns: the first by key
 
     @property
     def schema(self) -> pa.Schema:
@@ -104,6 +111,17 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         ("routed_dtype", pa.string(), "the engine's dtype of routed_experts"),
         ("support", pa.list_(pa.list_(pa.int32())), "ids the sampler kept for each sampled id, when recorded"),
     ), "one row per engine call of a recorded session"),
+    Table("prompts", "update", _IDENTITY + (
+        ("update", pa.int64(), "first update whose sessions the writer recorded with the task (a retry replaces by it)"),
+        ("task", pa.string(), "task id: sessions.task"),
+        ("prompt", pa.string(), "the prompt as text: decoded by the stage's decode (token ids separated by spaces without one); null when not given"),
+        ("prompt_ids", pa.list_(pa.int32()), "its token ids, without padding; null when not given"),
+        ("prompt_tokens", pa.int32(), "length of prompt_ids"),
+        ("data_source", pa.string(), "the reward's data_source field"),
+        ("ground_truth", pa.string(), "the reward's ground truth"),
+        ("extra_info", pa.string(), "the reward's extra_info (JSON text)"),
+        ("written_at", _ts, "when the row was written"),
+    ), "one row per task of a stage: the prompt its sessions answered", unique=("run", "stage", "task")),
     Table("verdicts", "update", _IDENTITY + (
         ("update", pa.int64(), "the session's update, or the evaluated answer's step"),
         ("task", pa.string(), "the session's or evaluated answer's task id"),
@@ -182,19 +200,14 @@ RUN_STATUSES = ("running", "completed", "failed")
 
 
 def glob(root: str, table: str) -> str:
-    """The glob a view reads: every part of every run and stream of `table` under `root`."""
+    """Every part of every run and stream of `table` under `root` (what the `runs` and `stages`
+    views read: their files are replaced by rename, never removed)."""
     return f"{root}/{table}/*/*/*.parquet"
 
 
-def view_sql(root: str, table: str) -> str:
-    """`CREATE VIEW` of one table over its parts under the store directory `root`."""
-    path = glob(root, table).replace("'", "''")
-    return f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM read_parquet('{path}')"
-
-
 def placeholder(root: str, table: str) -> str:
-    """A zero-row part that keeps a table's view bindable while no run has written it. Writers
-    remove it once the table has parts (a second file costs every scan of the table)."""
+    """A zero-row part that keeps the `runs` and `stages` globs bindable before the first run.
+    (Older Dews kept one per table; writers remove those once the table has parts.)"""
     return f"{root}/{table}/_/_/schema.parquet"
 
 

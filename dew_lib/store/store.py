@@ -1,45 +1,54 @@
 """The run store of a project directory: where it lives, its views, and queries over it.
 
 A project directory (default `runs/`) holds `store/` (the Parquet parts, see parts.py) and
-`dew.duckdb`, a DuckDB database of views over those parts for the `duckdb` client and any other
-DuckDB user. No process ever keeps `dew.duckdb` open for writing: writers only append parts, and
-the database is rebuilt (under a temporary name, then renamed into place) only when it is
-missing or the directory moved. So any number of processes can query while runs write.
+`dew.duckdb`, a link to the current snapshot: a DuckDB database of views over those parts for the
+`duckdb` client and any other DuckDB user (snapshot.py). No process ever opens a snapshot for
+writing once it is published, so any number of processes can query while runs write.
 
-`Store.connect()` gives a fresh in-memory DuckDB connection with the same views and a memory
-limit (DuckDB's default, 80% of RAM, would compete with JAX); use one connection or cursor per
-thread. `Store.sql` runs a query and returns an Arrow table, rerunning it when a compaction moved a
-stream's parts while it ran (so it never answers from half a listing).
+`Store.connect()` gives a fresh in-memory DuckDB connection with the same views (over the snapshot
+current when it connected, attached read-only) and a memory limit (DuckDB's default, 80% of RAM,
+would compete with JAX); use one connection or cursor per thread. `Store.sql` runs a query and
+returns an Arrow table, each query on the snapshot current when it starts.
 
 Not here: writing (writer.py), the command line (cli.py).
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import subprocess
 import threading
-import time
-import uuid
+import weakref
 from typing import Any, NamedTuple
 
 import duckdb
 import pyarrow as pa
 
 from dew_lib.store import rows as _rows
-from dew_lib.store.parts import (FileLock, StoreError, fsync_dir, held, replace_file, swap_count, swaps_since,
-                                 write_json)
-from dew_lib.store.schema import FORMAT, TABLES, empty, placeholder, view_sql
-from dew_lib.store.schema import glob as _glob
+from dew_lib.store import snapshot
+from dew_lib.store.parts import FileLock, StoreError, held, replace_file, write_json
+from dew_lib.store.schema import FORMAT, TABLES, empty, placeholder
 
 DEFAULT_MEMORY_LIMIT = "1GB"
-RETRY_SECONDS = 60.0  # how long a query keeps rerunning while compactions overlap it
 
 
 class StoreNotFound(StoreError):
     """There is no run store at the given path."""
+
+
+def _release(held: list) -> None:
+    if held[0] is not None:
+        snapshot.release(held[0])
+        held[0] = None
+
+
+class _Reader:
+    """One thread's connection for Store.sql, and the snapshot it has attached."""
+
+    def __init__(self, connection):
+        self.connection, self.held, self.link = connection, [None], None
+        weakref.finalize(self, _release, self.held)
 
 
 class StoredSession(NamedTuple):
@@ -73,8 +82,8 @@ class Store:
         self.memory_limit = memory_limit or os.environ.get("DEW_DUCKDB_MEMORY_LIMIT", DEFAULT_MEMORY_LIMIT)
         self.threads = threads
         self._code_version: str | None = None
-        self.retries = 0  # queries rerun because a compaction overlapped them
-        self._local = threading.local()  # Store.sql's connection, one per thread
+        self.retries = 0  # kept for callers that print it: snapshots need no reruns
+        self._local = threading.local()  # Store.sql's connection and its snapshot, one per thread
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "_local"}
@@ -96,57 +105,50 @@ class Store:
         return os.path.join(self.directory, ".gens", "_tmp", run)
 
     def create(self) -> None:
-        """Create the directory layout, a zero-row placeholder part for every table without parts
-        (so every view has a file to bind to) and `dew.duckdb`; a no-op when they are current."""
+        """Create the directory layout, a zero-row placeholder part for `runs` and `stages` (their
+        views glob their directories), and a current snapshot (`dew.duckdb`); remove what killed
+        writers left. A no-op when they are current."""
         try:
             os.makedirs(os.path.join(self.directory, ".locks"), exist_ok=True)
         except OSError as error:
             raise StoreError(f"cannot create the run store at {self.directory}: {error}; pass a "
                              "writable directory") from error
-        guard = FileLock(os.path.join(self.directory, ".locks", "_layout.lock"), blocking=True)
         try:
-            format_path = os.path.join(self.directory, "format.json")
-            if os.path.exists(format_path):
-                self._check_format()
-            for table in TABLES:
-                path = placeholder(self.directory, table)
-                if not os.path.exists(path) and not glob.glob(_glob(self.directory, table)):
-                    replace_file(empty(table), path, os.path.join(self.directory, ".gens", "_tmp"))
-            if not os.path.exists(format_path):
-                write_json(format_path, {"format": FORMAT})
-            self._views_file()
-        finally:
-            guard.release()
+            guard = FileLock(os.path.join(self.directory, ".locks", "_layout.lock"), blocking=True)
+            try:
+                format_path = os.path.join(self.directory, "format.json")
+                if os.path.exists(format_path):
+                    self._check_format()
+                for table, spec in TABLES.items():
+                    os.makedirs(os.path.join(self.directory, table), exist_ok=True)
+                    path = placeholder(self.directory, table)
+                    if spec.key is None and not os.path.exists(path):
+                        replace_file(empty(table), path, os.path.join(self.directory, ".gens", "_tmp"))
+                if not os.path.exists(format_path):
+                    write_json(format_path, {"format": FORMAT})
+                snapshot.sweep(self.directory)
+                snapshot.publish(self.directory)
+            finally:
+                guard.release()
+        except OSError as error:
+            raise StoreError(f"cannot write the run store at {self.directory}: {error}; pass a writable "
+                             "directory, or fix the permissions of this one") from error
 
     def _check_format(self) -> None:
-        with open(os.path.join(self.directory, "format.json"), encoding="utf-8") as f:
-            found = json.load(f).get("format")
+        path = os.path.join(self.directory, "format.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                found = json.load(f)
+            found = found["format"] if isinstance(found, dict) else found
+        except (ValueError, KeyError, TypeError) as error:
+            raise StoreError(f"{path} is damaged ({type(error).__name__}: {error}); it should hold "
+                             f'{{"format": {FORMAT}}}: restore that content if the store was written by '
+                             "this Dew version") from None
+        except OSError as error:
+            raise StoreError(f"cannot read {path}: {error}; fix its permissions") from error
         if found != FORMAT:
             raise StoreError(f"the run store at {self.directory} has format {found}; this Dew reads "
                              f"format {FORMAT}. Use the Dew version that wrote it, or a new directory")
-
-    def _views_file(self) -> None:
-        marker = os.path.join(self.directory, "views.json")
-        wanted = {"format": FORMAT, "store": self.directory, "tables": sorted(TABLES)}
-        if os.path.exists(self.database) and os.path.exists(marker):
-            with open(marker, encoding="utf-8") as f:
-                if json.load(f) == wanted:
-                    return
-        tmp = os.path.join(self.project, f".dew-{uuid.uuid4().hex}.duckdb.tmp")
-        try:
-            connection = duckdb.connect(tmp)
-            try:
-                for table in TABLES:
-                    connection.execute(view_sql(self.directory, table))
-            finally:
-                connection.close()
-            os.replace(tmp, self.database)  # a new file: readers holding the old one keep it
-            fsync_dir(self.project)
-        finally:
-            for leftover in (tmp, tmp + ".wal"):
-                if os.path.exists(leftover):
-                    os.remove(leftover)
-        write_json(marker, wanted)
 
     def code_version(self) -> str:
         """The git commit of the code (with `+dirty` for local changes) or the package version."""
@@ -176,46 +178,82 @@ class Store:
 
     # ----- reading -----------------------------------------------------------------------------
     def connect(self) -> duckdb.DuckDBPyConnection:
-        """A new in-memory DuckDB connection with a view per table (one per thread)."""
+        """A new in-memory DuckDB connection with a view per table over the current snapshot (one
+        per thread). It sees parts appended to the generations that snapshot names; open a new one
+        (or use `sql`) to see later compactions and stages."""
+        connection, held = self._open(), [None]
+        weakref.finalize(connection, _release, held)
+        self._bind(connection, held)
+        return connection
+
+    def _open(self) -> duckdb.DuckDBPyConnection:
         if not self.exists():
             raise StoreNotFound(
                 f"no run store at {self.project} (expected {self.directory}/format.json); run a "
                 "stage first, or point --store at a project directory such as runs/"
             )
         self._check_format()
-        if not all(os.path.isdir(os.path.join(self.directory, t)) for t in TABLES):
-            self.create()  # a store written before a table was added gains its empty part
         config = {"memory_limit": self.memory_limit}
         if self.threads:
             config["threads"] = self.threads
-        connection = duckdb.connect(":memory:", config=config)
-        for table in TABLES:
-            connection.execute(view_sql(self.directory, table))
-        return connection
+        return duckdb.connect(":memory:", config=config)
+
+    def _current(self) -> str | None:
+        """The snapshot to read: the current one, published first when it is missing, was made for
+        another directory or format, or lags the stages' links (a writer killed before it
+        published); None where no snapshot can be written (a read-only store)."""
+        path = snapshot.current(self.directory)
+        found = snapshot.manifest(path) if path else None
+        fits = snapshot.fits(found, self.directory)
+        if fits and found.get("gens") == snapshot.live(self.directory):
+            return path
+        try:
+            if fits:
+                snapshot.publish(self.directory)
+            else:
+                self.create()  # an older store, a moved one, or one that lacks a table
+        except (StoreError, OSError):
+            return None
+        return snapshot.current(self.directory)
+
+    def _bind(self, connection, held: list) -> None:
+        """Point `connection`'s views at the current snapshot, attached read-only (DuckDB's lock
+        on it keeps it from being collected), and detach the one in `held` ([path or None]).
+        Where no snapshot can be published (a read-only store), the views read the store's
+        current generations directly."""
+        for _ in range(3):
+            path = self._current()
+            if path is None:
+                statements = snapshot.view_statements(connection, self.directory, snapshot.live(self.directory))
+                break
+            if path == held[0]:
+                return
+            alias = "dew_" + os.path.basename(path)[: -len(".duckdb")]
+            try:
+                connection.execute(f"ATTACH '{path}' AS {alias} (READ_ONLY)")
+            except duckdb.IOException:  # superseded and collected since we read the link
+                continue
+            snapshot.hold(path)
+            statements = [f"CREATE OR REPLACE VIEW main.{t} AS SELECT * FROM {alias}.{t}" for t in TABLES]
+            break
+        else:
+            raise StoreError(f"the snapshot of the run store at {self.directory} kept changing; try again")
+        for statement in statements:
+            connection.execute(statement)
+        old, held[0] = held[0], path
+        if old is not None:
+            connection.execute(f"DETACH dew_{os.path.basename(old)[: -len('.duckdb')]}")
+            snapshot.release(old)
 
     def _run(self, query: str, parameters, fetch):
-        connection = getattr(self._local, "connection", None)
-        if connection is None:  # views bind their globs at every query, so one connection sees new parts
-            connection = self._local.connection = self.connect()
-        deadline, pause = time.monotonic() + RETRY_SECONDS, 0.002
-        while True:
-            # A compaction that moves a stream's link while the query lists its parts can hide
-            # parts from it (see parts.py), so a query that overlapped one runs again.
-            swaps = swap_count(self.directory)
-            try:
-                result = fetch(connection.sql(query, params=parameters))
-                if not swaps_since(self.directory, swaps):
-                    return result
-            except duckdb.IOException as error:  # a part, or every part, vanished from its listing
-                vanished = "No such file" in str(error) or "No files found" in str(error)
-                if not (vanished and swaps_since(self.directory, swaps)):
-                    raise
-            if time.monotonic() > deadline:
-                raise StoreError(f"a query kept overlapping compactions for {RETRY_SECONDS:.0f} s; "
-                                 "run it again once the writers are idle")
-            self.retries += 1
-            time.sleep(pause)
-            pause = min(pause * 2, 0.1)
+        reader = getattr(self._local, "reader", None)
+        link = snapshot.current(self.directory)
+        if reader is None:
+            reader = self._local.reader = _Reader(self._open())
+        if reader.link is None or link != reader.link[0]:
+            reader.link = [link]  # views bind their globs at every query: new parts show at once
+            self._bind(reader.connection, reader.held)
+        return fetch(reader.connection.sql(query, params=parameters))
 
     def sql(self, query: str, parameters: Any = None) -> pa.Table:
         """Run one query and return its result as an Arrow table."""
@@ -273,10 +311,13 @@ class Store:
 
     def runs(self) -> tuple[list[str], list[tuple]]:
         """One row per stage of every run (runs without stages get one row), newest run first,
-        with status, steps and headline metrics. A run or stage recorded as running whose writer
-        no longer holds its lock shows as interrupted."""
+        with status, steps and headline metrics: the last logged loss and reward, and the last
+        evaluation's greedy accuracy (`accuracy`) and that of its sampled answers (`sampled`).
+        A run or stage recorded as running whose writer no longer holds its lock shows as
+        interrupted; such a stage's `seconds` run until its last record."""
         columns, found = self.rows(RUNS_QUERY)
         run_at, stage_at = columns.index("status"), columns.index("stage_status")
+        seconds_at, until_last = columns.index("seconds"), columns.index("until_last")
         out = []
         for row in found:
             row = list(row)
@@ -284,29 +325,45 @@ class Store:
                 row[run_at] = "interrupted"
             if row[stage_at] == "running" and not held(self.lock_path(row[0], row[columns.index("stage")])):
                 row[stage_at] = "interrupted"
+                row[seconds_at] = row[until_last]
+            del row[until_last]
             out.append(tuple(row))
-        return columns, out
+        return columns[:until_last] + columns[until_last + 1:], out
 
 
-RUNS_QUERY = """
+# The last record of a running stage: its newest row in any table that stamps rows.
+_STAMPED = " UNION ALL ".join(f"SELECT run, stage, written_at FROM {t}" for t, spec in TABLES.items()
+                              if spec.key is not None and "written_at" in spec.schema.names)
+
+RUNS_QUERY = f"""
 WITH last AS (
     SELECT run, stage, max(step) AS steps,
            arg_max(value, step) FILTER (name = 'loss') AS loss,
-           arg_max(value, step) FILTER (name = 'reward/mean') AS reward
+           coalesce(arg_max(value, step) FILTER (name = 'reward'),
+                    arg_max(value, step) FILTER (name = 'reward/mean')) AS reward
     FROM metrics GROUP BY run, stage),
 last_eval AS (
     SELECT run, stage, max(step) AS step FROM evaluations GROUP BY run, stage),
 accuracy AS (
-    SELECT e.run, e.stage, avg(e.score) AS accuracy
-    FROM evaluations e JOIN last_eval l USING (run, stage, step) GROUP BY e.run, e.stage)
+    SELECT e.run, e.stage,
+           avg(coalesce(e.correct::DOUBLE, e.score)) FILTER (e.sample = 0) AS greedy,
+           avg(coalesce(e.correct::DOUBLE, e.score)) FILTER (e.sample > 0) AS sampled
+    FROM evaluations e JOIN last_eval l USING (run, stage, step) GROUP BY e.run, e.stage),
+written AS (
+    SELECT w.run, w.stage, max(w.written_at) AS at
+    FROM ({_STAMPED}) w SEMI JOIN (SELECT run, stage FROM stages WHERE status = 'running') USING (run, stage)
+    GROUP BY w.run, w.stage)
 SELECT r.run, r.status, r.started_at, s.stage, s.kind, s.status AS stage_status, s.attempt,
        l.steps, round(coalesce(l.loss, s.metrics['loss']), 4) AS loss,
-       round(coalesce(l.reward, s.metrics['reward/mean']), 4) AS reward,
-       round(coalesce(a.accuracy, s.metrics['accuracy']), 4) AS accuracy,
-       round(epoch(coalesce(s.finished_at, now()) - s.started_at), 1) AS seconds
+       round(coalesce(l.reward, s.metrics['reward'], s.metrics['reward/mean']), 4) AS reward,
+       round(coalesce(a.greedy, s.metrics['accuracy']), 4) AS accuracy,
+       round(coalesce(a.sampled, s.metrics['sampled_accuracy']), 4) AS sampled,
+       round(greatest(epoch(coalesce(s.finished_at, now()) - s.started_at), 0), 1) AS seconds,
+       round(greatest(epoch(greatest(s.updated_at, w.at) - s.started_at), 0), 1) AS until_last
 FROM runs r
 LEFT JOIN stages s USING (run)
 LEFT JOIN last l USING (run, stage)
 LEFT JOIN accuracy a USING (run, stage)
+LEFT JOIN written w USING (run, stage)
 ORDER BY r.started_at DESC, r.run, s.started_at
 """

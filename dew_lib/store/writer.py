@@ -13,6 +13,11 @@ compression or fsync. `flush()` waits until everything queued is durable; a fail
 thread is raised by the next call. The queue is bounded, so a slow disk slows the writer's caller
 instead of filling memory. Writers are closed at interpreter exit if the caller did not.
 
+Readers see a write once a snapshot names it (snapshot.py): a write that adds a part to a
+generation readers already see is visible at once; one that makes a new generation (compaction, a
+stream's first part) is published by the thread when its queue is empty, at least every
+`snapshot.PUBLISH_EVERY` seconds while it stays busy, and before `flush()` returns.
+
 Not here: the file layout (parts.py), queries (store.py), anything Prefect.
 """
 
@@ -22,10 +27,8 @@ import atexit
 import json
 import math
 import os
-import queue
 import re
 import socket
-import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -35,9 +38,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dew_lib.store import rows
+from dew_lib.store import prompts as prompt_rows
+from dew_lib.store import rows, snapshot
 from dew_lib.store.parts import FileLock, StoreError, Stream, replace_file
 from dew_lib.store.schema import RUN_STATUSES, TABLES
+from dew_lib.store.worker import Worker
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -64,65 +69,6 @@ def _status(value: str) -> str:
     if value not in RUN_STATUSES:
         raise ValueError(f"status must be one of {RUN_STATUSES}, got {value!r}")
     return value
-
-
-class _Worker:
-    """Runs jobs in order, on a thread or inline; keeps the first failure for the caller."""
-
-    def __init__(self, background: bool, depth: int):
-        self.error: BaseException | None = None
-        self.seconds = self.cpu_seconds = 0.0  # wall and CPU time spent running jobs
-        self.queue: queue.Queue | None = None
-        if background:
-            self.queue = queue.Queue(maxsize=depth)
-            self.thread = threading.Thread(target=self._loop, name="dew-store-writer", daemon=True)
-            self.thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            job = self.queue.get()
-            try:
-                if job is None:
-                    return
-                if self.error is None:  # after a failure nothing later is written out of order
-                    self._timed(job)
-            except BaseException as error:  # noqa: BLE001 - handed to the caller by check()
-                self.error = error
-            finally:
-                self.queue.task_done()
-
-    def _timed(self, job) -> None:
-        wall, cpu = time.perf_counter(), time.thread_time()
-        try:
-            job()
-        finally:
-            self.seconds += time.perf_counter() - wall
-            self.cpu_seconds += time.thread_time() - cpu
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise StoreError(f"writing to the run store failed: {self.error!r}") from self.error
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self.check()
-        if self.queue is None:
-            try:
-                self._timed(job)
-            except BaseException as error:
-                self.error = error
-                raise
-        else:
-            self.queue.put(job)
-
-    def flush(self) -> None:
-        if self.queue is not None:
-            self.queue.join()
-        self.check()
-
-    def stop(self) -> None:
-        if self.queue is not None and self.thread.is_alive():
-            self.queue.put(None)
-            self.thread.join()
 
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()
@@ -173,7 +119,7 @@ class RunWriter:
         store.create()
         self.lock = FileLock(store.lock_path(run), shared=True, blocking=True)  # only probes exclude it
         _clear_stale(store.tmp_dir(run))
-        self.worker = _Worker(background, queue_depth)
+        self.worker = Worker(background, queue_depth, publish=lambda: snapshot.publish(store.directory))
         self.stages: list[StageWriter] = []
         self.closed = False
         _OPEN.add(self)
@@ -181,15 +127,16 @@ class RunWriter:
     # ----- the run row -------------------------------------------------------------------------
     def _update_run(self, **fields: Any) -> None:
         path = os.path.join(self.store.directory, "runs", self.run, "run", "run.parquet")
+        when = rows.now()  # when the caller asked, not when the thread got to it
 
         def job():
             guard = FileLock(self.store.lock_path(self.run, "_row"), blocking=True)
             try:
-                row = _read_row(path) or {"run": self.run, "attempts": 0, "started_at": rows.now()}
+                row = _read_row(path) or {"run": self.run, "attempts": 0, "started_at": when}
                 if fields.pop("_started", False):
                     row["attempts"] = (row["attempts"] or 0) + 1
                     row["finished_at"] = row["error"] = None
-                row.update(fields, host=socket.gethostname(), pid=os.getpid(), updated_at=rows.now())
+                row.update(fields, host=socket.gethostname(), pid=os.getpid(), updated_at=when)
                 table = pa.Table.from_pylist([row], schema=TABLES["runs"].schema)
                 replace_file(table, path, self.store.tmp_dir(self.run))
             finally:
@@ -259,6 +206,7 @@ class StageWriter:
         self.store, self.worker = run.store, run.worker
         self.lock = FileLock(self.store.lock_path(self.run, stage), what=f"stage {stage!r} of run {self.run!r}")
         self.streams: dict[str, Stream] = {}
+        self.prompted: set[str] = set()  # tasks whose prompt this writer recorded
         self.finished = False
         self.closed = False
         self._stage_row(started=True, kind=kind, status="running", params=_json(params),
@@ -266,13 +214,14 @@ class StageWriter:
 
     def _stage_row(self, started: bool = False, **fields: Any) -> None:
         path = os.path.join(self.store.directory, "stages", self.run, self.stage, "stage.parquet")
+        when = rows.now()  # when the caller asked: a finish queued behind it is never earlier
 
         def job():
             row = _read_row(path) or {"run": self.run, "stage": self.stage, "attempt": 0, "metrics": {}}
             if started:
-                row.update(attempt=(row["attempt"] or 0) + 1, started_at=rows.now(), finished_at=None,
+                row.update(attempt=(row["attempt"] or 0) + 1, started_at=when, finished_at=None,
                            error=None, metrics={})
-            row.update(fields, updated_at=rows.now())
+            row.update(fields, updated_at=when)
             metrics = row.get("metrics") or []  # a dict when set here, (name, value) pairs when read
             row["metrics"] = list(metrics.items()) if isinstance(metrics, dict) else metrics
             table = pa.Table.from_pylist([row], schema=TABLES["stages"].schema)
@@ -283,7 +232,8 @@ class StageWriter:
     def _stream(self, table: str) -> Stream:
         if table not in self.streams:
             self.streams[table] = Stream(self.store.directory, table, self.run, self.stage,
-                                         TABLES[table].key, **self.run_writer.compaction)
+                                         TABLES[table].key, on_change=self.worker.changed,
+                                         **self.run_writer.compaction)
         return self.streams[table]
 
     def _write(self, convert: Callable[[], list[tuple[str, int, pa.Table]]]) -> None:
@@ -333,6 +283,29 @@ class StageWriter:
             return written + [("sessions", update, s)]
 
         self._write(convert)
+
+    def prompts(self, prompts: Sequence[Any], *, update: int,
+                decode: Callable[[Sequence[int]], str] | None = None) -> int:
+        """Record the prompt of every task this writer has not recorded yet, under `update` (the
+        update whose sessions first name it; call before `sessions`). Returns how many it queued.
+
+        prompts: `Prompt` records, or `Task`s whose data holds `prompt_ids` and the reward fields
+        (prompt_tasks' layout). decode: ids -> text for prompts without text, run here on the
+        caller's thread and only for new tasks (store/prompts.py).
+        """
+        update = _step("update", update)
+        if self.closed:
+            raise StoreError(f"stage {self.stage!r} of run {self.run!r} is closed; open it again to write")
+        new = prompt_rows.new_prompts(prompts, self.prompted, decode)
+        if new:
+            self._write(lambda: [("prompts", update, prompt_rows.prompts_table(
+                new, run=self.run, stage=self.stage, update=update, when=rows.now()))])
+            self.prompted.update(p.task for p in new)
+        return len(new)
+
+    def has_prompt(self, task: str) -> bool:
+        """Whether this writer recorded the prompt of `task` (sessions.task)."""
+        return str(task) in self.prompted
 
     def record(self, record: Any) -> None:
         """Record a scheduler record (SchedulerRecord or a mapping with its fields)."""

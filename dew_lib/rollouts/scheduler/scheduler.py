@@ -32,9 +32,12 @@ Everything runs on the trainer's thread. Sources resolve futures on their own th
 done-callback only queues the future, and the scheduler handles it while it waits or at the
 next call.
 
-Group states live in states.py, the fit decision in admission.py, the task stream in stream.py.
-Not here: drawing sessions (`dew_lib.rollouts.sources`), packing and advantages (packing.py),
-the loss (`dew_lib.objectives.grpo`), multi-process trainers (refused at construction).
+Beside it: group states (states.py), the fit decision (admission.py), the task stream
+(stream.py), what a finished attempt means (outcomes.py), what a call recorded (ledger.py) and
+the construction checks (validation.py).
+
+Not here: drawing sessions (`dew_lib.rollouts.sources`), packing and advantages (packing.py), the
+loss (`dew_lib.objectives.grpo`), multi-process trainers (refused at construction).
 """
 
 from __future__ import annotations
@@ -202,8 +205,8 @@ class RolloutScheduler:
                 raise RuntimeError(
                     f"no group of the batch at position {current.position} could be admitted "
                     f"({self._ledger.abandoned} abandoned after max_attempts={self.max_attempts}, "
-                    f"{self._ledger.cut} cut, resubmissions {dict(self._ledger.resubmitted)}); the source keeps "
-                    "failing: see the causes and details of the recorded sessions")
+                    f"{self._ledger.cut} cut, resubmissions {dict(self._ledger.resubmitted)}); the "
+                    "source keeps failing: see the causes and details of the recorded sessions")
             packed = pack(sessions, self.width, rows=self.rows, estimator=self.estimator,
                           truncation=self.truncation, support_capacity=self.support_capacity)
             packed.pop("old_log_probs", None)  # an engine's raw likelihoods are behavior, not proximal

@@ -1,5 +1,7 @@
-"""How the scheduler turns a batch its task stream read into `Task`s: `task_ids` for integer
-task-id rows, `prompt_tasks` for `Prompts` batches. Either is `RolloutScheduler(tasks=...)`."""
+"""How a batch becomes `Task`s: `task_ids` for integer task-id rows, `prompt_tasks` for `Prompts`
+batches. Either is `RolloutScheduler(tasks=...)`; `SampledRollout` names its sessions' tasks with
+`prompt_tasks` too, so both GRPO paths give a prompt the same task id (the run store's
+`sessions.task` and `prompts.task`)."""
 
 from __future__ import annotations
 
