@@ -5,7 +5,7 @@ and a process worker) where the repository and its data are.
 
 Prefect's runner starts each flow run as a child process of this one; such a child ends when
 this process does, also when this one is killed with SIGKILL (it watches this process from the
-moment it imports tasks/ui.py, tasks/lifetimes.py). SIGTERM stops the runner, which ends its
+moment it imports the flows package, tasks/lifetimes.py). SIGTERM stops the runner, which ends its
 flow runs first. Started by `make ui`, this process ends with deployments/ui.py the same way.
 """
 

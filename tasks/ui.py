@@ -19,12 +19,6 @@ from prefect import get_run_logger
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact,
                                create_table_artifact, update_progress_artifact)
 
-from tasks.lifetimes import exit_with_marked_parent
-
-# Every flow imports this module: a flow run that deployments/serve.py started ends with it.
-exit_with_marked_parent()
-
-
 EMBEDDED_BYTES = 256 * 1024  # a larger PNG is linked by its path, not embedded
 
 
