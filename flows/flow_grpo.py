@@ -5,7 +5,8 @@
 
 runs the pipeline on the embedded defaults: 8x8 coloured shapes, 800 flow-matching steps, then
 40 Flow-GRPO updates that make the samples redder. A rerun with the same name and inputs reuses
-every finished stage; a failed stage is retried by Prefect and continues from its checkpoint.
+every finished stage; a failed stage is retried by Prefect and continues from its checkpoint,
+and a rerun after a kill continues the same run in the store.
 """
 
 from __future__ import annotations
@@ -18,12 +19,11 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.flow_pretrain import flow_pretrain
-from flows.pipeline import run_id
 from tasks.flow_train import grpo_stage
 from tasks.images import dit_ref, prepare_images
 from tasks.manifests import DiTRef, ImageStageResult
 from tasks.params import FlowGRPOParams, FlowPipelineParams, command_line
-from tasks.records import mark_run
+from tasks.records import pipeline_run
 from tasks.ui import artifact_key
 
 
@@ -39,10 +39,10 @@ def flow_grpo_pipeline(params: FlowPipelineParams = FlowPipelineParams()) -> dic
     started = time.perf_counter()
     directory = os.path.abspath(os.path.join(params.root, params.name))
     store_root = os.path.abspath(params.root)
-    run = run_id(params.name)
-    mark_run(store_root, run, "running", params.model_dump(mode="json"))
     results: list[ImageStageResult] = []
-    try:
+    with pipeline_run(store_root, directory, params.name, params.model_dump(mode="json")) as (run, continued):
+        if continued:
+            logger.info("continuing run %s, which stopped before it finished", run)
         start = None if params.model.pretrained is None else dit_ref(params.model.pretrained)
         if "flow_pretrain" in params.stages:
             data = prepare_images(params.data, os.path.join(directory, "data"), params.seed)
@@ -53,10 +53,6 @@ def flow_grpo_pipeline(params: FlowPipelineParams = FlowPipelineParams()) -> dic
         if "flow_grpo" in params.stages:
             results.append(flow_grpo(params.grpo, start, os.path.join(directory, "flow_grpo"),
                                      store_root, run, params.seed))
-    except BaseException as error:
-        mark_run(store_root, run, "failed", error=f"{type(error).__name__}: {error}")
-        raise
-    mark_run(store_root, run, "completed")
     seconds = time.perf_counter() - started
     table = [_row(r) for r in results]
     create_table_artifact(table, key=artifact_key(run, "stages"),

@@ -3,9 +3,10 @@
 Each stage starts from the previous stage's final policy (DPO and GRPO freeze it as their
 reference). Each stage works in the directory of its inputs, runs/<name>/<stage>/<key[:12]>/
 (tasks/storage.py): a rerun with the same name and inputs reuses every finished stage, a failed
-or killed stage continues from its last checkpoint there, and a stage whose inputs changed
-(its parameters, the data, the policy it starts from, the seed) trains from step 0, and so does
-every stage after it.
+or killed stage continues from its last checkpoint there, and a stage whose inputs changed (its
+parameters, the data, the policy it starts from, the seed) trains from step 0, and so does every
+stage after it. A rerun of a run that never finished continues that run in the store
+(tasks/records.py).
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ from __future__ import annotations
 import os
 import sys
 import time
-import uuid
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.runtime import flow_run
 
 from flows.data_prep import data_prep
 from flows.dpo import dpo
@@ -27,16 +26,10 @@ from flows.sft import sft
 from tasks.lengths import check_lengths
 from tasks.params import PipelineParams, command_line
 from tasks.policy import initial_policy
-from tasks.records import mark_run
+from tasks.records import pipeline_run
 from tasks.ui import artifact_key
 
 STAGES = {"sft": sft, "dpo": dpo, "grpo": grpo}
-
-
-def run_id(name: str) -> str:
-    """The store's name for this run: the pipeline name and this flow run's id."""
-    identity = flow_run.get_id() or uuid.uuid4().hex
-    return f"{name}-{str(identity).replace('-', '')[:8]}"
 
 
 @flow(name="pipeline")
@@ -45,28 +38,11 @@ def pipeline(params: PipelineParams = PipelineParams()) -> dict:
     started = time.perf_counter()
     directory = os.path.abspath(os.path.join(params.root, params.name))
     store_root = os.path.abspath(params.root)
-    run = run_id(params.name)
-    mark_run(store_root, run, "running", params.model_dump(mode="json"))
-    try:
-        data = data_prep(params.data, os.path.join(directory, "data"), params.seed)
-        check_lengths(data, params)  # logs what each length cuts; refuses before anything trains
-        policy = initial_policy(params.model, data, os.path.join(directory, "init"), params.seed)
-        start = evaluate("start", policy, data, params.evaluation, directory, store_root, run,
-                         reward=params.reward)
-        table = [_row("start", start, start.cached)]  # its only work is the evaluation
-        for stage in params.stages:
-            graded = {"reward": params.reward} if stage == "grpo" else {}
-            result = STAGES[stage](getattr(params, stage), data, policy,
-                                   os.path.join(directory, stage), store_root, run, params.seed,
-                                   **graded)
-            policy = result.policy
-            accuracy = evaluate(stage, policy, data, params.evaluation, directory, store_root,
-                                run, getattr(params, stage).steps, reward=params.reward)
-            table.append(_row(stage, accuracy, result.cached))  # the stage reused, not its evaluation
-    except BaseException as error:
-        mark_run(store_root, run, "failed", error=f"{type(error).__name__}: {error}")
-        raise
-    mark_run(store_root, run, "completed")
+    with pipeline_run(store_root, directory, params.name, params.model_dump(mode="json")) as (run, continued):
+        if continued:
+            logger.info("continuing run %s, which stopped before it finished (same name and "
+                        "parameters): its stages pick up where they were", run)
+        table, policy = _stages(params, directory, store_root, run)
     seconds = time.perf_counter() - started
     create_table_artifact(table, key=artifact_key(run, "accuracy"),
                           description="held-out accuracy after each stage")
@@ -79,6 +55,25 @@ def pipeline(params: PipelineParams = PipelineParams()) -> dict:
             "sampled_accuracy": {r["stage"]: r["sampled_accuracy"] for r in table},
             "reused": {r["stage"]: r["reused"] for r in table}, "policy": policy.path,
             "seconds": seconds}
+
+
+def _stages(params: PipelineParams, directory: str, store_root: str, run: str):
+    """Every stage and its evaluation: the closing table's rows and the final policy."""
+    data = data_prep(params.data, os.path.join(directory, "data"), params.seed)
+    check_lengths(data, params)  # logs what each length cuts; refuses before anything trains
+    policy = initial_policy(params.model, data, os.path.join(directory, "init"), params.seed)
+    start = evaluate("start", policy, data, params.evaluation, directory, store_root, run,
+                     reward=params.reward)
+    table = [_row("start", start, start.cached)]  # its only work is the evaluation
+    for stage in params.stages:
+        graded = {"reward": params.reward} if stage == "grpo" else {}
+        result = STAGES[stage](getattr(params, stage), data, policy, os.path.join(directory, stage),
+                               store_root, run, params.seed, **graded)
+        policy = result.policy
+        accuracy = evaluate(stage, policy, data, params.evaluation, directory, store_root, run,
+                            getattr(params, stage).steps, reward=params.reward)
+        table.append(_row(stage, accuracy, result.cached))  # the stage reused, not its evaluation
+    return table, policy
 
 
 def _row(stage: str, result, reused: bool) -> dict:

@@ -23,7 +23,7 @@ from tasks.data import read_eval
 from tasks.manifests import DataManifest, EvalResult, PolicyRef, fingerprint
 from tasks.params import EvalParams, RewardParams
 from tasks.policy import load_policy
-from tasks.records import open_stage
+from tasks.records import open_stage, stage_completed
 from tasks.rewards import TaskReward, score_all, verdicts
 from tasks.storage import read_json, write_json
 
@@ -101,10 +101,11 @@ def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: E
                                                             strict=True))]
     accuracy = float(np.mean([r.correct for r in results[:len(rows)]]))
     sampled = float(np.mean([r.correct for r in results[len(rows):]])) if k else None
-    with open_stage(store_root, run, f"eval-{stage}", "evaluate") as writer:
-        writer.evaluations(results, step=step, verdicts=[verdicts(r) for r in runs])
-        writer.finish("completed", {"accuracy": accuracy,
-                                    **({} if sampled is None else {"sampled_accuracy": sampled})})
+    if not (cached and stage_completed(store_root, run, f"eval-{stage}")):  # else recorded already
+        with open_stage(store_root, run, f"eval-{stage}", "evaluate") as writer:
+            writer.evaluations(results, step=step, verdicts=[verdicts(r) for r in runs])
+            writer.finish("completed", {"accuracy": accuracy,
+                                        **({} if sampled is None else {"sampled_accuracy": sampled})})
     if not cached:
         write_json(saved_path, {"fingerprint": key, "answers": answers, "sampled": drawn})
     logger.info("%s: %.1f%% of %d held-out greedy answers correct%s", stage, 100 * accuracy,

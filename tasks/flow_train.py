@@ -45,7 +45,7 @@ from dew_lib.train.trainer import Trainer
 from tasks.images import build_dit, load_dit, load_images, reward_named, save_dit
 from tasks.manifests import DiTRef, ImageManifest, ImageStageResult, fingerprint
 from tasks.params import DiTParams, FlowGRPOParams, FlowPretrainParams, StageParams
-from tasks.records import open_stage
+from tasks.records import open_stage, record_reused
 from tasks.storage import (KEEP_VARIABLE, continue_shorter, keep_inputs, read_json, rebased,
                            stage_directory, write_json)
 from tasks.train import _history, final_metrics
@@ -173,13 +173,13 @@ def _fit(stage: str, kind: str, params: StageParams, key: str, inputs: dict, dir
         logger.info("%s: removed %s, an older input set (%s keeps %d)", stage, gone, KEEP_VARIABLE,
                     keep_inputs())
     done = read_json(os.path.join(directory, "result.json"))
+    if done is not None and done.get("fingerprint") == key:
+        result = ImageStageResult(**rebased(done["result"], directory)).model_copy(
+            update={"cached": True})
+        logger.info("%s reused: it finished with these inputs before (%s)", stage, result.model.path)
+        record_reused(store_root, run, stage, kind, params.model_dump(mode="json"), result.metrics)
+        return result
     with open_stage(store_root, run, stage, kind, params.model_dump(mode="json")) as writer:
-        if done is not None and done.get("fingerprint") == key:
-            result = ImageStageResult(**rebased(done["result"], directory)).model_copy(
-                update={"cached": True})
-            logger.info("%s reused: it finished with these inputs before (%s)", stage, result.model.path)
-            writer.finish("completed", result.metrics)
-            return result
         checkpoints = os.path.join(directory, "checkpoints")
         resumed = _checkpoint_position(checkpoints)
         if resumed is not None:

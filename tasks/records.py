@@ -1,12 +1,29 @@
-"""Opening the run store from a task: one writer per run, one per stage, closed on every exit."""
+"""The run store from flows and tasks: the run a pipeline records under, and one writer per stage.
+
+A run ends when it completes. Starting a pipeline again with the same name and parameters after
+it was killed or failed continues that run (its next attempt) instead of opening a new one, so a
+resumed stage carries on its own rows: what a later attempt redid replaces what the earlier one
+wrote under the same step (dew_lib/store/writer.py), and the store's queries answer as if the run
+had never stopped.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import os
+import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from prefect.runtime import flow_run
+
 from dew_lib.store import Store
+from dew_lib.store.parts import FileLock
+from tasks.storage import read_json, write_json
+
+MARKER = "run.json"  # in the pipeline's directory: its current run, parameters digest and status
 
 
 @contextlib.contextmanager
@@ -18,11 +35,57 @@ def open_stage(store_root: str, run: str, stage: str, kind: str,
             yield writer
 
 
-def mark_run(store_root: str, run: str, status: str, params: Mapping[str, Any] | None = None,
-             error: str | None = None) -> None:
-    """Record that a run started (status "running", with its parameters) or ended."""
-    with Store(store_root).writer(run) as run_writer:
-        if status == "running":
-            run_writer.start(params=params)
-        else:
-            run_writer.finish(status, error=error)
+def stage_completed(store_root: str, run: str, stage: str) -> bool:
+    """Whether `run` already recorded `stage` as completed (an earlier attempt finished it)."""
+    store = Store(store_root)
+    if not store.exists():
+        return False
+    found = store.rows("SELECT status FROM stages WHERE run = ? AND stage = ?", [run, stage])[1]
+    return bool(found) and found[0][0] == "completed"
+
+
+def record_reused(store_root: str, run: str, stage: str, kind: str, params: Mapping[str, Any],
+                  metrics: Mapping[str, float]) -> None:
+    """Record a stage that reused a finished result as completed with its metrics, unless this
+    run already has it completed (a continued run keeps the attempt that did the work)."""
+    if not stage_completed(store_root, run, stage):
+        with open_stage(store_root, run, stage, kind, params) as writer:
+            writer.finish("completed", metrics)
+
+
+def new_run_id(name: str) -> str:
+    """A fresh run id: the pipeline name and this flow run's id."""
+    identity = flow_run.get_id() or uuid.uuid4().hex
+    return f"{name}-{str(identity).replace('-', '')[:8]}"
+
+
+@contextlib.contextmanager
+def pipeline_run(store_root: str, directory: str, name: str,
+                 params: Mapping[str, Any]) -> Iterator[tuple[str, bool]]:
+    """(run id, whether it continues an unfinished run) for a pipeline working in `directory`.
+
+    The run is marked running for the whole body (its writer's lock tells `dew runs` it is alive),
+    then completed, or failed with the error. A second live pipeline in the same directory is
+    refused: both would train into the same stage directories.
+    """
+    Store(store_root).create()  # an unusable store fails here, naming its path
+    guard = FileLock(os.path.join(directory, "run.lock"),
+                     what=f"pipeline {name!r} (directory {directory})")
+    try:
+        marker = os.path.join(directory, MARKER)
+        digest = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()
+        previous = read_json(marker) or {}
+        continued = previous.get("status") == "running" and previous.get("params") == digest
+        run = previous["run"] if continued else new_run_id(name)
+        write_json(marker, {"run": run, "params": digest, "status": "running"})
+        with Store(store_root).writer(run) as writer:
+            writer.start(params=params)
+            try:
+                yield run, continued
+            except BaseException as error:
+                writer.finish("failed", error=f"{type(error).__name__}: {error}")
+                raise
+            writer.finish("completed")
+        write_json(marker, {"run": run, "params": digest, "status": "completed"})
+    finally:
+        guard.release()

@@ -40,7 +40,7 @@ from dew_lib.train.trainer import Trainer
 from tasks.manifests import DataManifest, PolicyRef, StageResult, fingerprint
 from tasks.params import DPOParams, GRPOParams, RewardParams, SFTParams, StageParams
 from tasks.policy import load_policy, save_policy
-from tasks.records import open_stage
+from tasks.records import open_stage, record_reused
 from tasks.rewards import TaskReward, verdicts
 from tasks.storage import (KEEP_VARIABLE, continue_shorter, keep_inputs, read_json, rebased,
                            stage_directory, write_json)
@@ -158,13 +158,13 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
         logger.info("%s: removed %s, an older input set (%s keeps %d)", stage, gone, KEEP_VARIABLE,
                     keep_inputs())
     done = read_json(os.path.join(directory, "result.json"))
+    if done is not None and done.get("fingerprint") == key:
+        result = StageResult(**rebased(done["result"], directory)).model_copy(update={"cached": True})
+        logger.info("%s reused: it finished with these inputs before (%s)", stage, result.policy.path)
+        record_reused(store_root, run, stage, kind, params.model_dump(mode="json"), result.metrics)
+        return result
     with (open_stage(store_root, run, stage, kind, params.model_dump(mode="json")) as writer,
           TaskReward(reward or RewardParams()) as grader):
-        if done is not None and done.get("fingerprint") == key:
-            result = StageResult(**rebased(done["result"], directory)).model_copy(update={"cached": True})
-            logger.info("%s reused: it finished with these inputs before (%s)", stage, result.policy.path)
-            writer.finish("completed", result.metrics)
-            return result
         pretrained, variables = load_policy(start, data.tokenizer)
         tokenizer_dir = data.tokenizer or start.path
         built = _build(kind, params, pretrained, variables, data, tokenizer_dir, seed, writer, grader)

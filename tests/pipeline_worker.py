@@ -16,6 +16,9 @@ sys.path.insert(0, ROOT)
 
 
 def main() -> int:
+    from tasks import lifetimes
+
+    lifetimes.temporary_prefect_server()  # as `python -m flows` does: it dies with this process
     from flows.pipeline import pipeline
     from tasks import ui
     from tasks.params import PipelineParams

@@ -6,9 +6,12 @@ a few steps per stage; what they write is checked through the run store, as a us
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +24,7 @@ from tasks.params import (DataParams, DPOParams, EvalParams, GRPOParams, ModelPa
                           PipelineParams, SFTParams, command_line)
 
 HERE = os.path.dirname(__file__)
+ROOT = Path(HERE).resolve().parent
 TINY = dict(
     data=dict(train_problems=400, test_problems=20),
     model=dict(emb_features=32, num_layers=1, num_heads=2, mlp_features=64),
@@ -160,24 +164,62 @@ def test_a_stage_that_keeps_failing_fails_the_run_with_its_cause(harness, tmp_pa
 
 
 @pytest.mark.slow
-def test_a_killed_pipeline_resumes_from_the_checkpoint_when_run_again(tmp_path):
-    params = tiny(tmp_path, stages=("sft",), sft=dict(steps=6, batch=4, log_every=1, checkpoint_every=2))
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": os.path.dirname(HERE)}
-    command = [sys.executable, os.path.join(HERE, "pipeline_worker.py"), params.model_dump_json()]
-    killed = subprocess.Popen(command + ["--kill-at", "sft:5"], env=env, start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        assert killed.wait(timeout=900) == -signal.SIGKILL
-    finally:
-        _kill_group(killed)  # the ephemeral Prefect server outlives a SIGKILLed parent
-    assert sorted(os.listdir(tmp_path / "demo" / "sft" / "checkpoints")) == ["2", "4"]
-    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900,
-                             start_new_session=True)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "sft resumes from its checkpoint at step 4" in resumed.stderr
-    outcome = json.loads(resumed.stdout.strip().splitlines()[-1])
-    steps = query(tmp_path, f"SELECT DISTINCT step FROM metrics WHERE run = '{outcome['run']}' ORDER BY step")
-    assert [s for (s,) in steps] == [5, 6]
+def _pipeline_process(params, *options):
+    """Run the pipeline in tests/pipeline_worker.py: (exit code, stdout, stderr)."""
+    env = {**os.environ, "PREFECT_HOME": str(params.root) + "-prefect", "PYTHONPATH": os.path.dirname(HERE)}
+    command = [sys.executable, os.path.join(HERE, "pipeline_worker.py"), params.model_dump_json(), *options]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, env=env, start_new_session=True, text=True, stdout=out,
+                                   stderr=err)
+        try:
+            process.wait(timeout=900)
+        finally:
+            _kill_group(process)  # whatever it started, should a test fail before it ends
+        out.seek(0)
+        err.seek(0)
+        return process.returncode, out.read(), err.read()
+
+
+def _answers(root) -> dict:
+    """What the README's and docs/store.md's queries answer, with the run id spelled RUN, except
+    those about time (latency, waits, seconds). Without their LIMIT and sorted: rows that tie in
+    a query's order come in either order."""
+    blocks = [sql for doc in ("README.md", "docs/store.md")
+              for sql in re.findall(r"```sql\n(.*?)```", (ROOT / doc).read_text(), re.S)]
+    statements = [s.strip() for block in blocks for s in block.split(";") if s.strip()]
+    timeless = [s for s in statements if not re.search(r"latency|waited|seconds|_at\b", s)]
+    assert len(timeless) >= 10
+    store = Store(str(root))
+    (run,), = store.rows("SELECT run FROM runs")[1]
+    answers = {}
+    for sql in timeless:
+        rows = store.rows(re.sub(r"\s+LIMIT \d+", "", sql))[1]
+        answers[sql] = sorted((tuple("RUN" if value == run else value for value in row) for row in rows), key=repr)
+    return answers
+
+
+@pytest.mark.slow
+def test_a_killed_pipeline_continues_as_the_same_run_and_its_queries_answer_as_if_never_killed(tmp_path):
+    shape = dict(stages=("sft", "grpo"), sft=dict(steps=4, batch=4, log_every=1, checkpoint_every=2),
+                 grpo=dict(steps=4, batch=2, groups=4, log_every=1, checkpoint_every=2, max_new_tokens=8))
+    whole = tiny(tmp_path / "whole", **shape)
+    code, out, err = _pipeline_process(whole)
+    assert code == 0, err[-2000:]
+    broken = tiny(tmp_path / "broken", **shape)
+    code, _, _ = _pipeline_process(broken, "--kill-at", "grpo:3")
+    assert code == -signal.SIGKILL
+    assert sorted(os.listdir(tmp_path / "broken" / "demo" / "grpo" / "latest" / "checkpoints")) == ["2"]
+    code, out, err = _pipeline_process(broken)
+    assert code == 0, err[-2000:]
+    assert "grpo resumes from its checkpoint at step 2" in err and "continuing run" in err
+    columns, rows = Store(str(tmp_path / "broken")).runs()
+    stages = {row[columns.index("stage")]: dict(zip(columns, row)) for row in rows}
+    assert {(s["run"], s["status"], s["attempts"], s["stage_status"]) for s in stages.values()} == {
+        (json.loads(out.strip().splitlines()[-1])["run"], "completed", 2, "completed")}
+    # sft finished in the first attempt and keeps that record; grpo was redone from step 2
+    assert (stages["sft"]["attempt"], stages["grpo"]["attempt"], stages["eval-start"]["attempt"]) == (1, 2, 1)
+    assert query(tmp_path / "broken", "SELECT count(*) - count(DISTINCT (stage, step, name)) FROM metrics") == [(0,)]
+    assert _answers(tmp_path / "broken") == _answers(tmp_path / "whole")
 
 
 def _kill_group(process):

@@ -311,7 +311,8 @@ class Store:
 
     def runs(self) -> tuple[list[str], list[tuple]]:
         """One row per stage of every run (runs without stages get one row), newest run first,
-        with status, steps and headline metrics: the last logged loss and reward, and the last
+        with the run's status and attempts (starts: a run continued after a kill counts two), the
+        stage's status, steps and headline metrics: the last logged loss and reward, and the last
         evaluation's greedy accuracy (`accuracy`) and that of its sampled answers (`sampled`).
         A run or stage recorded as running whose writer no longer holds its lock shows as
         interrupted; such a stage's `seconds` run until its last record."""
@@ -353,7 +354,7 @@ written AS (
     SELECT w.run, w.stage, max(w.written_at) AS at
     FROM ({_STAMPED}) w SEMI JOIN (SELECT run, stage FROM stages WHERE status = 'running') USING (run, stage)
     GROUP BY w.run, w.stage)
-SELECT r.run, r.status, r.started_at, s.stage, s.kind, s.status AS stage_status, s.attempt,
+SELECT r.run, r.status, r.attempts, r.started_at, s.stage, s.kind, s.status AS stage_status, s.attempt,
        l.steps, round(coalesce(l.loss, s.metrics['loss']), 4) AS loss,
        round(coalesce(l.reward, s.metrics['reward'], s.metrics['reward/mean']), 4) AS reward,
        round(coalesce(a.greedy, s.metrics['accuracy']), 4) AS accuracy,
