@@ -16,8 +16,8 @@ and every `Transition(action, observation)`, so it can grade finished and trunca
 differently. It runs while the environment is still entered, so it can inspect what the
 episode left behind.
 
-Not here: running episodes (`dew_lib.rollouts.sources.EnvironmentSource`), the lock-step `EpisodeRollout`,
-subprocess environments and journals.
+Not here: running episodes (`dew_lib.rollouts.sources.EnvironmentSource` on a rollout server,
+the lock-step `dew_lib.rollouts.episodes.EpisodeRollout`), subprocess environments, journals.
 """
 
 from __future__ import annotations
@@ -69,39 +69,94 @@ class Observation:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Action:
     """A finished model turn: the context it read, the ids it sampled (EOS included when EOS
-    ended the turn), whether EOS ended it, and which turn of the episode it was (from 0)."""
+    ended the turn), whether EOS ended it, and which turn of the episode it was (from 0).
+
+    raw_log_probs and behavior_log_probs: one per sampled id, the raw policy's and the sampler's
+    after temperature and filters, when the policy reports them (a lock-step `EpisodeRollout`
+    always does; they become the session's call). policy_step: the trainer updates committed
+    when it was sampled (the call's version).
+    """
 
     context: np.ndarray
     tokens: np.ndarray
     terminated: bool
     step: int
+    raw_log_probs: np.ndarray | None = None
+    behavior_log_probs: np.ndarray | None = None
+    policy_step: int = 0
+
+    def __post_init__(self):
+        context = token_ids(self.context, "Action.context")
+        if context.size == 0:
+            raise ValueError("Action.context is empty; an action is sampled from a context")
+        object.__setattr__(self, "context", context)
+        object.__setattr__(self, "tokens", token_ids(self.tokens, "Action.tokens"))
+        if not isinstance(self.terminated, bool | np.bool_):
+            raise TypeError(f"Action.terminated must be a bool, got {type(self.terminated).__name__}")
+        object.__setattr__(self, "terminated", bool(self.terminated))
+        for name in ("raw_log_probs", "behavior_log_probs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            value = np.asarray(value, np.float32).reshape(-1)
+            if value.shape != self.tokens.shape:
+                raise ValueError(f"Action.{name} has {value.size} entries for {self.tokens.size} "
+                                 "sampled ids; the policy reports one per sampled id")
+            if not np.all(np.isfinite(value)):
+                raise ValueError(f"Action.{name} holds a non-finite value")
+            object.__setattr__(self, name, value)
+
+
+def check_action(action: Action, eos_ids: tuple[int, ...]) -> None:
+    """Refuse an action whose termination flag disagrees with the configured EOS ids: one that
+    says EOS ended it must end on an EOS id, and no id may follow an EOS. Live, imported and
+    journal-restored actions all pass here."""
+    tokens = action.tokens
+    eos = np.isin(tokens, np.asarray(eos_ids, np.int32)) if eos_ids else np.zeros(tokens.shape, bool)
+    first = int(np.argmax(eos)) if eos.any() else -1
+    if first >= 0 and first != tokens.size - 1:
+        raise ValueError(f"turn {action.step} has {tokens.size - 1 - first} ids after EOS "
+                         f"{int(tokens[first])}; a turn ends at its EOS")
+    if action.terminated and first < 0:
+        raise ValueError(f"turn {action.step} says EOS ended it but its last id is not one of the "
+                         f"EOS ids {list(eos_ids)}")
+    if not action.terminated and first >= 0:
+        raise ValueError(f"turn {action.step} ends on EOS {int(tokens[first])} but says EOS did not "
+                         "end it")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Transition:
     """One action and the observation the environment answered with (None when the action
-    was not sent to the environment: a response cut off by its token budget)."""
+    was not sent to the environment: a response cut off by its token budget). seconds: how
+    long the environment took to answer (None when it was not asked)."""
 
     action: Action
     observation: Observation | None
+    seconds: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeId:
-    """Which episode an environment runs: the task, the scheduler's group, sample and attempt,
-    and a seed for anything random the environment does."""
+    """Which episode an environment runs: the task, its group and sample, the scheduler's
+    attempt (resubmissions), a seed for anything random the environment does, and the training
+    step that attempted it (the attempted-work clock of a lock-step `EpisodeRollout`; 0 from a
+    rollout server's `EnvironmentSource`). An environment with outside effects keys them by it."""
 
     task: str
     group: int
     sample: int
     attempt: int
     seed: int
+    step: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Episode:
     """What a verifier scores: the task, the identity, how the episode ended (COMPLETED or
-    TRUNCATED when a verifier is called), why, the first observation and every transition."""
+    TRUNCATED when a verifier is called), why, the first observation and every transition.
+    `origin` names the policy binding that sampled it; episodes of different bindings are never
+    projected into one batch (`dew_lib.rollouts.episodes.project`)."""
 
     task: Task
     identity: EpisodeId
@@ -109,6 +164,7 @@ class Episode:
     detail: str
     first: Observation
     transitions: tuple[Transition, ...]
+    origin: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
 class Environment(Protocol):
@@ -126,5 +182,5 @@ class Environment(Protocol):
 EnvironmentFactory = Callable[[Task, EpisodeId], Environment]
 Verifier = Callable[[Task, Episode], float]
 
-__all__ = ["Action", "Environment", "EnvironmentFactory", "Episode", "EpisodeId", "EpisodeStatus",
+__all__ = ["Action", "check_action", "Environment", "EnvironmentFactory", "Episode", "EpisodeId", "EpisodeStatus",
            "Observation", "Transition", "Verifier"]

@@ -1,17 +1,24 @@
 """Rollouts: host-side experience for the RL objectives, handed to the Trainer's `rollout` hook.
 
 `pack` turns recorded sessions into packed rows (packing.py); `SampledRollout` draws groups from
-the policy in-process (sampled.py); `PromptSource` and `EnvironmentSource` draw sessions from a
+the policy in-process (sampled.py); `EpisodeRollout` runs multi-turn tool episodes in lock step
+(episodes.py); `PromptSource` and `EnvironmentSource` draw sessions from a
 rollout server (sources.py); `RolloutScheduler` trains on them asynchronously (scheduler/).
 
 Not here: the losses (`dew_lib.objectives`), the records themselves (`dew_lib.records`), the
 servers that sample (`dew_lib.inference`).
 """
 
+from dew_lib.rollouts.episodes import (EpisodeCancelled, EpisodeFailure, EpisodeResult, EpisodeRollout,
+                                      project, session_of)
 from dew_lib.rollouts.packing import pack, session_metrics
 from dew_lib.rollouts.sampled import RewardFailed, SampledRollout
 from dew_lib.rollouts.scheduler import GroupState, RolloutScheduler, prompt_tasks, task_ids
 from dew_lib.rollouts.sources import EnvironmentSource, PromptSource
+from dew_lib.rollouts.subprocess_environment import SubprocessEnvironment, ToolFailure, WorkerEnvironment
+from dew_lib.tool_worker import serve as serve_tool
 
-__all__ = ["EnvironmentSource", "GroupState", "PromptSource", "RewardFailed", "RolloutScheduler",
-           "SampledRollout", "pack", "prompt_tasks", "session_metrics", "task_ids"]
+__all__ = ["EnvironmentSource", "EpisodeCancelled", "EpisodeFailure", "EpisodeResult",
+           "EpisodeRollout", "GroupState", "PromptSource", "RewardFailed", "RolloutScheduler",
+           "SampledRollout", "SubprocessEnvironment", "ToolFailure", "WorkerEnvironment", "pack",
+           "project", "prompt_tasks", "serve_tool", "session_metrics", "session_of", "task_ids"]

@@ -1,0 +1,404 @@
+"""EpisodeRollout: multi-turn tool episodes, collected in lock step and trained with GRPO.
+
+The Trainer calls it before each update with a batch of integer `task_id` rows. For each task it
+runs `groups` episodes, each in an environment from `environment(task, identity)` (entered on the
+calling thread, so subprocess workers die with it), and samples every turn from the policy bound
+once to the Trainer's params (`policy.bind(state.params)`, a `TextGeneration`):
+
+- each round samples all slots together at fixed shapes (`max_prompt_tokens` wide, a budget of
+  `max_new_tokens`) with the round's own key; a finished slot stays in place with an inert
+  context whose draw is thrown away, so how many turns other episodes take never changes what a
+  slot draws;
+- EOS ends an action; an action that used its whole budget without EOS is TRUNCATED and never
+  sent to the environment; a context longer than `max_prompt_tokens` truncates the episode (what
+  was recorded stays whole); after `max_turns` model calls a running episode is TRUNCATED;
+- the environment says when the episode ends (COMPLETED, TRUNCATED); the verifier scores
+  COMPLETED and TRUNCATED episodes while their environment is still entered; then every
+  environment is released, and an episode whose release fails is thrown out (not trained, not in
+  its group's baseline);
+- an environment or policy that raises, an ERROR observation, a verifier that raises or returns
+  a non-finite reward: `EpisodeFailure`; a cancellation (asyncio's or concurrent.futures', or a
+  CANCELLED observation): `EpisodeCancelled`. Either aborts the whole collection before any
+  update, after every environment was released under the original exception; both carry the
+  partial episode that failed.
+
+Each episode becomes a `Session` whose calls are its actions (`session_of`), and the sessions are
+packed by the one packer every GRPO path uses into `B * groups * max_turns` rows of
+`max_prompt_tokens + max_new_tokens` ids (set `GRPOObjective(seq_len=max_prompt_tokens +
+max_new_tokens - 1)`): only sampled ids carry loss mass, advantages are relative within a task's
+group, truncated episodes are masked and left out of the baseline. Episodes keep the identity of
+the binding that sampled them; `project` refuses to pack episodes of two bindings together.
+
+Not here: the records (`dew_lib.records.episodes`), subprocess environments
+(`subprocess_environment.py`), episodes on a rollout server (`sources.EnvironmentSource`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from dew_lib.objectives import algorithms
+from dew_lib.objectives.batch import PackedBatch
+from dew_lib.options import integer
+from dew_lib.records.episodes import (Action, Episode, EpisodeId, EpisodeStatus, EnvironmentFactory,
+                                      Observation, Transition, Verifier, check_action)
+from dew_lib.records.sessions import Call, Session, Status, Task
+from dew_lib.rollouts.packing import pack
+from dew_lib.sampling import Sampling
+
+CANCELLATIONS = (asyncio.CancelledError, concurrent.futures.CancelledError)
+_SESSION_STATUS = {EpisodeStatus.COMPLETED: Status.COMPLETED, EpisodeStatus.TRUNCATED: Status.TRUNCATED,
+                   EpisodeStatus.CANCELLED: Status.CANCELLED, EpisodeStatus.ERROR: Status.INFRA_ERROR}
+
+
+class EpisodeFailure(RuntimeError):
+    """A collection stopped because an episode failed; `episode` is that episode so far (status
+    ERROR), and `__cause__` the original exception when there was one."""
+
+    def __init__(self, message: str, episode: Episode):
+        super().__init__(message)
+        self.episode = episode
+
+
+class EpisodeCancelled(EpisodeFailure):
+    """A collection stopped because an episode was cancelled (status CANCELLED); `__cause__` is
+    the original cancellation, or None when the environment reported CANCELLED itself."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EpisodeResult:
+    """One collected episode and the session it trains as (`session.reward` is the verifier's)."""
+
+    episode: Episode
+    session: Session
+
+
+def session_of(episode: Episode, *, group: int, reward: float | None = None) -> Session:
+    """`episode` as a session whose calls are its actions, for `pack`."""
+    calls = []
+    for transition in episode.transitions:
+        action = transition.action
+        if action.behavior_log_probs is None:
+            raise ValueError(f"turn {action.step} of task {episode.task.id!r} has no behavior "
+                             "log-probabilities; only actions sampled with likelihoods can train")
+        calls.append(Call(prompt_ids=action.context, sampled_ids=action.tokens,
+                          behavior_log_probs=action.behavior_log_probs,
+                          raw_log_probs=action.raw_log_probs,
+                          finish_reason="stop" if action.terminated else "length",
+                          version=action.policy_step))
+    identity = episode.identity
+    return Session(task=episode.task.id, group=group, sample=identity.sample, attempt=identity.attempt,
+                   calls=tuple(calls), status=_SESSION_STATUS[episode.status], reward=reward,
+                   detail=episode.detail)
+
+
+def project(results: Sequence[EpisodeResult], *, width: int, rows: int,
+            estimator: str = "group") -> PackedBatch:
+    """Pack the sessions of `results` (truncated ones masked) into `[rows, width]`; refuses
+    episodes sampled under different policy bindings."""
+    origins = {r.episode.origin for r in results}
+    if len(origins) > 1:
+        raise ValueError(f"these episodes come from {len(origins)} policy bindings; project each "
+                         "collection on its own (their likelihoods belong to different weights)")
+    packed = pack([r.session for r in results], width, rows=rows, estimator=estimator, truncation="mask")
+    packed.setdefault("old_log_probs", np.zeros((rows, width), np.float32))  # none trained: same columns
+    return PackedBatch.of(packed)
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    """One episode while it runs: its environment, where it stands and what it did."""
+
+    task: Task
+    identity: EpisodeId
+    manager: Any = None  # what the factory returned: entered, and exited on release
+    environment: Any = None  # what entering it gave: reset and step go here
+    first: Observation | None = None
+    context: np.ndarray | None = None
+    transitions: list[Transition] = dataclasses.field(default_factory=list)
+    status: EpisodeStatus = EpisodeStatus.RUNNING
+    detail: str = ""
+    reward: float | None = None
+
+    def end(self, status: EpisodeStatus, detail: str) -> None:
+        self.status, self.detail = status, detail
+
+    def episode(self, origin: int, status: EpisodeStatus | None = None, detail: str | None = None) -> Episode:
+        first = self.first or Observation(status=EpisodeStatus.ERROR, detail="never reset")
+        return Episode(self.task, self.identity, status or self.status,
+                       self.detail if detail is None else detail, first, tuple(self.transitions), origin)
+
+
+class _SlotError(Exception):
+    """What went wrong in one slot, kept with the slot."""
+
+    def __init__(self, slot: _Slot, where: str, error: BaseException | None, detail: str = "", *,
+                 cancelled: bool = False):
+        super().__init__(detail)
+        self.slot, self.where, self.error, self.detail = slot, where, error, detail
+        self.cancelled = cancelled or isinstance(error, CANCELLATIONS)
+
+
+class EpisodeRollout:
+    """Collect `groups` episodes per task row and pack them for GRPOObjective (module docstring).
+
+    policy: a `TextGeneration` (anything with `bind(snapshot)` returning a callable with its
+    signature). environment: `(task, identity) -> Environment`. verifier: `(task, episode) ->
+    float`. sampling: how turns are drawn; its `eos_id` ends an action. record: optional, called
+    with every `EpisodeResult` of a collection that finished, and with the failed episode's when
+    one aborts it. workers: threads that run environment steps, resets and verifiers at once.
+    estimator: the group baseline ("group", "mean" or "rloo").
+    """
+
+    def __init__(self, policy, environment: EnvironmentFactory, verifier: Verifier, *,
+                 max_prompt_tokens: int, max_new_tokens: int, max_turns: int, groups: int,
+                 sampling: Sampling = Sampling(), record: Callable[[EpisodeResult], Any] | None = None,
+                 workers: int = 8, estimator: str = "group"):
+        if not callable(getattr(policy, "bind", None)):
+            raise TypeError("EpisodeRollout.policy must have bind(snapshot), e.g. "
+                            "dew_lib.inference.TextGeneration(model, variables)")
+        for name, value in (("environment", environment), ("verifier", verifier)):
+            if not callable(value):
+                raise TypeError(f"EpisodeRollout.{name} must be callable")
+        if record is not None and not callable(record):
+            raise TypeError("EpisodeRollout.record must be callable with an EpisodeResult, or None")
+        if not sampling.eos_ids:
+            raise ValueError("EpisodeRollout.sampling needs eos_id: EOS is what ends an action")
+        self.max_prompt_tokens = integer("EpisodeRollout.max_prompt_tokens", max_prompt_tokens)
+        self.max_new_tokens = integer("EpisodeRollout.max_new_tokens", max_new_tokens)
+        self.max_turns = integer("EpisodeRollout.max_turns", max_turns)
+        self.groups = integer("EpisodeRollout.groups", groups, at_least=2,
+                              accepts="an integer >= 2 (group-relative advantages compare episodes)")
+        self.workers = integer("EpisodeRollout.workers", workers)
+        algorithms.advantage_function(estimator)
+        self.policy, self.environment, self.verifier = policy, environment, verifier
+        self.sampling, self.record, self.estimator = sampling, record, estimator
+        self.last_results: list[EpisodeResult] = []
+
+    @property
+    def width(self) -> int:
+        """Ids per packed row: the objective's seq_len + 1."""
+        return self.max_prompt_tokens + self.max_new_tokens
+
+    def rows(self, tasks: int) -> int:
+        """Packed rows of a batch of `tasks` task rows: one per task, sample and turn."""
+        return tasks * self.groups * self.max_turns
+
+    def __call__(self, state, batch: Mapping[str, Any], key: jax.Array) -> PackedBatch:
+        results = self.collect(state.params, batch, key, step=int(state.step),
+                               policy_step=int(state.updates))
+        return project(results, width=self.width, rows=self.rows(len(results) // self.groups),
+                       estimator=self.estimator)
+
+    def collect(self, snapshot: Any, batch: Mapping[str, Any], key: jax.Array, *, step: int = 0,
+                policy_step: int = 0) -> list[EpisodeResult]:
+        """Run every episode of `batch` under one binding of `snapshot`; the results in task,
+        then sample order. step: the attempted-work clock (episode identities); policy_step: the
+        committed update clock (each action's version)."""
+        tasks = _tasks(batch)
+        policy = self.policy.bind(snapshot)
+        seeds = _seeds(key, len(tasks), self.groups)
+        slots = [_Slot(task, EpisodeId(task=task.id, group=b, sample=g, attempt=0,
+                                       seed=int(seeds[b, g]), step=step))
+                 for b, task in enumerate(tasks) for g in range(self.groups)]
+        opened: list[_Slot] = []
+        try:
+            with concurrent.futures.ThreadPoolExecutor(min(self.workers, len(slots))) as pool:
+                for slot in slots:  # on this thread: a worker process dies with the thread that started it
+                    slot.manager, slot.environment = _enter(slot, self.environment)
+                    opened.append(slot)
+                _each(pool, slots, "reset", self._reset)
+                for turn in range(self.max_turns):
+                    if not self._turn(pool, policy, slots, turn, jax.random.fold_in(key, turn), policy_step):
+                        break
+                for slot in slots:
+                    if slot.status is EpisodeStatus.RUNNING:
+                        slot.end(EpisodeStatus.TRUNCATED, f"max_turns={self.max_turns} reached")
+                _each(pool, [s for s in slots if s.status in _SCORED], "verifier",
+                      lambda s: self._verify(s, policy.binding))
+        except BaseException as error:
+            self._abort(opened, policy.binding, error)
+            raise
+        results = [self._release(slot, policy.binding) for slot in slots]
+        self.last_results = results
+        if self.record is not None:
+            for result in results:
+                self.record(result)
+        return results
+
+    # ----- the steps of a collection -----------------------------------------------------------
+    def _reset(self, slot: _Slot) -> None:
+        slot.first = _observation(slot, "reset", slot.environment.reset())
+        self._observe(slot, slot.first)
+
+    def _observe(self, slot: _Slot, observation: Observation) -> None:
+        """Take an observation: the next context, or how the episode ended."""
+        if observation.status is EpisodeStatus.RUNNING:
+            slot.context = observation.context
+        elif observation.status is EpisodeStatus.ERROR:
+            raise _SlotError(slot, "environment", None, f"the environment reported an error: {observation.detail}")
+        elif observation.status is EpisodeStatus.CANCELLED:
+            raise _SlotError(slot, "environment", None, f"the environment cancelled it: {observation.detail}",
+                             cancelled=True)
+        else:
+            slot.end(observation.status, observation.detail)
+
+    def _turn(self, pool, policy, slots: list[_Slot], turn: int, key, policy_step: int) -> bool:
+        """Sample one action for every running slot and send the finished ones to their
+        environments; False when no slot was running."""
+        for slot in slots:
+            if slot.status is EpisodeStatus.RUNNING and slot.context.size > self.max_prompt_tokens:
+                slot.end(EpisodeStatus.TRUNCATED, f"the context of {slot.context.size} ids exceeds "
+                         f"max_prompt_tokens={self.max_prompt_tokens}")
+        running = [s.status is EpisodeStatus.RUNNING for s in slots]
+        if not any(running):
+            return False
+        inert = np.zeros(1, np.int32)
+        contexts = [s.context if live else inert for s, live in zip(slots, running, strict=True)]
+        try:
+            drawn = policy(contexts, max_new_tokens=self.max_new_tokens, key=key, sampling=self.sampling,
+                           width=self.max_prompt_tokens)
+        except BaseException as error:
+            raise _SlotError(slots[running.index(True)], "policy", error, str(error)) from error
+        sent = []
+        for n, slot in enumerate(slots):
+            if not running[n]:
+                continue
+            count = int(drawn.lengths[n])
+            action = Action(context=slot.context, tokens=drawn.tokens[n, :count], terminated=bool(drawn.stopped[n]),
+                            step=turn, raw_log_probs=drawn.log_probs[n, :count],
+                            behavior_log_probs=drawn.behavior_log_probs[n, :count], policy_step=policy_step)
+            check_action(action, self.sampling.eos_ids)
+            if action.terminated:
+                sent.append((slot, action))
+            else:
+                slot.transitions.append(Transition(action, None))
+                slot.end(EpisodeStatus.TRUNCATED, f"turn {turn} used its whole budget of "
+                         f"{self.max_new_tokens} ids without EOS")
+        _each(pool, sent, "step", lambda pair: self._step(*pair))
+        return True
+
+    def _step(self, slot: _Slot, action: Action) -> None:
+        started = time.perf_counter()
+        observation = _observation(slot, "step", slot.environment.step(action))
+        slot.transitions.append(Transition(action, observation, time.perf_counter() - started))
+        self._observe(slot, observation)
+
+    def _verify(self, slot: _Slot, origin: int) -> None:
+        reward = self.verifier(slot.task, slot.episode(origin))
+        try:
+            reward = float(reward)
+        except (TypeError, ValueError) as error:
+            raise _SlotError(slot, "verifier", error, f"the verifier returned {reward!r}, not a number") from error
+        if not math.isfinite(reward):
+            raise _SlotError(slot, "verifier", None, f"the verifier returned {reward}; rewards must be finite")
+        slot.reward = reward
+
+    def _release(self, slot: _Slot, origin: int) -> EpisodeResult:
+        """Leave the slot's environment; an episode whose release fails is thrown out."""
+        try:
+            slot.manager.__exit__(None, None, None)
+        except Exception as error:  # noqa: BLE001 - the episode is thrown out, the others train
+            episode = slot.episode(origin)
+            detail = f"thrown out: releasing its environment failed: {_describe(error)}"
+            session = dataclasses.replace(session_of(episode, group=slot.identity.group),
+                                          status=Status.INFRA_ERROR, detail=detail)
+            return EpisodeResult(slot.episode(origin, EpisodeStatus.ERROR, detail), session)
+        episode = slot.episode(origin)
+        return EpisodeResult(episode, session_of(episode, group=slot.identity.group, reward=slot.reward))
+
+    def _abort(self, opened: list[_Slot], origin: int, error: BaseException) -> None:
+        """Release every environment under the exception that stopped the collection (the
+        original one; the wrapper when the episode failed without one), then raise an episode's
+        failure as EpisodeFailure or EpisodeCancelled; anything else, such as KeyboardInterrupt,
+        passes through as it is."""
+        wrapper = None
+        if isinstance(error, _SlotError):
+            slot = error.slot
+            status = EpisodeStatus.CANCELLED if error.cancelled else EpisodeStatus.ERROR
+            episode = slot.episode(origin, status, error.detail)
+            message = (f"the episode of task {slot.task.id!r} (sample {slot.identity.sample}) "
+                       f"{'was cancelled' if error.cancelled else 'failed'} in its {error.where}: "
+                       f"{error.detail}; the collection stopped before any update")
+            wrapper = (EpisodeCancelled if error.cancelled else EpisodeFailure)(message, episode)
+        original = error.error if isinstance(error, _SlotError) else error
+        under = original if original is not None else wrapper
+        for slot in reversed(opened):
+            try:
+                slot.manager.__exit__(type(under), under, under.__traceback__)
+            except Exception as release:  # noqa: BLE001 - the original failure is what gets raised
+                (wrapper or error).add_note(f"releasing the environment of task {slot.task.id!r} sample "
+                                            f"{slot.identity.sample} also failed: {_describe(release)}")
+        if wrapper is None:
+            return
+        if self.record is not None:
+            self.record(EpisodeResult(wrapper.episode, session_of(wrapper.episode, group=error.slot.identity.group)))
+        raise wrapper from original
+
+
+_SCORED = (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED)
+
+
+def _tasks(batch: Mapping[str, Any]) -> list[Task]:
+    if "task_id" not in batch:
+        raise KeyError(f"EpisodeRollout reads integer task_id rows; the batch has {sorted(batch)}")
+    ids = np.asarray(batch["task_id"]).reshape(-1)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"batch['task_id'] must hold integers, got {ids.dtype}")
+    columns = {k: np.asarray(v) for k, v in batch.items()}
+    return [Task(str(int(t)), {k: v[b] for k, v in columns.items()}) for b, t in enumerate(ids)]
+
+
+def _seeds(key: jax.Array, tasks: int, groups: int) -> np.ndarray:
+    """Environment seeds, one per episode, from the collection's key."""
+    data = np.asarray(jax.random.key_data(key)).reshape(-1).astype(np.uint32)
+    return np.random.SeedSequence([int(x) for x in data]).generate_state(tasks * groups).reshape(tasks, groups)
+
+
+def _enter(slot: _Slot, factory: EnvironmentFactory):
+    """(the context manager, the environment it gave) for the slot; what `__enter__` returns is
+    the environment unless that is None."""
+    try:
+        manager = factory(slot.task, slot.identity)
+        entered = manager.__enter__()
+    except BaseException as error:
+        raise _SlotError(slot, "environment", error, f"entering failed: {_describe(error)}") from error
+    return manager, manager if entered is None else entered
+
+
+def _each(pool, items: Sequence[Any], where: str, work: Callable[[Any], None]) -> None:
+    """Run `work` on every item at once and wait for all; the first failure (in item order) is
+    raised as the slot's error once every item finished."""
+    futures = [pool.submit(work, item) for item in items]
+    concurrent.futures.wait(futures)
+    for item, future in zip(items, futures, strict=True):
+        error = future.exception()
+        if error is None:
+            continue
+        if isinstance(error, _SlotError):
+            raise error
+        slot = item[0] if isinstance(item, tuple) else item
+        raise _SlotError(slot, where, error, f"{where} raised {_describe(error)}") from error
+
+
+def _observation(slot: _Slot, where: str, value: Any) -> Observation:
+    if not isinstance(value, Observation):
+        raise _SlotError(slot, "environment", None,
+                         f"the environment's {where} returned {type(value).__name__}, not an Observation")
+    return value
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+__all__ = ["EpisodeCancelled", "EpisodeFailure", "EpisodeResult", "EpisodeRollout", "project", "session_of"]
