@@ -19,6 +19,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.flow_pretrain import flow_pretrain
+from tasks import lifetimes
 from tasks.flow_train import grpo_stage
 from tasks.images import dit_ref, prepare_images
 from tasks.manifests import DiTRef, ImageStageResult
@@ -90,7 +91,10 @@ def _summary(table, results, store_root: str, seconds: float) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """Run the pipeline with its defaults, `--name`, `--seed` and `--root` overridable."""
+    """Run the pipeline with its defaults, `--name`, `--seed` and `--root` overridable; without a
+    configured Prefect API, on a temporary server that dies with this process."""
+    if not {"-h", "--help"} & set(argv):
+        lifetimes.temporary_prefect_server()
     outcome = flow_grpo_pipeline(command_line(argv, FlowPipelineParams(), prog="python -m flows.flow_grpo",
                                               description=__doc__.split("\n")[0]))
     print({k: outcome[k] for k in ("run", "model", "seconds")})

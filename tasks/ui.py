@@ -168,7 +168,7 @@ def publish_stage(stage: str, metrics: Mapping[str, float], plot: str | None) ->
 
 
 def publish_images(stage: str, step: int, images: list[tuple[str, str]], lines: list[str]) -> None:
-    """A markdown artifact `<stage>-preview` (a new version at every call) showing PNG files.
+    """A markdown artifact `<run>-<stage>-preview` (a new version at every call) showing PNG files.
 
     Each PNG is embedded as a `data:image/png` URL, which the Prefect 3.9 UI's markdown renderer
     displays (it refuses `file://` sources), and its path is listed beside it.
@@ -176,5 +176,5 @@ def publish_images(stage: str, step: int, images: list[tuple[str, str]], lines: 
     parts = [f"### {stage} at step {step}", "", *lines, ""]
     for title, path in images:
         parts += [f"**{title}** (`{path}`)", "", png_markdown(title, path), ""]
-    create_markdown_artifact("\n".join(parts), key=artifact_key(stage, "preview"),
+    create_markdown_artifact("\n".join(parts), key=run_key(stage, "preview"),
                              description=f"{stage}: samples at step {step}")

@@ -134,15 +134,18 @@ def test_previews_are_written_at_every_logged_step_and_published_as_artifacts(fi
     for path in outcome["previews"]["flow_grpo"]:
         with open(path, "rb") as handle:
             assert handle.read(8) == PNG
-    with get_client(sync_client=True) as client:
+    from tasks.ui import artifact_key
+
+    pretrain_key, grpo_key = (artifact_key(outcome["run"], stage, "preview") for stage in ("flow_pretrain", "flow_grpo"))
+    with get_client(sync_client=True) as client:  # each run has its own preview keys
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=["flow-grpo-preview", "flow-pretrain-preview"])))
+            key=ArtifactFilterKey(any_=[grpo_key, pretrain_key])))
     steps = {key: sorted(int(re.search(r"at step (\d+)", a.data)[1]) for a in artifacts if a.key == key)
-             for key in ("flow-pretrain-preview", "flow-grpo-preview")}
-    assert steps["flow-pretrain-preview"] == [0, 2, 4]
+             for key in (pretrain_key, grpo_key)}
+    assert steps[pretrain_key] == [0, 2, 4]
     # Steps 0 and 1 are published twice: by the failed attempt and by the retry.
-    assert sorted(set(steps["flow-grpo-preview"])) == [0, 1, 2, 3]
-    last = max((a for a in artifacts if a.key == "flow-grpo-preview"), key=lambda a: a.created)
+    assert sorted(set(steps[grpo_key])) == [0, 1, 2, 3]
+    last = max((a for a in artifacts if a.key == grpo_key), key=lambda a: a.created)
     embedded = re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)\)", last.data)
     assert embedded and all(base64.b64decode(e).startswith(PNG) for e in embedded)
     assert "Mean reward of these samples" in last.data

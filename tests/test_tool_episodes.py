@@ -20,7 +20,8 @@ from dew_lib import Dataset, Trainer, models
 from dew_lib.inference import TextGeneration
 from dew_lib.objectives import GRPOObjective, LMObjective, loss
 from dew_lib.records.episodes import Action, Observation, check_action
-from dew_lib.rollouts import EpisodeCancelled, EpisodeFailure, EpisodeRollout, SubprocessEnvironment, project
+from dew_lib.rollouts import (EpisodeCancelled, EpisodeFailure, EpisodeResult, EpisodeRollout,
+                              SubprocessEnvironment, project, session_of)
 from dew_lib.sandbox import SandboxLimits
 from dew_lib.sampling import Sampling
 from dew_lib.train.sinks import MemorySink
@@ -403,3 +404,46 @@ def test_a_policy_learns_to_call_the_tool_and_answer(protocol):
     assert rewards[0] < 0.75 and rewards[-1] > rewards[0] + 0.25, rewards
     assert calls(protocol) < 0.7 and calls(state.params) > 0.9
     assert log.history[-1][1]["compilations"] == 1
+
+
+def test_episodes_land_in_the_run_store_with_a_row_per_turn(protocol, tmp_path):
+    from dew_lib.store import Store
+
+    results = rollout(Failing).collect(protocol, tasks(4, 5), jax.random.key(5))
+    with Store(tmp_path).writer("r") as run, run.stage("tools", kind="grpo") as stage:
+        stage.sessions([r.session for r in results], update=3, episodes=[r.episode for r in results])
+    store = Store(tmp_path)
+    per_episode = store.rows("SELECT t.task, t.sample, count(*) AS turns, any_value(s.status) FROM turns t "
+                             "JOIN sessions s USING (session_uid) GROUP BY ALL ORDER BY ALL")[1]
+    assert per_episode == sorted((r.session.task, r.session.sample, len(r.episode.transitions), r.session.status.value)
+                                 for r in results if r.episode.transitions)
+    rows = store.rows("SELECT task, sample, turn, action_ids, terminated, status, detail, seconds FROM turns "
+                      "ORDER BY task, sample, turn")[1]
+    expected = sorted((r.session.task, r.session.sample, t.action.step, t.action.tokens.tolist(), t.action.terminated,
+                       t.observation and t.observation.status.value, t.observation and t.observation.detail,
+                       t.seconds) for r in results for t in r.episode.transitions)
+    assert rows == expected
+    answers = store.rows("SELECT detail, count(*) FROM turns WHERE status = 'completed' GROUP BY detail")[1]
+    assert sum(n for _, n in answers) == sum(r.episode.status.value == "completed" for r in results)
+
+
+def test_the_readme_turn_queries_answer_on_recorded_episodes(protocol, tmp_path):
+    import re
+
+    from dew_lib.store import Store
+
+    Failing.how = "error"
+    collector = rollout(Failing)
+    with Store(tmp_path).writer("r") as run, run.stage("tools", kind="grpo") as stage:
+        for update, batch in enumerate((tasks(4, 5), tasks(6, 7))):
+            try:
+                results = collector.collect(protocol, batch, jax.random.key(update))
+            except EpisodeFailure as failure:  # a collection the tool broke: record what it did
+                results = [EpisodeResult(failure.episode, session_of(failure.episode, group=0))]
+            stage.sessions([r.session for r in results], update=update, episodes=[r.episode for r in results])
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"turns per episode.*?```sql\n(.*?)```", readme, re.S).group(1)
+    per_update, errors = [q.strip() for q in block.split(";") if q.strip()]
+    store = Store(tmp_path)
+    assert [row[2:4] for row in store.rows(per_update)[1]] == [(0, 8), (1, 1)]
+    assert [row[2:4] for row in store.rows(errors)[1]] == [("tool crashed", 1)]

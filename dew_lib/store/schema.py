@@ -122,6 +122,17 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         ("extra_info", pa.string(), "the reward's extra_info (JSON text)"),
         ("written_at", _ts, "when the row was written"),
     ), "one row per task of a stage: the prompt its sessions answered", unique=("run", "stage", "task")),
+    Table("turns", "update", _IDENTITY + _SESSION + (
+        ("session_uid", pa.int64(), "the episode's sessions.session_uid"),
+        ("turn", pa.int32(), "the action's turn in its episode, from 0"),
+        ("context_tokens", pa.int32(), "ids of the context the action was sampled from"),
+        ("action_ids", pa.list_(pa.int32()), "the ids the policy sampled, EOS included when EOS ended it"),
+        ("terminated", pa.bool_(), "whether EOS ended the action (else it used its whole budget)"),
+        ("status", pa.string(), "the environment's answer: running, completed, truncated, cancelled or error; null when the action was not sent to it"),
+        ("detail", pa.string(), "what the environment said about it (a tool's result summary, an error)"),
+        ("seconds", pa.float64(), "how long the environment took to answer (tool latency); null when not sent"),
+        ("written_at", _ts, "when the row was written"),
+    ), "one row per action of a recorded tool episode"),
     Table("verdicts", "update", _IDENTITY + (
         ("update", pa.int64(), "the session's update, or the evaluated answer's step"),
         ("task", pa.string(), "the session's or evaluated answer's task id"),

@@ -42,6 +42,7 @@ from dew_lib.store import prompts as prompt_rows
 from dew_lib.store import rows, snapshot
 from dew_lib.store.parts import FileLock, StoreError, Stream, replace_file
 from dew_lib.store.schema import RUN_STATUSES, TABLES
+from dew_lib.store.turns import turns_table
 from dew_lib.store.worker import Worker
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -248,15 +249,17 @@ class StageWriter:
 
     # ----- records -----------------------------------------------------------------------------
     def sessions(self, sessions: Sequence[Any], *, update: int, latencies=None, causes=None,
-                 trained=None, truncation: str = "mask", verdicts=None) -> None:
+                 trained=None, truncation: str = "mask", verdicts=None, episodes=None) -> None:
         """Record sessions drawn for trainer update `update`, with their calls.
 
         latencies: seconds from submission to finish, one per session (or None). causes: why
         each was or was not trained (records.CAUSES), one for all or one per session. trained:
         True/False for all, one flag per session, or None for what `pack` trains on under
         `truncation`. verdicts: None, or one list of Verdict records per session (the programs
-        a code reward ran for it), stored with the session's `session_uid`. Calls and verdicts
-        are committed before their sessions, so a visible session always has them.
+        a code reward ran for it), stored with the session's `session_uid`. episodes: None, or
+        the tool episode (`dew_lib.records.Episode`) behind each session, whose actions land in
+        `turns` (store/turns.py). Calls, verdicts and turns are committed before their sessions,
+        so a visible session always has them.
         """
         update = _step("update", update)
         sessions = tuple(sessions)
@@ -280,8 +283,16 @@ class StageWriter:
                 owners = [(x.task, x.group, x.sample, x.attempt, flag) for x, flag in zip(sessions, flags)]
                 written.append(("verdicts", update, rows.owners_verdicts_table(
                     owners, verdicts, run=self.run, stage=self.stage, update=update, when=when)))
+            if episodes is not None:
+                written.append(("turns", update, turns_table(sessions, episodes, flags, run=self.run,
+                                                             stage=self.stage, update=update, when=when)))
             return written + [("sessions", update, s)]
 
+        if episodes is not None:
+            episodes = tuple(episodes)
+            if len(episodes) != len(sessions):
+                raise ValueError(f"episodes has {len(episodes)} entries for {len(sessions)} sessions; "
+                                 "give one episode per session, in the same order")
         self._write(convert)
 
     def prompts(self, prompts: Sequence[Any], *, update: int,
