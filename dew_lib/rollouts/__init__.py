@@ -11,6 +11,7 @@ servers that sample (`dew_lib.inference`).
 
 from dew_lib.rollouts.episodes import (EpisodeCancelled, EpisodeFailure, EpisodeResult, EpisodeRollout,
                                       project, session_of)
+from dew_lib.rollouts.journal import EpisodeJournal, JournalBusy, JournalMismatch
 from dew_lib.rollouts.packing import pack, session_metrics
 from dew_lib.rollouts.sampled import RewardFailed, SampledRollout
 from dew_lib.rollouts.scheduler import GroupState, RolloutScheduler, prompt_tasks, task_ids
@@ -18,7 +19,7 @@ from dew_lib.rollouts.sources import EnvironmentSource, PromptSource
 from dew_lib.rollouts.subprocess_environment import SubprocessEnvironment, ToolFailure, WorkerEnvironment
 from dew_lib.tool_worker import serve as serve_tool
 
-__all__ = ["EnvironmentSource", "EpisodeCancelled", "EpisodeFailure", "EpisodeResult",
-           "EpisodeRollout", "GroupState", "PromptSource", "RewardFailed", "RolloutScheduler",
-           "SampledRollout", "SubprocessEnvironment", "ToolFailure", "WorkerEnvironment", "pack",
-           "project", "prompt_tasks", "serve_tool", "session_metrics", "session_of", "task_ids"]
+__all__ = ["EnvironmentSource", "EpisodeCancelled", "EpisodeFailure", "EpisodeJournal", "EpisodeResult",
+           "EpisodeRollout", "GroupState", "JournalBusy", "JournalMismatch", "PromptSource", "RewardFailed",
+           "RolloutScheduler", "SampledRollout", "SubprocessEnvironment", "ToolFailure", "WorkerEnvironment",
+           "pack", "project", "prompt_tasks", "serve_tool", "session_metrics", "session_of", "task_ids"]

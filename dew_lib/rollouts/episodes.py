@@ -29,6 +29,12 @@ max_new_tokens - 1)`): only sampled ids carry loss mass, advantages are relative
 group, truncated episodes are masked and left out of the baseline. Episodes keep the identity of
 the binding that sampled them; `project` refuses to pack episodes of two bindings together.
 
+With `journal=EpisodeJournal(directory)` (journal.py) a collection survives a killed process: each
+round's draws are committed before its tool calls, each tool's answer with the environment's
+`get_state()` snapshot before that slot's next call, and a restarted `collect` at the same clocks
+rebuilds the collection from them (answered turns as recorded, environments reset then given
+their last snapshot, saved draws reused) and runs again only the tool calls left unanswered.
+
 Not here: the records (`dew_lib.records.episodes`), subprocess environments
 (`subprocess_environment.py`), episodes on a rollout server (`sources.EnvironmentSource`).
 """
@@ -52,6 +58,8 @@ from dew_lib.options import integer
 from dew_lib.records.episodes import (Action, Episode, EpisodeId, EpisodeStatus, EnvironmentFactory,
                                       Observation, Transition, Verifier, check_action)
 from dew_lib.records.sessions import Call, Session, Status, Task
+from dew_lib.rollouts.journal import (EpisodeJournal, PendingDraw, Restored, Unjournaled,
+                                     collection_identity)
 from dew_lib.rollouts.packing import pack
 from dew_lib.sampling import Sampling
 
@@ -120,6 +128,7 @@ class _Slot:
 
     task: Task
     identity: EpisodeId
+    index: int = 0  # the slot's place in the collection: task * groups + sample
     manager: Any = None  # what the factory returned: entered, and exited on release
     environment: Any = None  # what entering it gave: reset and step go here
     first: Observation | None = None
@@ -156,13 +165,14 @@ class EpisodeRollout:
     float`. sampling: how turns are drawn; its `eos_id` ends an action. record: optional, called
     with every `EpisodeResult` of a collection that finished, and with the failed episode's when
     one aborts it. workers: threads that run environment steps, resets and verifiers at once.
-    estimator: the group baseline ("group", "mean" or "rloo").
+    estimator: the group baseline ("group", "mean" or "rloo"). journal: an `EpisodeJournal` that
+    makes collections resumable; its environments need `get_state()` and `set_state(bytes)`.
     """
 
     def __init__(self, policy, environment: EnvironmentFactory, verifier: Verifier, *,
                  max_prompt_tokens: int, max_new_tokens: int, max_turns: int, groups: int,
                  sampling: Sampling = Sampling(), record: Callable[[EpisodeResult], Any] | None = None,
-                 workers: int = 8, estimator: str = "group"):
+                 workers: int = 8, estimator: str = "group", journal: EpisodeJournal | None = None):
         if not callable(getattr(policy, "bind", None)):
             raise TypeError("EpisodeRollout.policy must have bind(snapshot), e.g. "
                             "dew_lib.inference.TextGeneration(model, variables)")
@@ -180,6 +190,9 @@ class EpisodeRollout:
                               accepts="an integer >= 2 (group-relative advantages compare episodes)")
         self.workers = integer("EpisodeRollout.workers", workers)
         algorithms.advantage_function(estimator)
+        if journal is not None and not isinstance(journal, EpisodeJournal):
+            raise TypeError(f"EpisodeRollout.journal must be an EpisodeJournal or None, got {type(journal).__name__}")
+        self.journal = journal
         self.policy, self.environment, self.verifier = policy, environment, verifier
         self.sampling, self.record, self.estimator = sampling, record, estimator
         self.last_results: list[EpisodeResult] = []
@@ -205,20 +218,26 @@ class EpisodeRollout:
         then sample order. step: the attempted-work clock (episode identities); policy_step: the
         committed update clock (each action's version)."""
         tasks = _tasks(batch)
+        log = self._log(snapshot, tasks, key, step, policy_step)
+        restored = log.restored()
         policy = self.policy.bind(snapshot)
         seeds = _seeds(key, len(tasks), self.groups)
         slots = [_Slot(task, EpisodeId(task=task.id, group=b, sample=g, attempt=0,
-                                       seed=int(seeds[b, g]), step=step))
+                                       seed=int(seeds[b, g]), step=step), index=b * self.groups + g)
                  for b, task in enumerate(tasks) for g in range(self.groups)]
         opened: list[_Slot] = []
         try:
             with concurrent.futures.ThreadPoolExecutor(min(self.workers, len(slots))) as pool:
                 for slot in slots:  # on this thread: a worker process dies with the thread that started it
-                    slot.manager, slot.environment = _enter(slot, self.environment)
+                    slot.manager, slot.environment = _enter(slot, self.environment, log.journaled)
                     opened.append(slot)
                 _each(pool, slots, "reset", self._reset)
+                snapshots = restored.snapshots()  # each restored slot resumes from its last answer
+                _each(pool, [s for s in slots if s.index in snapshots], "set_state",
+                      lambda s: s.environment.set_state(snapshots[s.index]))
                 for turn in range(self.max_turns):
-                    if not self._turn(pool, policy, slots, turn, jax.random.fold_in(key, turn), policy_step):
+                    if not self._turn(pool, policy, slots, turn, jax.random.fold_in(key, turn), policy_step,
+                                      log, restored):
                         break
                 for slot in slots:
                     if slot.status is EpisodeStatus.RUNNING:
@@ -229,11 +248,24 @@ class EpisodeRollout:
             self._abort(opened, policy.binding, error)
             raise
         results = [self._release(slot, policy.binding) for slot in slots]
+        log.finished([slot.reward for slot in slots])
         self.last_results = results
         if self.record is not None:
             for result in results:
                 self.record(result)
         return results
+
+    def _log(self, snapshot, tasks: list[Task], key, step: int, policy_step: int):
+        """The journal's log of this collection (a restored one when the journal holds it
+        unfinished), or a log that keeps nothing without a journal."""
+        if self.journal is None:
+            return Unjournaled()
+        identity = collection_identity(snapshot, key, step=step, policy_step=policy_step,
+                                       tasks=[t.id for t in tasks], groups=self.groups,
+                                       max_prompt_tokens=self.max_prompt_tokens,
+                                       max_new_tokens=self.max_new_tokens, max_turns=self.max_turns,
+                                       sampling=self.sampling)
+        return self.journal.open_collection(identity)
 
     # ----- the steps of a collection -----------------------------------------------------------
     def _reset(self, slot: _Slot) -> None:
@@ -252,9 +284,11 @@ class EpisodeRollout:
         else:
             slot.end(observation.status, observation.detail)
 
-    def _turn(self, pool, policy, slots: list[_Slot], turn: int, key, policy_step: int) -> bool:
-        """Sample one action for every running slot and send the finished ones to their
-        environments; False when no slot was running."""
+    def _turn(self, pool, policy, slots: list[_Slot], turn: int, key, policy_step: int, log,
+              restored: Restored) -> bool:
+        """Draw one action for every running slot (the journal's saved draws of the round when it
+        has them, else sampled and saved before any tool call) and send the finished ones to
+        their environments; False when no slot was running."""
         for slot in slots:
             if slot.status is EpisodeStatus.RUNNING and slot.context.size > self.max_prompt_tokens:
                 slot.end(EpisodeStatus.TRUNCATED, f"the context of {slot.context.size} ids exceeds "
@@ -262,21 +296,15 @@ class EpisodeRollout:
         running = [s.status is EpisodeStatus.RUNNING for s in slots]
         if not any(running):
             return False
-        inert = np.zeros(1, np.int32)
-        contexts = [s.context if live else inert for s, live in zip(slots, running, strict=True)]
-        try:
-            drawn = policy(contexts, max_new_tokens=self.max_new_tokens, key=key, sampling=self.sampling,
-                           width=self.max_prompt_tokens)
-        except BaseException as error:
-            raise _SlotError(slots[running.index(True)], "policy", error, str(error)) from error
+        draws = restored.round(turn, {s.index: s.context for s, live in zip(slots, running, strict=True) if live})
+        if draws is None:
+            draws = self._sample(policy, slots, running, key)
+            log.pending(turn, draws)
         sent = []
         for n, slot in enumerate(slots):
             if not running[n]:
                 continue
-            count = int(drawn.lengths[n])
-            action = Action(context=slot.context, tokens=drawn.tokens[n, :count], terminated=bool(drawn.stopped[n]),
-                            step=turn, raw_log_probs=drawn.log_probs[n, :count],
-                            behavior_log_probs=drawn.behavior_log_probs[n, :count], policy_step=policy_step)
+            action = draws[slot.index].action(turn, policy_step)
             check_action(action, self.sampling.eos_ids)
             if action.terminated:
                 sent.append((slot, action))
@@ -284,13 +312,41 @@ class EpisodeRollout:
                 slot.transitions.append(Transition(action, None))
                 slot.end(EpisodeStatus.TRUNCATED, f"turn {turn} used its whole budget of "
                          f"{self.max_new_tokens} ids without EOS")
-        _each(pool, sent, "step", lambda pair: self._step(*pair))
+        _each(pool, sent, "step", lambda pair: self._step(*pair, log, restored))
         return True
 
-    def _step(self, slot: _Slot, action: Action) -> None:
+    def _sample(self, policy, slots: list[_Slot], running: list[bool], key) -> dict[int, PendingDraw]:
+        """One policy call for the whole cohort (finished slots read an inert context and their
+        draw is dropped): slot index -> its draw."""
+        inert = np.zeros(1, np.int32)
+        contexts = [s.context if live else inert for s, live in zip(slots, running, strict=True)]
+        try:
+            drawn = policy(contexts, max_new_tokens=self.max_new_tokens, key=key, sampling=self.sampling,
+                           width=self.max_prompt_tokens)
+        except BaseException as error:
+            raise _SlotError(slots[running.index(True)], "policy", error, str(error)) from error
+        draws = {}
+        for n, slot in enumerate(slots):
+            if running[n]:
+                count = int(drawn.lengths[n])
+                draws[slot.index] = PendingDraw(slot.context, drawn.tokens[n, :count], drawn.log_probs[n, :count],
+                                                drawn.behavior_log_probs[n, :count], bool(drawn.stopped[n]))
+        return draws
+
+    def _step(self, slot: _Slot, action: Action, log, restored: Restored) -> None:
+        """Send the action to the environment and commit its answer with a snapshot; a turn the
+        journal already holds is taken from it instead (the environment has its snapshot)."""
+        done = restored.turns.get((action.step, slot.index))
+        if done is not None:
+            slot.transitions.append(Transition(action, done.observation, done.seconds))
+            self._observe(slot, done.observation)
+            return
         started = time.perf_counter()
         observation = _observation(slot, "step", slot.environment.step(action))
-        slot.transitions.append(Transition(action, observation, time.perf_counter() - started))
+        transition = Transition(action, observation, time.perf_counter() - started)
+        if log.journaled and observation.status not in _UNRECORDED:  # a failure is retried, not replayed
+            log.completed(slot.index, transition, _snapshot(slot))
+        slot.transitions.append(transition)
         self._observe(slot, observation)
 
     def _verify(self, slot: _Slot, origin: int) -> None:
@@ -346,6 +402,7 @@ class EpisodeRollout:
 
 
 _SCORED = (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED)
+_UNRECORDED = (EpisodeStatus.ERROR, EpisodeStatus.CANCELLED)
 
 
 def _tasks(batch: Mapping[str, Any]) -> list[Task]:
@@ -364,15 +421,33 @@ def _seeds(key: jax.Array, tasks: int, groups: int) -> np.ndarray:
     return np.random.SeedSequence([int(x) for x in data]).generate_state(tasks * groups).reshape(tasks, groups)
 
 
-def _enter(slot: _Slot, factory: EnvironmentFactory):
+def _enter(slot: _Slot, factory: EnvironmentFactory, snapshots: bool):
     """(the context manager, the environment it gave) for the slot; what `__enter__` returns is
-    the environment unless that is None."""
+    the environment unless that is None. snapshots: refuse an environment without get_state and
+    set_state (a journal needs them) before it runs anything."""
     try:
         manager = factory(slot.task, slot.identity)
         entered = manager.__enter__()
     except BaseException as error:
         raise _SlotError(slot, "environment", error, f"entering failed: {_describe(error)}") from error
-    return manager, manager if entered is None else entered
+    environment = manager if entered is None else entered
+    missing = [m for m in ("get_state", "set_state") if not callable(getattr(environment, m, None))]
+    if snapshots and missing:
+        manager.__exit__(None, None, None)
+        raise TypeError(f"EpisodeRollout.journal needs environments with get_state() -> bytes and "
+                        f"set_state(bytes), and {type(environment).__name__} has no {' or '.join(missing)}; "
+                        "add them (the snapshot must hold what later steps and the verifier read) or "
+                        "drop the journal")
+    return manager, environment
+
+
+def _snapshot(slot: _Slot) -> bytes:
+    """The environment's state after an answer, for the journal."""
+    state = slot.environment.get_state()
+    if not isinstance(state, (bytes, bytearray)):
+        raise _SlotError(slot, "environment", None,
+                         f"get_state() returned {type(state).__name__}; a journal snapshot is bytes")
+    return bytes(state)
 
 
 def _each(pool, items: Sequence[Any], where: str, work: Callable[[Any], None]) -> None:

@@ -343,7 +343,9 @@ class EnvironmentSource(_Source):
             except Exception as error:  # noqa: BLE001 - a failed draw is an infrastructure failure
                 return Status.INFRA_ERROR, f"draw failed: {_describe(error)}", first, transitions
             calls.append(_call(context, draw))
-            action = Action(context=context, tokens=draw.ids, terminated=draw.eos, step=turn)
+            action = Action(context=context, tokens=draw.ids, terminated=draw.eos, step=turn,
+                            raw_log_probs=draw.raw_log_probs, behavior_log_probs=draw.behavior_log_probs,
+                            policy_step=draw.version)
             if not draw.eos:
                 transitions.append(Transition(action, None))
                 return (Status.TRUNCATED, f"turn {turn} used its whole budget of "
