@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
-from common import LLAMA_8M, in_subprocess, report, threads, torch_train_step  # noqa: E402
+from common import LLAMA_8M, in_subprocess, report, torch_train_step  # noqa: E402
 
 VOCABS = (8192, 151_936)
 

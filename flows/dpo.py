@@ -1,7 +1,8 @@
 """dpo: direct preference optimization against the starting policy, from a saved policy.
 
 With `pairs="policy"` (the default) the pairs come from the starting policy's own wrong answers
-(tasks/pairs.py); with `pairs="data"` from the prepared pairs file.
+(tasks/pairs.py); with `pairs="data"` from the prepared pairs file. `max_epochs` caps the steps
+at that many passes over the pairs.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 from prefect import flow
 
 from tasks.manifests import DataManifest, PolicyRef, StageResult
-from tasks.pairs import policy_pairs
+from tasks.pairs import epochs_capped, policy_pairs
 from tasks.params import DPOParams
 from tasks.train import train_stage
 
@@ -24,4 +25,5 @@ def dpo(params: DPOParams, data: DataManifest, start: PolicyRef, directory: str,
                                                                   os.path.join(directory, "pairs"), seed)})
     elif data.pairs_path is None:
         raise ValueError("DPOParams(pairs='data') needs DataParams.pairs_path")
-    return train_stage("dpo", "dpo", params, data, start, directory, store_root, run, seed)
+    return train_stage("dpo", "dpo", epochs_capped(params, data.pairs_path), data, start, directory,
+                       store_root, run, seed)

@@ -12,6 +12,7 @@ probability away from answers the policy would not have given.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from prefect import get_run_logger, task
@@ -67,3 +68,17 @@ def policy_pairs(params: DPOParams, data: DataManifest, start: PolicyRef, direct
     write_json(os.path.join(directory, "pairs.json"), {"fingerprint": key, "pairs": len(pairs)})
     logger.info("%d pairs from the policy's wrong answers to %d prompts", len(pairs), len(rows))
     return path
+
+
+def epochs_capped(params: DPOParams, pairs_path: str) -> DPOParams:
+    """`params` with `steps` cut to `max_epochs` passes over the pairs in `pairs_path`."""
+    if params.max_epochs is None:
+        return params
+    with open(pairs_path, encoding="utf-8") as handle:
+        pairs = sum(1 for line in handle if line.strip())
+    steps = max(1, math.ceil(params.max_epochs * pairs / params.batch))
+    if steps >= params.steps:
+        return params
+    get_run_logger().info("dpo: %d steps instead of %d: %d pairs at batch %d make %g passes "
+                          "(dpo.max_epochs)", steps, params.steps, pairs, params.batch, params.max_epochs)
+    return params.model_copy(update={"steps": steps})

@@ -216,6 +216,10 @@ class DPOParams(StageParams):
     pair_prompts: int = Field(8000, ge=1, description="policy pairs: prompts the policy answers")
     pair_temperature: float = Field(1.0, ge=0, description="policy pairs: temperature of the "
                                     "policy's answers (0: greedy, what evaluation measures)")
+    max_epochs: float | None = Field(2.0, gt=0, description="passes over the pairs at most: with "
+                                     "fewer pairs than steps x batch / max_epochs, steps are cut to "
+                                     "fit (a strong policy makes few mistakes; many passes over "
+                                     "them overfit); None: always `steps`")
 
 
 class GRPOParams(StageParams):
