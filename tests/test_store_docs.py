@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from dew_lib.diffusion.flow_rollout import FlowRolloutRecord
-from dew_lib.records.sessions import Call, Session, Status
+from dew_lib.records.episodes import Action, Episode, EpisodeId, EpisodeStatus, Observation, Transition
+from dew_lib.records.sessions import Call, Session, Status, Task
+from dew_lib.rollouts.episodes import session_of
 from dew_lib.store import TABLES, Evaluation, Prompt, Store, Verdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,6 +73,21 @@ def store(tmp_path_factory):
                                         calls=(call,) if done else (), reward=1.0 if done else None)],
                                update=update, latencies=[latency], causes=cause,
                                trained=cause == "admitted")
+    with store.writer("demo-3") as run:  # tool episodes: a turn per action, one tool error
+        run.start()
+        with run.stage("tools", kind="grpo") as stage:
+            first = Observation([5, 6])
+            call = Action(context=[5, 6], tokens=[7, 2], terminated=True, step=0,
+                          behavior_log_probs=[-0.5, -0.5])
+            answer = Action(context=[5, 6, 7, 2, 9], tokens=[8, 2], terminated=True, step=1,
+                            behavior_log_probs=[-0.5, -0.5])
+            episodes = [Episode(Task("1"), EpisodeId("1", 0, 0, 0, 0), EpisodeStatus.COMPLETED, "answered", first,
+                                (Transition(call, Observation([5, 6, 7, 2, 9]), 0.25),
+                                 Transition(answer, Observation(status="completed", detail="answered"), 0.5))),
+                        Episode(Task("1"), EpisodeId("1", 0, 1, 0, 0), EpisodeStatus.ERROR, "tool error", first,
+                                (Transition(call, Observation(status="error", detail="division by zero"), 1.5),))]
+            stage.sessions([session_of(e, group=0, reward=1.0 if e.status is EpisodeStatus.COMPLETED else None)
+                            for e in episodes], update=0, episodes=episodes)
     return store
 
 

@@ -21,7 +21,7 @@ from dew_lib.inference import TextGeneration
 from dew_lib.objectives import GRPOObjective, LMObjective, loss
 from dew_lib.records.episodes import Action, Observation, check_action
 from dew_lib.rollouts import (EpisodeCancelled, EpisodeFailure, EpisodeResult, EpisodeRollout,
-                              SubprocessEnvironment, project, session_of)
+                              SubprocessEnvironment, ToolFailure, project, session_of)
 from dew_lib.sandbox import SandboxLimits
 from dew_lib.sampling import Sampling
 from dew_lib.train.sinks import MemorySink
@@ -106,9 +106,9 @@ def protocol():
     return trained_policy()
 
 
-def rollout(environment=Square, verifier=verify, **options):
+def rollout(environment=Square, verifier=verify, policy=None, **options):
     settings = dict(max_prompt_tokens=P, max_new_tokens=R, max_turns=T, groups=4, sampling=SAMPLING)
-    return EpisodeRollout(TextGeneration(MODEL), environment, verifier, **{**settings, **options})
+    return EpisodeRollout(policy or TextGeneration(MODEL), environment, verifier, **{**settings, **options})
 
 
 def tasks(*ids):
@@ -346,6 +346,43 @@ def test_a_cohort_of_tool_workers_plays_exactly_as_the_in_process_tool(protocol,
     assert len(audit.read_text().splitlines()) == sum(
         t.observation is not None and t.observation.detail.startswith("square")
         for r in remote for t in r.episode.transitions) >= len(called) > 0
+
+
+@pytest.mark.parametrize("how, says", [("hang", "deadline"), ("crash", "exit"), ("flood", "bytes"),
+                                       ("malformed", "context"), ("raise", "the calculator is broken")])
+def test_a_misbehaving_tool_worker_aborts_the_collection_and_every_worker_is_reaped(protocol, how, says):
+    workers = SubprocessEnvironment((sys.executable, str(WORKERS / "square_tool.py")),
+                                    SandboxLimits(wall_seconds=5, max_output_bytes=1 << 16), env={"MISBEHAVE": how})
+    pids = []
+
+    @contextlib.contextmanager
+    def counted(task, identity):
+        with workers(task, identity) as environment:
+            pids.append(environment.pid)
+            yield environment
+
+    with pytest.raises(EpisodeFailure) as raised:
+        rollout(counted).collect(protocol, tasks(5, 6), jax.random.key(0))
+    assert raised.value.episode.task.id == "6" and isinstance(raised.value.__cause__, ToolFailure)
+    assert says in str(raised.value.__cause__).lower()
+    assert len(pids) == 8 and not any(_alive(pid) for pid in pids)
+
+
+def test_a_cancellation_mid_draw_stops_the_collection_and_releases_every_environment(protocol):
+    class Interrupted(TextGeneration):
+        def bind(self, snapshot):
+            bound = super().bind(snapshot)
+
+            def sample(*args, **kwargs):
+                raise asyncio.CancelledError("stopped while drawing")
+
+            sample.binding = bound.binding
+            return sample
+
+    with pytest.raises(EpisodeCancelled) as raised:
+        rollout(policy=Interrupted(MODEL)).collect(protocol, tasks(1, 2), jax.random.key(0))
+    assert isinstance(raised.value.__cause__, asyncio.CancelledError)
+    assert Square.opened == Square.released == 8
 
 
 def _alive(pid):
