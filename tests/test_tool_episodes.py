@@ -317,17 +317,24 @@ def test_an_episode_whose_release_fails_is_thrown_out_and_the_rest_train(protoco
     assert not np.any(batch["session_index"] == 1)
 
 
+def noting_pids(factory, pids):
+    """`factory`, appending each worker's pid to `pids` while it is entered."""
+
+    @contextlib.contextmanager
+    def counted(task, identity):
+        with factory(task, identity) as environment:
+            pids.append(environment.pid)
+            yield environment
+
+    return counted
+
+
 def test_a_cohort_of_tool_workers_plays_exactly_as_the_in_process_tool(protocol, tmp_path):
     audit = tmp_path / "audit"
     workers = SubprocessEnvironment((sys.executable, str(WORKERS / "square_tool.py")),
                                     SandboxLimits(wall_seconds=60), env={"AUDIT": str(audit)})
     pids = []
-
-    @contextlib.contextmanager
-    def counted(task, identity):
-        with workers(task, identity) as environment:
-            pids.append(environment.pid)
-            yield environment
+    counted = noting_pids(workers, pids)
 
     key = jax.random.key(4)
     remote = rollout(counted, groups=8).collect(protocol, tasks(*range(4)), key)
@@ -354,12 +361,7 @@ def test_a_misbehaving_tool_worker_aborts_the_collection_and_every_worker_is_rea
     workers = SubprocessEnvironment((sys.executable, str(WORKERS / "square_tool.py")),
                                     SandboxLimits(wall_seconds=5, max_output_bytes=1 << 16), env={"MISBEHAVE": how})
     pids = []
-
-    @contextlib.contextmanager
-    def counted(task, identity):
-        with workers(task, identity) as environment:
-            pids.append(environment.pid)
-            yield environment
+    counted = noting_pids(workers, pids)
 
     with pytest.raises(EpisodeFailure) as raised:
         rollout(counted).collect(protocol, tasks(5, 6), jax.random.key(0))
