@@ -1,5 +1,6 @@
-"""The deployments, served from this process: the pipeline and the image pipeline to start from
-the UI with edited parameters, and a nightly retraining on a cron schedule. `make ui` runs this
+"""The deployments, served from this process: the pipeline (also preset to the calculator tool
+task, `tool-episodes`) and the image pipeline to start from the UI with edited parameters, and a
+nightly retraining on a cron schedule. `make ui` runs this
 beside a local Prefect server; on a team's server, run it (or `prefect deploy` with prefect.yaml
 and a process worker) where the repository and its data are.
 
@@ -32,6 +33,7 @@ from flows.pipeline import pipeline  # noqa: E402
 from flows.retrain import retrain  # noqa: E402
 
 RETRAIN_CRON = os.environ.get("DEW_RETRAIN_CRON", "0 3 * * *")
+TOOL_EPISODES = {"params": {"name": "tools", "data": {"source": "tools"}, "stages": ["sft", "grpo"]}}
 
 
 def deployments():
@@ -39,6 +41,9 @@ def deployments():
         pipeline.to_deployment(
             name="pipeline", tags=["dew"],
             description="Data prep, SFT, DPO, GRPO and evaluation; edit any parameter in the form"),
+        pipeline.to_deployment(
+            name="tool-episodes", tags=["dew"], parameters=TOOL_EPISODES,
+            description="The pipeline on the calculator task: SFT, then GRPO on tool episodes"),
         flow_grpo_pipeline.to_deployment(
             name="flow-grpo", tags=["dew"],
             description="Flow-matching pre-training of a small diffusion transformer, then Flow-GRPO"),

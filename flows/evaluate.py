@@ -6,11 +6,12 @@ from prefect import flow
 
 from tasks.evaluate import evaluate_policy
 from tasks.manifests import DataManifest, EvalResult, PolicyRef
-from tasks.params import EvalParams, RewardParams
+from tasks.params import EvalParams, RewardParams, ToolParams
 
 
 @flow(name="evaluate")
 def evaluate(stage: str, policy: PolicyRef, data: DataManifest, params: EvalParams = EvalParams(),
              directory: str = "runs/demo", store_root: str = "runs", run: str = "evaluate",
-             step: int = 0, reward: RewardParams = RewardParams()) -> EvalResult:
-    return evaluate_policy(stage, policy, data, params, directory, store_root, run, step, reward)
+             step: int = 0, reward: RewardParams = RewardParams(),
+             tools: ToolParams = ToolParams()) -> EvalResult:
+    return evaluate_policy(stage, policy, data, params, directory, store_root, run, step, reward, tools)

@@ -3,6 +3,8 @@
 `params.mode="sync"` draws each batch on the trainer's device before its update (SampledRollout);
 `"async"` draws the next batches on the native rollout server while the trainer updates
 (dew_lib/recipes/scheduled.py, docs/rl.md "Asynchronous GRPO"); dew_lib.recipes builds either.
+On a tool task (`data.tool`, data.source="tools") each prompt is a tool episode shaped by `tools`
+(dew_lib/recipes/episodes.py, docs/episodes.md).
 """
 
 from __future__ import annotations
@@ -10,12 +12,12 @@ from __future__ import annotations
 from prefect import flow
 
 from tasks.manifests import DataManifest, PolicyRef, StageResult
-from tasks.params import GRPOParams, RewardParams
+from tasks.params import GRPOParams, RewardParams, ToolParams
 from tasks.train import train_stage
 
 
 @flow(name="grpo")
 def grpo(params: GRPOParams, data: DataManifest, start: PolicyRef, directory: str,
          store_root: str = "runs", run: str = "grpo", seed: int = 0,
-         reward: RewardParams = RewardParams()) -> StageResult:
-    return train_stage("grpo", "grpo", params, data, start, directory, store_root, run, seed, reward)
+         reward: RewardParams = RewardParams(), tools: ToolParams = ToolParams()) -> StageResult:
+    return train_stage("grpo", "grpo", params, data, start, directory, store_root, run, seed, reward, tools)

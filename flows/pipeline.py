@@ -62,16 +62,15 @@ def _stages(params: PipelineParams, directory: str, store_root: str, run: str):
     data = data_prep(params.data, os.path.join(directory, "data"), params.seed)
     check_lengths(data, params)  # logs what each length cuts; refuses before anything trains
     policy = initial_policy(params.model, data, os.path.join(directory, "init"), params.seed)
-    start = evaluate("start", policy, data, params.evaluation, directory, store_root, run,
-                     reward=params.reward)
+    graded = {"reward": params.reward, "tools": params.tools}
+    start = evaluate("start", policy, data, params.evaluation, directory, store_root, run, **graded)
     table = [_row("start", start, start.cached)]  # its only work is the evaluation
     for stage in params.stages:
-        graded = {"reward": params.reward} if stage == "grpo" else {}
         result = STAGES[stage](getattr(params, stage), data, policy, os.path.join(directory, stage),
-                               store_root, run, params.seed, **graded)
+                               store_root, run, params.seed, **(graded if stage == "grpo" else {}))
         policy = result.policy
         accuracy = evaluate(stage, policy, data, params.evaluation, directory, store_root, run,
-                            getattr(params, stage).steps, reward=params.reward)
+                            getattr(params, stage).steps, **graded)
         table.append(_row(stage, accuracy, result.cached))  # the stage reused, not its evaluation
     return table, policy
 

@@ -385,6 +385,10 @@ def prepare_data(params: DataParams, directory: str, seed: int) -> DataManifest:
         manifest = user_files(params) if params.read_as_given() else mapped_files(params, directory)
     elif params.source == "code":
         manifest = prepare_code(params, directory, seed)
+    elif params.source == "tools":
+        from tasks.tool_task import generate_tools
+
+        manifest = generate_tools(params, directory, seed)
     else:
         manifest = generate_arithmetic(params, directory, seed)
     logger.info("data ready in %s (fingerprint %s)", manifest.directory, manifest.fingerprint)

@@ -16,16 +16,21 @@ import os
 import jax
 import numpy as np
 from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
 
 from dew_lib.sampling import Sampling, generate
 from dew_lib.store import Evaluation
 from tasks.data import read_eval
 from tasks.manifests import DataManifest, EvalResult, PolicyRef, fingerprint
-from tasks.params import EvalParams, RewardParams
+from tasks.params import EvalParams, RewardParams, ToolParams
 from tasks.policy import load_policy
 from tasks.records import open_stage, stage_completed
 from tasks.rewards import TaskReward, score_all, verdicts
 from tasks.storage import read_json, write_json
+from tasks.tool_task import episode_answers
+from tasks.ui import run_key
+
+TRANSCRIPTS = 3  # greedy episodes an evaluation of a tool task shows in its artifact
 
 
 def prompt_ids(tokenizer, prompt) -> list[int]:
@@ -65,40 +70,74 @@ def draw_answers(model, variables, tokenizer, prompts: list[list[int]], params: 
     return answers
 
 
+def _episode_answers(pretrained, variables, tokenizer_dir: str, prompts: list[list[int]], params: EvalParams,
+                     tools: ToolParams) -> tuple[list[str], list[str], list[str]]:
+    """(greedy replies, drawn replies, the transcript of each) of tool episodes on `prompts`."""
+    model, tokenizer = pretrained.model, pretrained.tokenizer
+    greedy = episode_answers(model, variables, tokenizer, tokenizer_dir, prompts, params.max_new_tokens, tools,
+                             temperature=0.0, samples=1, seed=params.seed)
+    drawn = episode_answers(model, variables, tokenizer, tokenizer_dir, prompts, params.max_new_tokens, tools,
+                            temperature=params.temperature, samples=params.samples,
+                            seed=params.seed) if params.samples else []
+    return ([reply for reply, _ in greedy], [reply for reply, _ in drawn],
+            [text for _, text in greedy + drawn])
+
+
+def publish_transcripts(stage: str, results: list[Evaluation]) -> None:
+    """A markdown artifact with the first greedy episodes of an evaluation, scored."""
+    lines = [f"### {stage}: tool episodes on held-out prompts (greedy)", ""]
+    for result in results:
+        prompt = result.prompt if isinstance(result.prompt, str) else result.prompt[-1]["content"]
+        lines += [f"**{prompt}** (reference {result.reference}; score {result.score:g})", "", "```",
+                  result.detail.strip() or "(no reply)", "```", ""]
+    create_markdown_artifact("\n".join(lines), key=run_key(stage, "transcripts"),
+                             description=f"{stage}: tool episodes on held-out prompts")
+
+
 @task(retries=1, retry_delay_seconds=1, task_run_name="evaluate-{stage}")
 def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: EvalParams,
                     directory: str, store_root: str, run: str, step: int = 0,
-                    reward: RewardParams | None = None) -> EvalResult:
+                    reward: RewardParams | None = None, tools: ToolParams | None = None) -> EvalResult:
     """Held-out accuracy of `policy`; every answer, its score and its programs land in the store.
 
     reward: how answers are graded (tasks/rewards.py). Saved answers are graded again, so it is
-    not part of the fingerprint that reuses them.
+    not part of the fingerprint that reuses them. tools: on a tool task (data.tool), each answer
+    is the last reply of an episode shaped by these (tasks/tool_task.py), its transcript the
+    evaluation's `detail`, and a few greedy transcripts the `<run>-<stage>-transcripts` artifact.
     """
     logger = get_run_logger()
-    key = fingerprint("evaluate", policy.fingerprint, data.fingerprint, params)
+    episodes = tools or ToolParams() if data.tool is not None else None
+    key = fingerprint("evaluate", policy.fingerprint, data.fingerprint, params, *[episodes] * (episodes is not None))
     saved_path = os.path.join(directory, f"evaluation-{stage}.json")
     saved = read_json(saved_path)
     rows = read_eval(data.eval_path)[: params.limit]  # EvalParams.limit: the first rows only
     k = params.samples
     if saved is not None and saved.get("fingerprint") == key:
         answers, drawn, cached = saved["answers"], saved["sampled"], True
+        details = saved.get("details", [""] * (len(answers) + len(drawn)))
     else:
         pretrained, variables = load_policy(policy, data.tokenizer)
         tokenizer = pretrained.tokenizer
         prompts = [prompt_ids(tokenizer, row["prompt"]) for row in rows]
-        answers, cached = answer_all(pretrained.model, variables, tokenizer, prompts, params), False
-        drawn = [text for text, _, _ in draw_answers(  # draw j of prompt i at j * len(rows) + i
-            pretrained.model, variables, tokenizer, prompts * k, params,
-            temperature=params.temperature, seed=params.seed)] if k else []
+        if episodes is not None:
+            answers, drawn, details = _episode_answers(pretrained, variables, data.tokenizer or policy.path,
+                                                       prompts, params, episodes)
+        else:
+            answers = answer_all(pretrained.model, variables, tokenizer, prompts, params)
+            drawn = [text for text, _, _ in draw_answers(  # draw j of prompt i at j * len(rows) + i
+                pretrained.model, variables, tokenizer, prompts * k, params,
+                temperature=params.temperature, seed=params.seed)] if k else []
+            details = [""] * (len(answers) + len(drawn))
+        cached = False
     graded_rows = rows * (1 + k)
     with TaskReward(reward or RewardParams()) as grader:
         scores, runs = score_all(grader, graded_rows, answers + drawn)
     results = [Evaluation(item=n % len(rows), prompt=row["prompt"], answer=answer, score=score,
                           reference=str(row["ground_truth"]), task=str(row.get("task_id", "")),
-                          correct=score >= 1.0, sample=n // len(rows),
+                          correct=score >= 1.0, sample=n // len(rows), detail=detail,
                           temperature=params.temperature if n >= len(rows) else 0.0)
-               for n, (row, answer, score) in enumerate(zip(graded_rows, answers + drawn, scores,
-                                                            strict=True))]
+               for n, (row, answer, score, detail) in enumerate(zip(graded_rows, answers + drawn, scores,
+                                                                    details, strict=True))]
     accuracy = float(np.mean([r.correct for r in results[:len(rows)]]))
     sampled = float(np.mean([r.correct for r in results[len(rows):]])) if k else None
     if not (cached and stage_completed(store_root, run, f"eval-{stage}")):  # else recorded already
@@ -107,7 +146,10 @@ def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: E
             writer.finish("completed", {"accuracy": accuracy,
                                         **({} if sampled is None else {"sampled_accuracy": sampled})})
     if not cached:
-        write_json(saved_path, {"fingerprint": key, "answers": answers, "sampled": drawn})
+        write_json(saved_path, {"fingerprint": key, "answers": answers, "sampled": drawn,
+                                **({"details": details} if episodes is not None else {})})
+    if episodes is not None:
+        publish_transcripts(stage, results[:min(len(rows), TRANSCRIPTS)])
     logger.info("%s: %.1f%% of %d held-out greedy answers correct%s", stage, 100 * accuracy,
                 len(rows), "" if sampled is None else
                 f"; {100 * sampled:.1f}% of the {k} answers drawn per prompt at temperature "

@@ -24,6 +24,7 @@ class DataManifest(Manifest):
     prompts_path: str | None
     eval_path: str
     fingerprint: str
+    tool: str | None = None  # the tool its prompts are episodes with ("calculator"), or None
 
 
 class PolicyRef(Manifest):

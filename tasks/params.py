@@ -98,12 +98,16 @@ GSM8K_COLUMNS = '{"prompt": "question", "completion": "answer", "ground_truth": 
 
 
 class DataParams(Params):
-    source: Literal["arithmetic", "files", "code"] = Field(
+    source: Literal["arithmetic", "files", "code", "tools"] = Field(
         "arithmetic", description="'arithmetic' generates the demo task from the seed; 'files' "
-        "reads the four paths below; 'code' turns an MBPP or HumanEval file (code_path) into prompts")
-    train_problems: int = Field(20_000, ge=100, description="arithmetic: problems generated for training")
-    test_problems: int = Field(200, ge=10, description="arithmetic: held-out problems for evaluation")
-    vocab_size: int = Field(320, ge=260, description="arithmetic: size of the byte-level BPE tokenizer it trains")
+        "reads the four paths below; 'code' turns an MBPP or HumanEval file (code_path) into prompts; "
+        "'tools' generates two-digit products answered with a calculator tool (GRPO and evaluation "
+        "run tool episodes, see ToolParams)")
+    train_problems: int = Field(20_000, ge=100, description="arithmetic, tools: problems generated for training")
+    test_problems: int = Field(200, ge=10, description="arithmetic, tools: held-out problems for evaluation")
+    vocab_size: int = Field(320, ge=260, description="arithmetic, tools: size of the byte-level BPE tokenizer it trains")
+    tool_share: float = Field(0.5, ge=0, le=1, description="tools: share of the SFT conversations that "
+                              "call the calculator; the others answer at once")
     chat_path: str | None = Field(None, description="files: SFT conversations (.jsonl/.parquet, 'messages' column)")
     pairs_path: str | None = Field(None, description="files: DPO pairs (.jsonl/.parquet: chosen, rejected, masks)")
     prompts_path: str | None = Field(None, description="files: GRPO prompts (.jsonl/.parquet: prompt, ground_truth)")
@@ -271,6 +275,20 @@ class RewardParams(Params):
     all_or_nothing: bool = Field(False, description="code: 1.0 only when every test passes, else 0.0")
 
 
+class ToolParams(Params):
+    """Tool episodes (data.source='tools'): how long an episode may run and its calculator worker's
+    limits. GRPO and evaluation both run them (dew_lib.rollouts.EpisodeRollout)."""
+
+    max_turns: int = Field(2, ge=1, description="model turns per episode (a call, then the answer)")
+    max_context: int = Field(64, ge=8, description="ids a turn may read: the prompt, earlier turns and "
+                             "the tool's answers; a longer context truncates the episode")
+    wall_seconds: float = Field(60.0, gt=0, description="each calculator worker's wall and CPU deadline "
+                                "for its episode")
+    memory_mb: int = Field(512, ge=64, description="each calculator worker's memory limit in MiB")
+    workers: int = Field(8, ge=1, description="threads that step the episodes' tools at once")
+    alive: int = Field(64, ge=2, description="evaluation: episodes (worker processes) open at once")
+
+
 class EvalParams(Params):
     max_new_tokens: int = Field(16, ge=1, description="answer budget")
     batch: int = Field(100, ge=1, description="prompts generated at once")
@@ -296,14 +314,24 @@ class PipelineParams(Params):
     grpo: GRPOParams = GRPOParams()
     evaluation: EvalParams = EvalParams()
     reward: RewardParams = RewardParams()
+    tools: ToolParams = ToolParams()
     stages: tuple[Literal["sft", "dpo", "grpo"], ...] = Field(
         ("sft", "dpo", "grpo"), description="stages to run, in order")
 
     @model_validator(mode="after")
     def _code_has_no_pairs(self) -> PipelineParams:
-        if self.data.source == "code" and "dpo" in self.stages:
-            raise ValueError("data.source='code' has no preference pairs for DPO; choose stages "
-                             "without 'dpo', e.g. stages=['sft', 'grpo']")
+        if self.data.source in ("code", "tools") and "dpo" in self.stages:
+            raise ValueError(f"data.source={self.data.source!r} has no preference pairs for DPO; choose "
+                             "stages without 'dpo', e.g. stages=['sft', 'grpo']")
+        return self
+
+    @model_validator(mode="after")
+    def _episodes_fit(self) -> PipelineParams:
+        width = self.tools.max_context + max(self.grpo.max_new_tokens, self.evaluation.max_new_tokens)
+        if self.data.source == "tools" and self.model.pretrained is None and width > self.model.max_seq_len:
+            raise ValueError(f"tools.max_context + the response budget ({width} ids) exceeds "
+                             f"model.max_seq_len={self.model.max_seq_len}; lower tools.max_context or raise "
+                             "model.max_seq_len")
         return self
 
     @model_validator(mode="after")

@@ -2,7 +2,7 @@
 
 | data_source | reward |
 | --- | --- |
-| `arithmetic`, `gsm8k`, `openai/gsm8k`, `math`, or none (`""`) | MathReward |
+| `arithmetic`, `calculator`, `gsm8k`, `openai/gsm8k`, `math`, or none (`""`) | MathReward |
 | `code`, `mbpp`, `humaneval` | CodeReward on a SandboxFleet (RewardParams.runner) |
 
 Any other data_source is refused with the list above; add a line to SOURCES to grade it. The
@@ -30,7 +30,7 @@ from dew_lib.store import Verdict
 from tasks.params import RewardParams
 
 SOURCES: dict[str, str] = {
-    "": "math", "arithmetic": "math", "gsm8k": "math", "openai/gsm8k": "math", "math": "math",
+    "": "math", "arithmetic": "math", "calculator": "math", "gsm8k": "math", "openai/gsm8k": "math", "math": "math",
     "code": "code", "mbpp": "code", "humaneval": "code",
 }
 DETAIL_CHARS = 1000  # output kept per verdict row: the tail, where the error usually is

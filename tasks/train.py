@@ -31,19 +31,20 @@ import optax
 from prefect import get_run_logger, task
 
 from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts
-from dew_lib.recipes import (Built, DPOOptions, GRPOOptions, SFTOptions, ScheduledRollout, build_dpo,
-                             build_grpo, build_sft)
+from dew_lib.recipes import (Built, DPOOptions, EpisodeOptions, GRPOOptions, SFTOptions, ScheduledRollout,
+                             build_dpo, build_episode_grpo, build_grpo, build_sft)
 from dew_lib.store import Store
 from dew_lib.train.checkpoint import Checkpoints
 from dew_lib.train.sinks import JsonlSink
 from dew_lib.train.trainer import Trainer
 from tasks.manifests import DataManifest, PolicyRef, StageResult, fingerprint
-from tasks.params import DPOParams, GRPOParams, RewardParams, SFTParams, StageParams
+from tasks.params import DPOParams, GRPOParams, RewardParams, SFTParams, StageParams, ToolParams
 from tasks.policy import load_policy, save_policy
 from tasks.records import open_stage, record_reused
 from tasks.rewards import TaskReward, verdicts
 from tasks.storage import (KEEP_VARIABLE, continue_shorter, keep_inputs, read_json, rebased,
                            stage_directory, write_json)
+from tasks.tool_task import EpisodeVerifier, calculator_environment
 from tasks.ui import Deadline, LogSink, ProgressSink, keep_last_checkpoint, plot_curves, publish_stage
 
 LINKS = ("policy", "checkpoints", "metrics.jsonl", "curves.png")  # also under runs/<name>/<stage>/
@@ -67,10 +68,35 @@ def _needs(path: str | None, kind: str, what: str) -> str:
     return path
 
 
+def _grpo_options(params: GRPOParams, tokenizer) -> GRPOOptions:
+    return GRPOOptions(
+        batch=params.batch, groups=params.groups, max_new_tokens=params.max_new_tokens,
+        beta=params.beta, temperature=params.temperature, eos_id=tokenizer.eos_token_id,
+        mode=params.mode, ahead=params.ahead, max_lag=params.max_lag, sync_every=params.sync_every,
+        oversample=params.oversample, max_attempts=params.max_attempts, timeout=params.timeout,
+        slots=params.slots, behavior_importance=params.behavior_importance)
+
+
+def _build_episodes(params: GRPOParams, pretrained, variables, data: DataManifest, tokenizer_dir: str,
+                    seed: int, writer, reward: TaskReward, tools: ToolParams | None) -> Built:
+    """GRPO on the data's tool task: each prompt an episode with its calculator worker."""
+    tools = tools or ToolParams()
+    tokenizer = pretrained.tokenizer
+    spec = Prompts(path=_needs(data.prompts_path, "grpo", "prompts (prompts_path)"),
+                   max_prompt_len=params.max_prompt_len, tokenizer=tokenizer_dir,
+                   pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
+    return build_episode_grpo(
+        pretrained.model, variables, spec, _grpo_options(params, tokenizer),
+        EpisodeOptions(max_turns=tools.max_turns, max_context=tools.max_context, workers=tools.workers),
+        environment=calculator_environment(tokenizer, tokenizer_dir, tools),
+        verifier=EpisodeVerifier(reward, tokenizer), decode=completion_text(tokenizer), writer=writer)
+
+
 def _build(kind: str, params: StageParams, pretrained, variables, data: DataManifest,
-           tokenizer_dir: str, seed: int, writer, reward: TaskReward) -> Built:
+           tokenizer_dir: str, seed: int, writer, reward: TaskReward, tools: ToolParams | None = None) -> Built:
     """The stage's data spec and recipe options from its parameters, built by dew_lib.recipes
-    from `variables`; a GRPO stage grades with `reward` and records its sessions with `writer`."""
+    from `variables`; a GRPO stage grades with `reward` and records its sessions with `writer`,
+    and on a tool task runs episodes shaped by `tools`."""
     model, tokenizer = pretrained.model, pretrained.tokenizer
     if kind == "sft":
         assert isinstance(params, SFTParams)
@@ -88,16 +114,12 @@ def _build(kind: str, params: StageParams, pretrained, variables, data: DataMani
         return build_dpo(model, variables, spec, DPOOptions(batch=params.batch, beta=params.beta,
                                                             nll_weight=params.nll_weight))
     assert isinstance(params, GRPOParams)
+    if data.tool is not None:
+        return _build_episodes(params, pretrained, variables, data, tokenizer_dir, seed, writer, reward, tools)
     spec = Prompts(path=_needs(data.prompts_path, kind, "prompts (prompts_path)"),
                    max_prompt_len=params.max_prompt_len,
                    tokenizer=tokenizer_dir, pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
-    options = GRPOOptions(
-        batch=params.batch, groups=params.groups, max_new_tokens=params.max_new_tokens,
-        beta=params.beta, temperature=params.temperature, eos_id=tokenizer.eos_token_id,
-        mode=params.mode, ahead=params.ahead, max_lag=params.max_lag, sync_every=params.sync_every,
-        oversample=params.oversample, max_attempts=params.max_attempts, timeout=params.timeout,
-        slots=params.slots, behavior_importance=params.behavior_importance)
-    return build_grpo(model, variables, spec, options, reward=reward,
+    return build_grpo(model, variables, spec, _grpo_options(params, tokenizer), reward=reward,
                       decode=completion_text(tokenizer), reward_details=reward.last_runs,
                       writer=writer, verdicts=verdicts)
 
@@ -105,7 +127,7 @@ def _build(kind: str, params: StageParams, pretrained, variables, data: DataMani
 def _labels(stage: str) -> dict[str, str]:
     """How the log names each group of a stage's inputs when they changed."""
     return {"params": f"{stage} parameters", "data": "the data", "start": "the starting policy",
-            "seed": "seed", "reward": "reward parameters"}
+            "seed": "seed", "reward": "reward parameters", "tools": "tool parameters"}
 
 
 def optimizer_for(kind: str, params: StageParams) -> optax.GradientTransformation:
@@ -139,19 +161,23 @@ def final_metrics(history) -> dict[str, float]:
 @task(retries=2, retry_delay_seconds=1, task_run_name="train-{stage}")
 def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, start: PolicyRef,
                 directory: str, store_root: str, run: str, seed: int,
-                reward: RewardParams | None = None) -> StageResult:
+                reward: RewardParams | None = None, tools: ToolParams | None = None) -> StageResult:
     """Train one stage from `start` and save its final policy under `directory`/<key[:12]>/policy
     (also reachable as `directory`/policy, through `directory`/latest, until other inputs start).
 
     reward: how GRPO grades its completions (tasks/rewards.py); part of a GRPO stage's fingerprint.
+    tools: the episodes of a GRPO stage on a tool task (data.tool); part of its fingerprint.
     """
     logger = get_run_logger()
     relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
     graded = [reward or RewardParams()] if kind == "grpo" else []
+    if kind == "grpo" and data.tool is not None:
+        graded.append(tools or ToolParams())
     key = fingerprint(kind, relevant, data.fingerprint, start.fingerprint, seed, *graded)
     inputs = {"params": relevant.model_dump(mode="json"), "data": data.fingerprint,
               "start": start.fingerprint, "seed": seed,
-              **({"reward": graded[0].model_dump(mode="json")} if graded else {})}
+              **({"reward": graded[0].model_dump(mode="json")} if graded else {}),
+              **({"tools": graded[1].model_dump(mode="json")} if len(graded) > 1 else {})}
     place = stage_directory(directory, key, inputs, LINKS)
     directory = place.directory
     for gone in place.pruned:
@@ -167,7 +193,7 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
           TaskReward(reward or RewardParams()) as grader):
         pretrained, variables = load_policy(start, data.tokenizer)
         tokenizer_dir = data.tokenizer or start.path
-        built = _build(kind, params, pretrained, variables, data, tokenizer_dir, seed, writer, grader)
+        built = _build(kind, params, pretrained, variables, data, tokenizer_dir, seed, writer, grader, tools)
         trainer = Trainer(built.objective, optimizer_for(kind, params), key=jax.random.key(seed),
                           rollout=built.rollout)
         checkpoints = os.path.join(directory, "checkpoints")

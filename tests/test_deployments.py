@@ -126,6 +126,9 @@ def test_a_run_started_through_the_api_completes_and_lands_in_the_store(tmp_path
         images = wait_for(lambda: asyncio.run(deployment("flow_grpo_pipeline/flow-grpo")), 120,
                           "registering the image deployment", log_path)
         assert images.entrypoint.endswith("flow_grpo.py:flow_grpo_pipeline")
+        tools = wait_for(lambda: asyncio.run(deployment("pipeline/tool-episodes")), 120,
+                         "registering the tool-episodes deployment", log_path)
+        assert tools.parameters["params"]["data"] == {"source": "tools"}
         run = asyncio.run(start_run(pipeline.id))
         state = wait_for(lambda: (s := asyncio.run(state_of(run))) and s.is_final() and s, 900,
                          "finishing the flow run", log_path)
@@ -212,3 +215,28 @@ def test_a_flow_run_ends_when_the_serving_process_is_killed(tmp_path):
             for pid, _ in still_alive(flow_runs):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+def test_prefect_yaml_declares_the_deployments_serve_py_serves():
+    """One set of deployments, two ways to run them: names, flows, schedules and parameters agree."""
+    import yaml
+
+    sys.path.insert(0, os.path.join(ROOT, "deployments"))
+    try:
+        import serve
+    finally:
+        sys.path.pop(0)
+    with open(os.path.join(ROOT, "deployments", "prefect.yaml")) as handle:
+        declared = {d["name"]: d for d in yaml.safe_load(handle)["deployments"]}
+    served = {d.name: d for d in serve.deployments()}
+    assert set(declared) == set(served)
+    for name, deployment in served.items():
+        entry = declared[name]
+        assert entry["entrypoint"].split(":")[1] == deployment.entrypoint.split(":")[1], name
+        assert entry.get("parameters", {}) == deployment.parameters, name
+        crons = [s["cron"] for s in entry.get("schedules", [])]
+        assert crons == [s.schedule.cron for s in deployment.schedules], name
+    from tasks.params import PipelineParams
+
+    tools = PipelineParams(**serve.TOOL_EPISODES["params"])
+    assert tools.data.source == "tools" and tools.stages == ("sft", "grpo")

@@ -197,6 +197,18 @@ def test_a_two_turn_episode_completes_with_merging_calls_and_its_verifier_reward
     assert len({seed for *_, seed in server.requests}) == 2  # each turn draws with its own seed
 
 
+def test_a_source_that_keeps_episodes_hands_each_over_once_with_its_timed_turns():
+    server = FakeServer(lambda p: draw([7, EOS]))
+    with EnvironmentSource(server, environment([]), verify, max_prompt_tokens=16, max_new_tokens=4,
+                           max_turns=4, keep_episodes=True) as source:
+        session = submit(source).result(timeout=10)
+        episode = source.pop_episode(session)
+        assert source.pop_episode(session) is None
+    assert episode.status.value == "completed" and episode.identity.task == session.task
+    assert [t.action.tokens.tolist() for t in episode.transitions] == [c.sampled_ids.tolist() for c in session.calls]
+    assert all(t.seconds is not None and t.seconds >= 0 for t in episode.transitions)
+
+
 @pytest.mark.parametrize("answer, limits, detail", [
     (lambda p: draw([7, 7, 7, 7], eos=False), {}, "turn 0 used its whole budget of 4 ids"),
     (lambda p: draw([7, EOS]), {"max_prompt_tokens": 5}, "context of 7 ids exceeds max_prompt_tokens=5"),

@@ -133,7 +133,6 @@ class _Run:
 
 
 def _policy_cases(run, core_algos, ActorConfig, PolicyLossConfig):
-    torch = run.torch
     t = run.tensors
     mask = t["response_mask"]
     clips = {

@@ -38,10 +38,25 @@ def problems(count: int, seed: int, largest: int = 99) -> list[Problem]:
     return out
 
 
+def products(count: int, seed: int, low: int = 10, high: int = 99) -> list[Problem]:
+    """`count` multiplication problems with operands in [low, high]: beyond what the embedded
+    decoder learns to compute, and exact with a calculator (the pipeline's tool task)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        out.append(Problem(f"What is {a} * {b}?", a * b))
+    return out
+
+
+def expression(problem: Problem) -> str:
+    """The problem's arithmetic, `a + b`."""
+    return problem.question.removeprefix("What is ").removesuffix("?")
+
+
 def solution(problem: Problem, answer: int | None = None) -> str:
     """The worked answer, `a + b = \boxed{c}` (with `answer` in place of the right one if given)."""
-    expression = problem.question.removeprefix("What is ").removesuffix("?")
-    return f"{expression} = \\boxed{{{problem.answer if answer is None else answer}}}"
+    return f"{expression(problem)} = \\boxed{{{problem.answer if answer is None else answer}}}"
 
 
 def near_misses(problem: Problem, rng: random.Random, count: int = 1) -> list[int]:

@@ -12,6 +12,9 @@ text. `load(batch=B)` returns batches of
     data_source, ground_truth, extra_info
                    [B, W] int32   UTF-8 bytes, zero-padded on the right; W is the longest value
                                   of that field in the data, so every batch has one shape
+    task_id        [B]    int32   with `row_ids=True` only: the record's row in its file
+                                  (validation rows: in theirs), the id EpisodeRollout names
+                                  the task by
 
 with P = max_prompt_len. `text_field` turns a metadata array back into strings. Strings are
 tokenized with the tokenizer's special tokens (e.g. BOS); messages through the chat template with
@@ -90,6 +93,7 @@ class PromptLayout:
     max_len: int
     pad_id: int
     widths: tuple[int, int, int]  # bytes of data_source, ground_truth, extra_info
+    row_ids: bool = False  # add task_id: each record's row
     width = 1  # one slot per row
     fixed_length = 1
 
@@ -100,12 +104,14 @@ class PromptLayout:
         prompt = np.full((rows, self.max_len), self.pad_id, np.int32)
         length = np.zeros(rows, np.int32)
         fields = [np.zeros((rows, w), np.int32) for w in self.widths]
-        for row, _, (ids, metadata) in placed:
+        task = np.zeros(rows, np.int32)
+        for row, _, (ids, (*metadata, index)) in placed:
             prompt[row, self.max_len - ids.size:] = ids
-            length[row] = ids.size
+            length[row], task[row] = ids.size, index
             for array, value in zip(fields, metadata, strict=True):
                 array[row, :len(value)] = np.frombuffer(value, np.uint8)
-        return {"prompt": prompt, "prompt_length": length, **dict(zip(METADATA, fields, strict=True))}
+        ids = {"task_id": task} if self.row_ids else {}
+        return {"prompt": prompt, "prompt_length": length, **dict(zip(METADATA, fields, strict=True)), **ids}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -118,6 +124,7 @@ class Prompts:
       or a cached Hub name), with chat_template / template_kwargs as in ChatMessages.
     column: the field holding the prompt. pad_id: the id written on left padding.
     val_records / val_path: prompts for validation (at most one). loading: as in ChatMessages.
+    row_ids: add each record's row as `task_id`, for tool episodes (EpisodeRollout's task rows).
     """
 
     records: Sequence[str | Mapping] | None = None
@@ -133,6 +140,7 @@ class Prompts:
     val_records: Sequence[str | Mapping] | None = None
     val_path: PathLike | Sequence[PathLike] | None = None
     loading: Loading = Loading()
+    row_ids: bool = False
 
     def __post_init__(self):
         check_sources("Prompts", self.records, self.path, self.val_records, self.val_path)
@@ -148,7 +156,7 @@ class Prompts:
                              template_kwargs=tuple(sorted((self.template_kwargs or {}).items())))
 
     def prompts(self, records=None, path=None) -> list[tuple]:
-        """(kind, prompt, tools, where, metadata) of every record, validated."""
+        """(kind, prompt, tools, where, (*metadata, row index)) of every record, validated."""
         rows: Rows = open_source(records, path, split=self.split, options=self.options,
                                  threads=self.loading.threads, owner="Prompts")
         require_columns(rows, [self.column], "Prompts")
@@ -167,7 +175,7 @@ class Prompts:
             elif kind == "messages":
                 check_messages(prompt, where)
                 prompt = list(prompt)
-            out.append((kind, prompt, tools, where, _metadata(record, where)))
+            out.append((kind, prompt, tools, where, (*_metadata(record, where), index)))
         needs = next((item for item in out if item[0] != "ids"), None)
         if needs is not None and self.tokenizer is None:
             raise DataError(
@@ -189,7 +197,7 @@ class Prompts:
         if spec is not None and any(item[0] == "messages" for item in items):
             spec.renderer()  # fails here, not in a worker, when the template is missing
         encoder = PromptEncoder(spec=spec, max_len=self.max_prompt_len)
-        layout = PromptLayout(self.max_prompt_len, self.pad_id, widths)
+        layout = PromptLayout(self.max_prompt_len, self.pad_id, widths, bool(self.row_ids))
         loading = self.loading if spec is not None and any(i[0] != "ids" for i in items) \
             else dataclasses.replace(self.loading, workers=0)
         train = Pipeline(train_items, encoder, layout, loading)

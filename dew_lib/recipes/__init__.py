@@ -2,7 +2,7 @@
 
 build.py maps SFT, DPO and GRPO options (sync or async) to an objective, its data and its
 rollout; flow.py does the same for flow-matching pre-training and Flow-GRPO; scheduled.py is
-asynchronous GRPO's rollout; chain.py chains SFT, DPO and GRPO stages on one decoder. The
+asynchronous GRPO's rollout; episodes.py is GRPO on tool episodes; chain.py chains SFT, DPO and GRPO stages on one decoder. The
 pipeline's tasks (tasks/train.py, tasks/flow_train.py) and the Recipe chain both build here.
 
 Not here: Prefect, reading files into data specs, optimizers and Trainer.fit's loop.
@@ -11,10 +11,11 @@ Not here: Prefect, reading files into data specs, optimizers and Trainer.fit's l
 from dew_lib.recipes.build import (Built, DPOOptions, GRPOOptions, RecordedRollout, SFTOptions,
                                    build_dpo, build_grpo, build_sft)
 from dew_lib.recipes.chain import Recipe, Stage
+from dew_lib.recipes.episodes import EpisodeOptions, RecordedEpisodes, build_episode_grpo
 from dew_lib.recipes.flow import (FlowGRPOOptions, FlowPretrainOptions, build_flow_grpo,
                                   build_flow_pretrain, image_batches)
 from dew_lib.recipes.scheduled import ScheduledRollout
 
-__all__ = ["Built", "DPOOptions", "FlowGRPOOptions", "FlowPretrainOptions", "GRPOOptions", "Recipe",
-           "RecordedRollout", "SFTOptions", "ScheduledRollout", "Stage", "build_dpo",
-           "build_flow_grpo", "build_flow_pretrain", "build_grpo", "build_sft", "image_batches"]
+__all__ = ["Built", "DPOOptions", "EpisodeOptions", "FlowGRPOOptions", "FlowPretrainOptions", "GRPOOptions", "Recipe",
+           "RecordedEpisodes", "RecordedRollout", "SFTOptions", "ScheduledRollout", "Stage",
+           "build_dpo", "build_episode_grpo", "build_flow_grpo", "build_flow_pretrain", "build_grpo", "build_sft", "image_batches"]

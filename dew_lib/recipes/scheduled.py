@@ -17,7 +17,7 @@ tests/test_rollout_scheduler.py SIGKILLs), and offers them to the scheduler, so 
 instead of drawn again. See docs/rl.md, "Resume".
 
 Not here: the scheduler and sources themselves (dew_lib.rollouts), the synchronous mode
-(build.py), multi-turn environments, Prefect (tasks/train.py calls this).
+(build.py), the tool-episode source's setup (episodes.py), Prefect (tasks/train.py calls this).
 """
 
 from __future__ import annotations
@@ -39,16 +39,20 @@ class ScheduledRollout:
     prompt spec's width. decode: sampled ids -> text (None: token-id text). reward_details: the
     reward's record of its latest call on the calling thread (e.g. CodeReward.last_runs).
     writer: the stage's StageWriter (None: nothing recorded). verdicts: program runs -> Verdict rows.
+    source: `server -> source` for sessions of another kind, e.g. an EnvironmentSource's tool
+    episodes (recipes/episodes.py), in place of a PromptSource grading with `reward`;
+    max_prompt_len is then the longest context a turn reads. truncation: what the scheduler does
+    with a truncated session, "score" (trained, graded as it is) or "mask" (tool episodes).
     """
 
-    def __init__(self, options, model, variables, reward, *, max_prompt_len: int, decode=None,
-                 reward_details=None, writer=None, verdicts=None):
+    def __init__(self, options, model, variables, reward=None, *, max_prompt_len: int, decode=None,
+                 reward_details=None, writer=None, verdicts=None, source=None, truncation=TRUNCATION):
         prompt, response = max_prompt_len, options.max_new_tokens
         width = prompt + response
         self.objective = GRPOObjective(model, width - 1, beta=options.beta, pretrained=variables,
                                        sampling_temperature=options.sampling_temperature,
                                        behavior_importance=options.behavior_importance)
-        self.stage, self.verdicts = writer, verdicts
+        self.stage, self.verdicts, self.truncation = writer, verdicts, truncation
         self.decode = decode or token_text
         self._unrecorded: dict[str, object] = {}  # task id -> Task whose prompt is not written yet
         sampling = Sampling(temperature=options.temperature, eos_id=options.eos_id)
@@ -57,18 +61,21 @@ class ScheduledRollout:
             slots=options.slots, capacity=width))
         self.source = None
         try:
-            decoded = {} if decode is None else {"decode": decode}
-            self.source = PromptSource(self.server, reward, max_new_tokens=response,
-                                       workers=max(8, getattr(reward, "workers", 1)),
-                                       reward_details=reward_details if writer is not None else None,
-                                       **decoded)
+            if source is not None:
+                self.source = source(self.server)
+            else:
+                decoded = {} if decode is None else {"decode": decode}
+                self.source = PromptSource(self.server, reward, max_new_tokens=response,
+                                           workers=max(8, getattr(reward, "workers", 1)),
+                                           reward_details=reward_details if writer is not None else None,
+                                           **decoded)
             self.scheduler = RolloutScheduler(
                 self.objective, self.source, self.server, width=width,
                 rows=options.batch * options.groups, groups=options.groups,
                 tasks=prompt_tasks if writer is None else self._tasks,
                 oversample=options.oversample, max_lag=options.max_lag, ahead=options.ahead,
                 sync_every=options.sync_every, max_attempts=options.max_attempts,
-                timeout=options.timeout, truncation=TRUNCATION,
+                timeout=options.timeout, truncation=truncation,
                 log=None if writer is None else writer.record,
                 session_log=None if writer is None else self._record)
         except BaseException:
@@ -86,15 +93,18 @@ class ScheduledRollout:
         return tasks
 
     def _record(self, log) -> None:
-        runs = [self.source.pop_details(s) for s in log.sessions]
+        details = getattr(self.source, "pop_details", lambda session: None)
+        runs = [details(s) for s in log.sessions]
         verdicts = self.verdicts
         named = dict.fromkeys(s.task for s in log.sessions)
         tasks = [self._unrecorded.pop(t) for t in named if t in self._unrecorded]
         if tasks:
             self.stage.prompts(tasks, update=log.update, decode=self.decode)
+        episodes = getattr(self.source, "pop_episode", None)  # an EnvironmentSource's, when it keeps them
         self.stage.sessions(log.sessions, update=log.update, latencies=log.latencies,
-                            causes=log.causes, trained=log.trained, truncation=TRUNCATION,
-                            verdicts=[verdicts(r or ()) for r in runs] if any(runs) and verdicts else None)
+                            causes=log.causes, trained=log.trained, truncation=self.truncation,
+                            verdicts=[verdicts(r or ()) for r in runs] if any(runs) and verdicts else None,
+                            episodes=None if episodes is None else [episodes(s) for s in log.sessions])
 
     def dataset(self, dataset):
         """The stage's prompts, registered with the scheduler as the trainer reads them."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
 from typing import Any
@@ -257,10 +258,13 @@ class EnvironmentSource(_Source):
     COMPLETED and TRUNCATED episodes. max_prompt_tokens: the longest context the model may read
     (a longer one truncates the episode). max_new_tokens: the budget of each turn. max_turns:
     model calls per episode. workers: episodes run at once (the server batches their turns).
+    keep_episodes: keep each session's `Episode` (its transitions: what the run store's `turns`
+    rows hold) until `pop_episode(session)` takes it.
     """
 
     def __init__(self, server, environment: EnvironmentFactory, verifier: Verifier, *,
-                 max_prompt_tokens: int, max_new_tokens: int, max_turns: int, workers: int = 8):
+                 max_prompt_tokens: int, max_new_tokens: int, max_turns: int, workers: int = 8,
+                 keep_episodes: bool = False):
         if not callable(getattr(server, "submit", None)):
             raise TypeError("EnvironmentSource.server must be a RolloutServer (submit, load)")
         for name, value in (("environment", environment), ("verifier", verifier)):
@@ -273,6 +277,14 @@ class EnvironmentSource(_Source):
         self.server, self.environment, self.verifier = server, environment, verifier
         self.max_prompt_tokens, self.max_new_tokens, self.max_turns = (
             max_prompt_tokens, max_new_tokens, max_turns)
+        self.keep_episodes = bool(keep_episodes)
+        self._episodes: dict[tuple, Episode] = {}
+
+    def pop_episode(self, session: Session) -> Episode | None:
+        """The episode behind `session` (None when it never reset, or episodes are not kept), once."""
+        key = (session.task, session.group, session.sample, session.attempt)
+        with self._lock:
+            return self._episodes.pop(key, None)
 
     def submit(self, task: Task, *, group: int, sample: int, attempt: int,
                seed: int) -> Future[Session]:
@@ -298,6 +310,10 @@ class EnvironmentSource(_Source):
             with self.environment(task, identity) as env:
                 status, detail, first, transitions = self._turns(env, live, identity, calls)
                 outcome.update(status=status, detail=detail)
+                if self.keep_episodes:
+                    kept = Episode(task, identity, _EPISODE_STATUS[status], detail, first, tuple(transitions))
+                    with self._lock:
+                        self._episodes[tuple(labels.values())] = kept
                 if status in (Status.COMPLETED, Status.TRUNCATED):
                     episode = Episode(task, identity, EpisodeStatus(status.value), detail, first,
                                       tuple(transitions))
@@ -353,8 +369,9 @@ class EnvironmentSource(_Source):
             if live.cancelled:
                 transitions.append(Transition(action, None))
                 return Status.CANCELLED, f"cancelled after turn {turn}", first, transitions
+            started = time.perf_counter()
             observation = _observation(env.step(action), "step")
-            transitions.append(Transition(action, observation))
+            transitions.append(Transition(action, observation, time.perf_counter() - started))
         raise AssertionError("unreachable: the turn limit ends the loop")
 
 
@@ -362,6 +379,10 @@ def _observation(value, where: str) -> Observation:
     if not isinstance(value, Observation):
         raise TypeError(f"the environment's {where} returned {type(value).__name__}, not an Observation")
     return value
+
+
+_EPISODE_STATUS = {Status.COMPLETED: EpisodeStatus.COMPLETED, Status.TRUNCATED: EpisodeStatus.TRUNCATED,
+                   Status.CANCELLED: EpisodeStatus.CANCELLED, Status.INFRA_ERROR: EpisodeStatus.ERROR}
 
 
 def _terminal(observation: Observation) -> Status:

@@ -21,7 +21,8 @@ from dew_lib.store.rows import _list, _stamps, _table, session_uids
 
 def turns_table(sessions: Sequence[Any], episodes: Sequence[Any], trained: Sequence[bool], *, run: str,
                 stage: str, update: int, when: datetime.datetime) -> pa.Table:
-    """The `turns` rows of `episodes`, each recorded as the session at the same position."""
+    """The `turns` rows of `episodes`, each recorded as the session at the same position (None:
+    a session without turns, e.g. one cancelled before its environment started)."""
     if len(episodes) != len(sessions):
         raise ValueError(f"episodes has {len(episodes)} entries for {len(sessions)} sessions; give "
                          "one episode per session, in the same order")
@@ -32,7 +33,7 @@ def turns_table(sessions: Sequence[Any], episodes: Sequence[Any], trained: Seque
         "task", "group_id", "sample", "attempt", "session_uid", "turn", "context_tokens", "action_ids",
         "terminated", "status", "detail", "seconds")}
     for session, episode, uid in zip(sessions, episodes, uids, strict=True):
-        for transition in episode.transitions:
+        for transition in () if episode is None else episode.transitions:
             action, answer = transition.action, transition.observation
             columns["task"].append(str(session.task))
             columns["group_id"].append(int(session.group))

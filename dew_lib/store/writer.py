@@ -258,7 +258,7 @@ class StageWriter:
         `truncation`. verdicts: None, or one list of Verdict records per session (the programs
         a code reward ran for it), stored with the session's `session_uid`. episodes: None, or
         the tool episode (`dew_lib.records.Episode`) behind each session, whose actions land in
-        `turns` (store/turns.py). Calls, verdicts and turns are committed before their sessions,
+        `turns` (store/turns.py); None in place of a session's episode records no turns for it. Calls, verdicts and turns are committed before their sessions,
         so a visible session always has them.
         """
         update = _step("update", update)

@@ -1,0 +1,111 @@
+"""GRPO on tool episodes: a stage's options, its prompts and an environment in, objects out.
+
+    Prompts + GRPOOptions + EpisodeOptions + environment + verifier
+        mode "sync":  GRPOObjective with an EpisodeRollout sampling every turn on the trainer's
+                      device (RecordedEpisodes writes each episode and its turns to the store)
+        mode "async": GRPOObjective with a ScheduledRollout whose source is an EnvironmentSource
+                      on the native rollout server (scheduled.py)
+
+Each prompt row is a task (`Prompts(row_ids=True)`: its row is its id); its data reaches the
+environment and the verifier (sync: the batch's columns; async: `prompt_tasks`' layout, the
+prompt ids as `prompt_ids` and the reward fields as text). Rows are `max_context +
+max_new_tokens` ids wide, one per task, sample and turn.
+
+Not here: one-turn GRPO (build.py), the episode loop and its records (dew_lib.rollouts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+
+from dew_lib.data import Prompts
+from dew_lib.inference import TextGeneration
+from dew_lib.objectives import GRPOObjective
+from dew_lib.options import integer
+from dew_lib.recipes.build import Built, GRPOOptions
+from dew_lib.recipes.scheduled import ScheduledRollout
+from dew_lib.records.episodes import EnvironmentFactory, Verifier
+from dew_lib.rollouts import EnvironmentSource, EpisodeRollout, prompt_tasks
+from dew_lib.sampling import Sampling
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EpisodeOptions:
+    """max_turns: model turns per episode. max_context: the longest context a turn reads (a
+    longer one truncates the episode). workers: threads stepping environments at once."""
+
+    max_turns: int
+    max_context: int
+    workers: int = 8
+
+    def __post_init__(self):
+        integer("EpisodeOptions.max_turns", self.max_turns)
+        integer("EpisodeOptions.max_context", self.max_context)
+        integer("EpisodeOptions.workers", self.workers)
+
+
+class RecordedEpisodes:
+    """Runs an EpisodeRollout and writes each episode to the run store under the update it
+    trains: its task's prompt (first time only), its session with the calls, and its turns."""
+
+    def __init__(self, rollout: EpisodeRollout, writer, decode=None):
+        self.rollout, self.stage, self.decode = rollout, writer, decode
+
+    def __call__(self, state, batch, key):
+        started = time.perf_counter()
+        packed = self.rollout(state, batch, key)
+        seconds = time.perf_counter() - started
+        results = self.rollout.last_results
+        update = int(jax.device_get(state.updates))
+        self.stage.prompts(prompt_tasks(batch), update=update, decode=self.decode)
+        self.stage.sessions([r.session for r in results], update=update,
+                            latencies=[seconds] * len(results), causes="admitted", truncation="mask",
+                            episodes=[r.episode for r in results])
+        return packed
+
+
+def build_episode_grpo(model, variables, data: Prompts, options: GRPOOptions, episodes: EpisodeOptions, *,
+                       environment: EnvironmentFactory, verifier: Verifier, decode=None,
+                       writer=None) -> Built:
+    """GRPO over tool episodes of `data`'s prompts, from the frozen `variables`.
+
+    environment: `(task, identity) -> Environment`; verifier: `(task, episode) -> reward`.
+    decode: prompt ids -> text for the store. writer: the stage's StageWriter (None: nothing
+    recorded); async records its scheduler records and sessions, sync also each turn.
+    """
+    if options.eos_id is None:
+        raise ValueError("GRPOOptions.eos_id is None; a tool episode's turn ends at EOS, so give the "
+                         "tokenizer's end-of-turn id")
+    data = dataclasses.replace(data, row_ids=True)
+    width = episodes.max_context + options.max_new_tokens
+    sampling = Sampling(temperature=options.temperature, eos_id=options.eos_id)
+    if options.mode == "async":
+        def source(server: Any) -> EnvironmentSource:
+            return EnvironmentSource(server, environment, verifier, max_prompt_tokens=episodes.max_context,
+                                     max_new_tokens=options.max_new_tokens, max_turns=episodes.max_turns,
+                                     workers=episodes.workers, keep_episodes=writer is not None)
+
+        scheduled = ScheduledRollout(options, model, variables, max_prompt_len=episodes.max_context,
+                                     decode=decode, writer=writer, source=source, truncation="mask")
+        try:
+            dataset = scheduled.dataset(data.load(batch=options.batch))
+        except BaseException:
+            scheduled.close()
+            raise
+        return Built(objective=scheduled.objective, dataset=dataset, rollout=scheduled)
+    objective = GRPOObjective(model, width - 1, beta=options.beta, pretrained=variables,
+                              sampling_temperature=options.sampling_temperature)
+    rollout = EpisodeRollout(TextGeneration(model, pad_id=data.pad_id), environment, verifier,
+                             max_prompt_tokens=episodes.max_context, max_new_tokens=options.max_new_tokens,
+                             max_turns=episodes.max_turns, groups=options.groups, sampling=sampling,
+                             workers=episodes.workers)
+    if writer is not None:
+        rollout = RecordedEpisodes(rollout, writer, decode)
+    return Built(objective=objective, dataset=data.load(batch=options.batch), rollout=rollout)
+
+
+__all__ = ["EpisodeOptions", "RecordedEpisodes", "build_episode_grpo"]
