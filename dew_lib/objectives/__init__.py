@@ -1,7 +1,7 @@
 """Objectives: pure loss functions the Trainer optimizes, and the tables their variants come from.
 
-`LMObjective` (lm.py), `DPOObjective` (dpo.py), `GRPOObjective` (grpo.py) over the `PackedBatch`
-(batch.py); every advantage estimator, policy loss, KL estimator and aggregation is a function
+`LMObjective` (lm.py), `DPOObjective` (dpo.py), `GRPOObjective` (grpo.py) and `PPOObjective`
+with its `ValueHead` critic (ppo.py) over the `PackedBatch` (batch.py); every advantage estimator, policy loss, KL estimator and aggregation is a function
 in `algorithms`. Nothing here draws rollouts, runs threads or touches the host beyond checking
 a batch before it compiles.
 """
@@ -12,6 +12,7 @@ from dew_lib.objectives.batch import PackedBatch
 from dew_lib.objectives.dpo import DPOObjective
 from dew_lib.objectives.grpo import GRPOObjective
 from dew_lib.objectives.lm import LMObjective
+from dew_lib.objectives.ppo import PPOObjective, ValueHead
 
 __all__ = ["DPOObjective", "GRPOObjective", "LMObjective", "LossTerms", "Metric", "Metrics",
-           "Objective", "PackedBatch", "algorithms", "loss", "mean"]
+           "Objective", "PPOObjective", "PackedBatch", "ValueHead", "algorithms", "loss", "mean"]

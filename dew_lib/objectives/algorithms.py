@@ -13,7 +13,8 @@ Tables:
 
 and the behavior corrections: `truncated_importance` (token TIS), `band_weights` (IcePop with a
 recorded old policy), `band_mask` (IcePop in bypass mode) and `chain_k1_mask` (sequence and
-geometric rejection).
+geometric rejection). PPO's critic adds `gae` (advantages and returns over the masked tokens of
+each row, observations skipped), `masked_whiten` and `clipped_value_loss`.
 
 Conventions, with the reference they were checked against (verl's core_algos):
   * log-ratios are clamped to [-20, 20] before `exp`, as verl does;
@@ -24,6 +25,11 @@ Conventions, with the reference they were checked against (verl's core_algos):
   * group advantages use the n - 1 standard deviation and epsilon 1e-6. A group of one has
     nothing to be compared with and gets advantage 0 under every estimator (verl gives a
     singleton its raw score), and sessions that do not train are never part of a group.
+
+  * GAE skips unmasked positions (tool observations): the next value and the running advantage
+    carry over them; the tail bootstraps from 0; returns are advantages plus values, taken
+    before whitening, and whitening uses the unbiased (n - 1) variance and epsilon 1e-8;
+  * the value loss is the larger of the plain and the clipped squared error, halved.
 
 Not here: the model, sampling, packing (see `sessions`), and the choice of options (see
 `GRPOObjective`).
@@ -286,3 +292,49 @@ def mismatch_metrics(old_log_probs, behavior_log_probs, mask):
         "mismatch/k3_kl": (((jnp.exp(delta) - delta - 1) * mask).sum(), count),
         "mismatch/ess": (ess, jnp.ones(())),
     }
+
+
+# ----- the critic (PPO) ------------------------------------------------------------------------
+
+WHITEN_EPSILON = 1e-8
+
+
+def gae(rewards, values, mask, gamma: float, lam: float):
+    """(advantages, returns) `[N, T]` by generalized advantage estimation along each row.
+
+    Unmasked positions (observations, padding) are skipped: the next value and the running
+    advantage pass over them unchanged, and they get the running advantage, as verl's
+    `compute_gae_advantage_return` does. The row's tail bootstraps from 0.
+    """
+    rewards, values, mask = (jnp.asarray(x, jnp.float32) for x in (rewards, values, mask))
+
+    def back(carry, column):
+        next_value, running = carry
+        reward, value, kept = column
+        delta = reward + gamma * next_value - value
+        advantage = delta + gamma * lam * running
+        next_value = value * kept + (1 - kept) * next_value
+        running = advantage * kept + (1 - kept) * running
+        return (next_value, running), running
+
+    zeros = jnp.zeros(rewards.shape[0], jnp.float32)
+    _, reversed_ = jax.lax.scan(back, (zeros, zeros), (rewards.T, values.T, mask.T), reverse=True)
+    advantages = reversed_.T
+    return advantages, advantages + values
+
+
+def masked_whiten(values, mask, epsilon: float = WHITEN_EPSILON):
+    """`(values - mean) / sqrt(var + epsilon)` over the masked entries, unbiased variance."""
+    values, mask = jnp.asarray(values, jnp.float32), jnp.asarray(mask, jnp.float32)
+    count = mask.sum()
+    mean = (values * mask).sum() / count
+    var = (((values - mean) ** 2) * mask).sum() / count * (count / (count - 1))
+    return (values - mean) * jax.lax.rsqrt(var + epsilon)
+
+
+def clipped_value_loss(predictions, returns, old_values, clip: float):
+    """Per-token `0.5 * max((v - R)^2, (clip(v, old - c, old + c) - R)^2)` and where the clipped
+    error was the larger."""
+    clipped = old_values + jnp.clip(predictions - old_values, -clip, clip)
+    plain, bounded = (predictions - returns) ** 2, (clipped - returns) ** 2
+    return 0.5 * jnp.maximum(plain, bounded), (bounded > plain).astype(jnp.float32)

@@ -30,7 +30,7 @@ PROXIMAL_MODES = ("recorded", "in_update", "bypass")
 REQUIRED = ("input_ids", "text_segment_ids", "text_positions", "response_mask",
             "behavior_log_probs", "advantages", "session_index")
 OPTIONAL = ("old_log_probs", "versions", "call_index", "session_weights", "rewards",
-            "routed_experts", "routed", "support_ids", "support_columns")
+            "routed_experts", "routed", "support_ids", "support_columns", "old_values", "returns")
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -54,6 +54,8 @@ class PackedBatch:
     routed: Any = None
     support_ids: Any = None
     support_columns: Any = None
+    old_values: Any = None  # PPO: the critic's values when the rows were prepared
+    returns: Any = None     # PPO: the critic's targets
     proximal: str = "recorded"
 
     def __post_init__(self):

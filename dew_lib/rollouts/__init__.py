@@ -2,7 +2,7 @@
 
 `pack` turns recorded sessions into packed rows (packing.py); `SampledRollout` draws groups from
 the policy in-process (sampled.py); `EpisodeRollout` runs multi-turn tool episodes in lock step
-(episodes.py); `PromptSource` and `EnvironmentSource` draw sessions from a
+(episodes.py), and `PPORollout` adds a critic's GAE targets to them (ppo.py); `PromptSource` and `EnvironmentSource` draw sessions from a
 rollout server (sources.py); `RolloutScheduler` trains on them asynchronously (scheduler/).
 
 Not here: the losses (`dew_lib.objectives`), the records themselves (`dew_lib.records`), the
@@ -13,6 +13,7 @@ from dew_lib.rollouts.episodes import (EpisodeCancelled, EpisodeFailure, Episode
                                       project, session_of)
 from dew_lib.rollouts.journal import EpisodeJournal, JournalBusy, JournalMismatch
 from dew_lib.rollouts.packing import pack, session_metrics
+from dew_lib.rollouts.ppo import PPORollout
 from dew_lib.rollouts.sampled import RewardFailed, SampledRollout
 from dew_lib.rollouts.scheduler import GroupState, RolloutScheduler, prompt_tasks, task_ids
 from dew_lib.rollouts.sources import EnvironmentSource, PromptSource
@@ -20,6 +21,6 @@ from dew_lib.rollouts.subprocess_environment import SubprocessEnvironment, ToolF
 from dew_lib.tool_worker import serve as serve_tool
 
 __all__ = ["EnvironmentSource", "EpisodeCancelled", "EpisodeFailure", "EpisodeJournal", "EpisodeResult",
-           "EpisodeRollout", "GroupState", "JournalBusy", "JournalMismatch", "PromptSource", "RewardFailed",
+           "EpisodeRollout", "GroupState", "JournalBusy", "JournalMismatch", "PPORollout", "PromptSource", "RewardFailed",
            "RolloutScheduler", "SampledRollout", "SubprocessEnvironment", "ToolFailure", "WorkerEnvironment",
            "pack", "project", "prompt_tasks", "serve_tool", "session_metrics", "session_of", "task_ids"]

@@ -44,7 +44,8 @@ class TrainState:
     """Everything that changes during training; a pytree.
 
     params: the full Flax variables mapping being optimized.
-    ema: the moving average of params (a frozen reference when the decay is 1), or None.
+    ema: the moving average of params (a frozen reference when the decay is 1), or None; of
+    `objective.reference_params(params)` only when the objective names a part (PPO: the policy).
     step: batches consumed. updates: optimizer updates applied.
     grads, grad_weight: the gradient sum and loss weight of an open accumulation window
     (None when accumulate == 1).
@@ -70,6 +71,12 @@ class TrainingDiverged(FloatingPointError):
             f"{ {k: round(v, 6) for k, v in self.last_metrics.items()} }; {kept}. Lower the "
             "learning rate, clip gradients (optax.clip_by_global_norm) or inspect that batch"
         )
+
+
+def _averaged(objective, params):
+    """The part of `params` the objective keeps a moving average (or frozen reference) of."""
+    select = getattr(objective, "reference_params", None)
+    return params if select is None else select(params)
 
 
 def _replicated(mesh):
@@ -121,7 +128,7 @@ class Trainer:
         return TrainState(
             params=params,
             opt_state=self.optimizer.init(params),
-            ema=None if decay is None else jax.tree.map(jnp.copy, params),
+            ema=None if decay is None else jax.tree.map(jnp.copy, _averaged(self.objective, params)),
             step=jnp.zeros((), jnp.int32),
             updates=jnp.zeros((), jnp.int32),
             grads=zeros,
@@ -166,7 +173,8 @@ class Trainer:
             params = optax.apply_updates(state.params, updates)
             ema = state.ema
             if decay is not None and decay != 1.0:
-                ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema, params)
+                ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema,
+                                   _averaged(objective, params))
             new = state.replace(
                 params=params, opt_state=opt_state, ema=ema,
                 step=state.step + 1, updates=state.updates + 1,
@@ -377,6 +385,9 @@ class _Run:
                     raise TrainingDiverged(step, self.last_metrics, self.last_checkpoint)
             means = _window_means(values)
             means.pop("finite", None)
+            derive = getattr(self.trainer.objective, "derive_training", None)  # ratios of window means
+            if derive is not None:
+                means = derive(means)
             means["steps_per_second"] = len(window.steps) / max(seconds, 1e-9)
             if "tokens" in means:
                 means["tokens_per_second"] = means["tokens"] * means["steps_per_second"]
