@@ -4,7 +4,7 @@
 `"async"` draws the next batches on the native rollout server while the trainer updates
 (dew_lib/recipes/scheduled.py, docs/rl.md "Asynchronous GRPO"); dew_lib.recipes builds either.
 On a tool task (`data.tool`, data.source="tools") each prompt is a tool episode shaped by `tools`
-(dew_lib/recipes/episodes.py, docs/episodes.md).
+(dew_lib/recipes/episodes.py, docs/episodes.md), trained with PPO and a critic when `ppo` is given.
 """
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ from __future__ import annotations
 from prefect import flow
 
 from tasks.manifests import DataManifest, PolicyRef, StageResult
-from tasks.params import GRPOParams, RewardParams, ToolParams
+from tasks.params import GRPOParams, PPOParams, RewardParams, ToolParams
 from tasks.train import train_stage
 
 
 @flow(name="grpo")
 def grpo(params: GRPOParams, data: DataManifest, start: PolicyRef, directory: str,
          store_root: str = "runs", run: str = "grpo", seed: int = 0,
-         reward: RewardParams = RewardParams(), tools: ToolParams = ToolParams()) -> StageResult:
-    return train_stage("grpo", "grpo", params, data, start, directory, store_root, run, seed, reward, tools)
+         reward: RewardParams = RewardParams(), tools: ToolParams = ToolParams(),
+         ppo: PPOParams | None = None) -> StageResult:
+    return train_stage("grpo", "grpo", params, data, start, directory, store_root, run, seed, reward, tools,
+                       ppo)

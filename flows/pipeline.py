@@ -66,8 +66,9 @@ def _stages(params: PipelineParams, directory: str, store_root: str, run: str):
     start = evaluate("start", policy, data, params.evaluation, directory, store_root, run, **graded)
     table = [_row("start", start, start.cached)]  # its only work is the evaluation
     for stage in params.stages:
+        rl = {**graded, "ppo": params.ppo if params.rl == "ppo" else None}
         result = STAGES[stage](getattr(params, stage), data, policy, os.path.join(directory, stage),
-                               store_root, run, params.seed, **(graded if stage == "grpo" else {}))
+                               store_root, run, params.seed, **(rl if stage == "grpo" else {}))
         policy = result.policy
         accuracy = evaluate(stage, policy, data, params.evaluation, directory, store_root, run,
                             getattr(params, stage).steps, **graded)

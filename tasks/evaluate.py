@@ -106,8 +106,9 @@ def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: E
     evaluation's `detail`, and a few greedy transcripts the `<run>-<stage>-transcripts` artifact.
     """
     logger = get_run_logger()
-    episodes = tools or ToolParams() if data.tool is not None else None
-    key = fingerprint("evaluate", policy.fingerprint, data.fingerprint, params, *[episodes] * (episodes is not None))
+    episodes = (tools or ToolParams()) if data.tool is not None else None
+    shaped = () if episodes is None else (episodes,)  # tool episodes: their shape changes the answers
+    key = fingerprint("evaluate", policy.fingerprint, data.fingerprint, params, *shaped)
     saved_path = os.path.join(directory, f"evaluation-{stage}.json")
     saved = read_json(saved_path)
     rows = read_eval(data.eval_path)[: params.limit]  # EvalParams.limit: the first rows only

@@ -289,6 +289,20 @@ class ToolParams(Params):
     alive: int = Field(64, ge=2, description="evaluation: episodes (worker processes) open at once")
 
 
+class PPOParams(Params):
+    """PPO with a critic in place of GRPO's group baseline (PipelineParams.rl='ppo'), on tool
+    episodes: the critic is a value head on a copy of the starting policy."""
+
+    value_coefficient: float = Field(0.5, ge=0, description="weight of the critic's value loss")
+    value_clip: float = Field(0.2, gt=0, description="how far a value may move from the one recorded at "
+                              "sampling before its error is clipped")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount per sampled token")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
+    epochs: int = Field(1, ge=1, description="passes over each collection of episodes (each pass "
+                        "counts `minibatches` of the stage's steps)")
+    minibatches: int = Field(1, ge=1, description="slices each pass is trained in, one step each")
+
+
 class EvalParams(Params):
     max_new_tokens: int = Field(16, ge=1, description="answer budget")
     batch: int = Field(100, ge=1, description="prompts generated at once")
@@ -315,6 +329,9 @@ class PipelineParams(Params):
     evaluation: EvalParams = EvalParams()
     reward: RewardParams = RewardParams()
     tools: ToolParams = ToolParams()
+    rl: Literal["grpo", "ppo"] = Field("grpo", description="the RL stage's algorithm: 'grpo' (group-relative "
+                                       "advantages) or 'ppo' (a critic and GAE; tool episodes, sync)")
+    ppo: PPOParams = PPOParams()
     stages: tuple[Literal["sft", "dpo", "grpo"], ...] = Field(
         ("sft", "dpo", "grpo"), description="stages to run, in order")
 
@@ -323,6 +340,14 @@ class PipelineParams(Params):
         if self.data.source in ("code", "tools") and "dpo" in self.stages:
             raise ValueError(f"data.source={self.data.source!r} has no preference pairs for DPO; choose "
                              "stages without 'dpo', e.g. stages=['sft', 'grpo']")
+        return self
+
+    @model_validator(mode="after")
+    def _ppo_on_episodes(self) -> PipelineParams:
+        if self.rl == "ppo" and (self.data.source != "tools" or self.grpo.mode != "sync"):
+            raise ValueError(f"rl='ppo' trains on tool episodes drawn in step with the trainer: it needs "
+                             f"data.source='tools' and grpo.mode='sync' (got {self.data.source!r}, "
+                             f"{self.grpo.mode!r}); use rl='grpo' otherwise")
         return self
 
     @model_validator(mode="after")

@@ -31,14 +31,15 @@ import optax
 from prefect import get_run_logger, task
 
 from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts
-from dew_lib.recipes import (Built, DPOOptions, EpisodeOptions, GRPOOptions, SFTOptions, ScheduledRollout,
-                             build_dpo, build_episode_grpo, build_grpo, build_sft)
+from dew_lib.objectives import PPOObjective
+from dew_lib.recipes import (Built, DPOOptions, EpisodeOptions, GRPOOptions, PPOOptions, SFTOptions,
+                             ScheduledRollout, build_dpo, build_episode_grpo, build_grpo, build_sft)
 from dew_lib.store import Store
 from dew_lib.train.checkpoint import Checkpoints
 from dew_lib.train.sinks import JsonlSink
 from dew_lib.train.trainer import Trainer
 from tasks.manifests import DataManifest, PolicyRef, StageResult, fingerprint
-from tasks.params import DPOParams, GRPOParams, RewardParams, SFTParams, StageParams, ToolParams
+from tasks.params import DPOParams, GRPOParams, PPOParams, RewardParams, SFTParams, StageParams, ToolParams
 from tasks.policy import load_policy, save_policy
 from tasks.records import open_stage, record_reused
 from tasks.rewards import TaskReward, verdicts
@@ -49,7 +50,7 @@ from tasks.ui import Deadline, LogSink, ProgressSink, keep_last_checkpoint, plot
 
 LINKS = ("policy", "checkpoints", "metrics.jsonl", "curves.png")  # also under runs/<name>/<stage>/
 SHOWN = ("loss", "reward", "rewards/accuracy", "rewards/margin", "kl", "accuracy", "val/loss",
-         "grad_norm", "steps_per_second")
+         "critic/vf_loss", "critic/vf_explained_var", "grad_norm", "steps_per_second")
 
 
 def _loading(seed: int) -> Loading:
@@ -78,8 +79,10 @@ def _grpo_options(params: GRPOParams, tokenizer) -> GRPOOptions:
 
 
 def _build_episodes(params: GRPOParams, pretrained, variables, data: DataManifest, tokenizer_dir: str,
-                    seed: int, writer, reward: TaskReward, tools: ToolParams | None) -> Built:
-    """GRPO on the data's tool task: each prompt an episode with its calculator worker."""
+                    seed: int, writer, reward: TaskReward, tools: ToolParams | None,
+                    ppo: PPOParams | None) -> Built:
+    """GRPO (PPO with `ppo`) on the data's tool task: each prompt an episode with its calculator
+    worker."""
     tools = tools or ToolParams()
     tokenizer = pretrained.tokenizer
     spec = Prompts(path=_needs(data.prompts_path, "grpo", "prompts (prompts_path)"),
@@ -89,11 +92,13 @@ def _build_episodes(params: GRPOParams, pretrained, variables, data: DataManifes
         pretrained.model, variables, spec, _grpo_options(params, tokenizer),
         EpisodeOptions(max_turns=tools.max_turns, max_context=tools.max_context, workers=tools.workers),
         environment=calculator_environment(tokenizer, tokenizer_dir, tools),
-        verifier=EpisodeVerifier(reward, tokenizer), decode=completion_text(tokenizer), writer=writer)
+        verifier=EpisodeVerifier(reward, tokenizer), decode=completion_text(tokenizer), writer=writer,
+        ppo=None if ppo is None else PPOOptions(**ppo.model_dump()))
 
 
 def _build(kind: str, params: StageParams, pretrained, variables, data: DataManifest,
-           tokenizer_dir: str, seed: int, writer, reward: TaskReward, tools: ToolParams | None = None) -> Built:
+           tokenizer_dir: str, seed: int, writer, reward: TaskReward, tools: ToolParams | None = None,
+           ppo: PPOParams | None = None) -> Built:
     """The stage's data spec and recipe options from its parameters, built by dew_lib.recipes
     from `variables`; a GRPO stage grades with `reward` and records its sessions with `writer`,
     and on a tool task runs episodes shaped by `tools`."""
@@ -115,7 +120,10 @@ def _build(kind: str, params: StageParams, pretrained, variables, data: DataMani
                                                             nll_weight=params.nll_weight))
     assert isinstance(params, GRPOParams)
     if data.tool is not None:
-        return _build_episodes(params, pretrained, variables, data, tokenizer_dir, seed, writer, reward, tools)
+        return _build_episodes(params, pretrained, variables, data, tokenizer_dir, seed, writer, reward, tools,
+                               ppo)
+    if ppo is not None:
+        raise ValueError("PPO trains on tool episodes; this run's data has no tool (data.source='tools')")
     spec = Prompts(path=_needs(data.prompts_path, kind, "prompts (prompts_path)"),
                    max_prompt_len=params.max_prompt_len,
                    tokenizer=tokenizer_dir, pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
@@ -127,7 +135,8 @@ def _build(kind: str, params: StageParams, pretrained, variables, data: DataMani
 def _labels(stage: str) -> dict[str, str]:
     """How the log names each group of a stage's inputs when they changed."""
     return {"params": f"{stage} parameters", "data": "the data", "start": "the starting policy",
-            "seed": "seed", "reward": "reward parameters", "tools": "tool parameters"}
+            "seed": "seed", "reward": "reward parameters", "tools": "tool parameters",
+            "ppo": "PPO parameters"}
 
 
 def optimizer_for(kind: str, params: StageParams) -> optax.GradientTransformation:
@@ -161,23 +170,28 @@ def final_metrics(history) -> dict[str, float]:
 @task(retries=2, retry_delay_seconds=1, task_run_name="train-{stage}")
 def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, start: PolicyRef,
                 directory: str, store_root: str, run: str, seed: int,
-                reward: RewardParams | None = None, tools: ToolParams | None = None) -> StageResult:
+                reward: RewardParams | None = None, tools: ToolParams | None = None,
+                ppo: PPOParams | None = None) -> StageResult:
     """Train one stage from `start` and save its final policy under `directory`/<key[:12]>/policy
     (also reachable as `directory`/policy, through `directory`/latest, until other inputs start).
 
     reward: how GRPO grades its completions (tasks/rewards.py); part of a GRPO stage's fingerprint.
     tools: the episodes of a GRPO stage on a tool task (data.tool); part of its fingerprint.
+    ppo: train the tool task's episodes with PPO and a critic instead; part of its fingerprint.
     """
     logger = get_run_logger()
     relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
     graded = [reward or RewardParams()] if kind == "grpo" else []
     if kind == "grpo" and data.tool is not None:
         graded.append(tools or ToolParams())
+    if kind == "grpo" and ppo is not None:
+        graded.append(ppo)
     key = fingerprint(kind, relevant, data.fingerprint, start.fingerprint, seed, *graded)
     inputs = {"params": relevant.model_dump(mode="json"), "data": data.fingerprint,
               "start": start.fingerprint, "seed": seed,
               **({"reward": graded[0].model_dump(mode="json")} if graded else {}),
-              **({"tools": graded[1].model_dump(mode="json")} if len(graded) > 1 else {})}
+              **({"tools": graded[1].model_dump(mode="json")} if len(graded) > 1 else {}),
+              **({"ppo": ppo.model_dump(mode="json")} if kind == "grpo" and ppo is not None else {})}
     place = stage_directory(directory, key, inputs, LINKS)
     directory = place.directory
     for gone in place.pruned:
@@ -193,7 +207,7 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
           TaskReward(reward or RewardParams()) as grader):
         pretrained, variables = load_policy(start, data.tokenizer)
         tokenizer_dir = data.tokenizer or start.path
-        built = _build(kind, params, pretrained, variables, data, tokenizer_dir, seed, writer, grader, tools)
+        built = _build(kind, params, pretrained, variables, data, tokenizer_dir, seed, writer, grader, tools, ppo)
         trainer = Trainer(built.objective, optimizer_for(kind, params), key=jax.random.key(seed),
                           rollout=built.rollout)
         checkpoints = os.path.join(directory, "checkpoints")
@@ -230,7 +244,8 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
             logger.info("%s: %s", stage, keep_last_checkpoint(checkpoints))
         finally:
             built.close()
-        policy = save_policy(pretrained, state.params, os.path.join(directory, "policy"), key)
+        trained = state.params["policy"] if isinstance(built.objective, PPOObjective) else state.params
+        policy = save_policy(pretrained, trained, os.path.join(directory, "policy"), key)
         history = _history(log_path)
         metrics = final_metrics(history)
         plot = plot_curves(history, os.path.join(directory, "curves.png"), f"{stage} ({kind})")

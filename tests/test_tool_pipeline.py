@@ -184,3 +184,35 @@ def test_each_evaluation_publishes_its_greedy_transcripts(runs):
     assert sorted({a.key for a in found}) == sorted(keys)
     shown = next(a for a in found if a.key == keys[-1]).data
     assert shown.count("What is") == 3 and "```" in shown
+
+
+def test_ppo_needs_tool_episodes_drawn_in_step():
+    with pytest.raises(ValueError, match="rl='ppo'"):
+        PipelineParams(rl="ppo", stages=("sft", "grpo"))
+    with pytest.raises(ValueError, match="rl='ppo'"):
+        PipelineParams(rl="ppo", data=dict(source="tools"), stages=("sft", "grpo"), grpo=dict(mode="async"))
+
+
+@pytest.mark.slow
+def test_a_ppo_stage_trains_policy_and_critic_on_tool_episodes(runs):
+    """The synchronous GRPO run again with only rl='ppo' changed: its SFT is reused, its RL
+    stage trains anew with a critic (its two steps are two epochs over one collection)."""
+    from dew_lib.store import Store
+    from flows.pipeline import pipeline
+
+    root, _ = runs
+    params = PipelineParams(root=str(root), name="tools-sync", rl="ppo", ppo=dict(epochs=2), **TINY)
+    outcome = pipeline(params)
+    assert outcome["reused"] == {"start": True, "sft": True, "grpo": False}
+    store = Store(str(root))
+    metrics = dict(store.rows("SELECT name, count(*) FROM metrics WHERE run = ? AND stage = 'grpo' GROUP BY name",
+                              [outcome["run"]])[1])
+    assert metrics["critic/vf_loss"] == metrics["critic/vf_explained_var"] == metrics["pg_loss"] == 2
+    updates = store.rows("SELECT DISTINCT update FROM sessions WHERE run = ? AND stage = 'grpo' ORDER BY 1",
+                         [outcome["run"]])[1]
+    assert updates == [(0,)]  # one collection for both updates, recorded once
+    stage = store.rows("SELECT params FROM stages WHERE run = ? AND stage = 'grpo'", [outcome["run"]])[1]
+    assert stage and outcome["accuracy"]["grpo"] >= 0.0
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(outcome["policy"]).model_type  # the policy alone, in HF format

@@ -55,6 +55,17 @@ class ValueHead(nn.Module):
         return head(features.astype(jnp.float32))[..., 0]
 
 
+def critic_from_policy(critic: ValueHead, policy_variables: Any, seq_len: int, key: jax.Array | None = None):
+    """Variables for `critic` (a ValueHead on the policy's own model) whose backbone starts as a
+    copy of `policy_variables` and whose value head starts at zero: the usual way to start a
+    critic from the policy PPO begins with."""
+    key = jax.random.key(0) if key is None else key
+    ids = jnp.zeros((1, seq_len), jnp.int32)
+    fresh = critic.init(key, ids, jnp.ones_like(ids), jnp.arange(seq_len)[None])
+    return {**fresh, "params": {**fresh["params"],
+                                "backbone": jax.tree.map(jnp.array, policy_variables["params"])}}
+
+
 class PolicyOf:
     """The policy subtree of PPO variables as a `TextGeneration`: what `EpisodeRollout` samples
     with; `bind(snapshot)` binds the snapshot's `policy` part."""
@@ -197,4 +208,4 @@ class PPOObjective:
         return means
 
 
-__all__ = ["PPOObjective", "PolicyOf", "ValueHead"]
+__all__ = ["PPOObjective", "PolicyOf", "ValueHead", "critic_from_policy"]

@@ -5,6 +5,8 @@
                       device (RecordedEpisodes writes each episode and its turns to the store)
         mode "async": GRPOObjective with a ScheduledRollout whose source is an EnvironmentSource
                       on the native rollout server (scheduled.py)
+    ... + PPOOptions: PPOObjective (a ValueHead critic on a copy of the starting policy) with a
+                      PPORollout over the EpisodeRollout (sync only)
 
 Each prompt row is a task (`Prompts(row_ids=True)`: its row is its id); its data reaches the
 environment and the verifier (sync: the batch's columns; async: `prompt_tasks`' layout, the
@@ -24,12 +26,13 @@ import jax
 
 from dew_lib.data import Prompts
 from dew_lib.inference import TextGeneration
-from dew_lib.objectives import GRPOObjective
-from dew_lib.options import integer
+from dew_lib.objectives import GRPOObjective, PPOObjective, ValueHead
+from dew_lib.objectives.ppo import critic_from_policy
+from dew_lib.options import integer, number
 from dew_lib.recipes.build import Built, GRPOOptions
 from dew_lib.recipes.scheduled import ScheduledRollout
 from dew_lib.records.episodes import EnvironmentFactory, Verifier
-from dew_lib.rollouts import EnvironmentSource, EpisodeRollout, prompt_tasks
+from dew_lib.rollouts import EnvironmentSource, EpisodeRollout, PPORollout, prompt_tasks
 from dew_lib.sampling import Sampling
 
 
@@ -48,18 +51,43 @@ class EpisodeOptions:
         integer("EpisodeOptions.workers", self.workers)
 
 
-class RecordedEpisodes:
-    """Runs an EpisodeRollout and writes each episode to the run store under the update it
-    trains: its task's prompt (first time only), its session with the calls, and its turns."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PPOOptions:
+    """PPO with a critic on the episodes: a ValueHead on a copy of the starting policy.
+    value_coefficient, value_clip: PPOObjective's. gamma, lam, epochs, minibatches: PPORollout's."""
 
-    def __init__(self, rollout: EpisodeRollout, writer, decode=None):
+    value_coefficient: float = 0.5
+    value_clip: float = 0.2
+    gamma: float = 1.0
+    lam: float = 0.95
+    epochs: int = 1
+    minibatches: int = 1
+
+    def __post_init__(self):
+        number("PPOOptions.value_coefficient", self.value_coefficient, at_least=0)
+        number("PPOOptions.value_clip", self.value_clip, above=0)
+        integer("PPOOptions.epochs", self.epochs)
+        integer("PPOOptions.minibatches", self.minibatches)
+
+
+class RecordedEpisodes:
+    """Runs an EpisodeRollout (or a PPORollout over one) and writes each collection's episodes
+    to the run store under the update that first trains them: its task's prompt (first time
+    only), its session with the calls, and its turns."""
+
+    def __init__(self, rollout, writer, decode=None):
         self.rollout, self.stage, self.decode = rollout, writer, decode
+        self.episodes: EpisodeRollout = getattr(rollout, "episodes", rollout)
+        self._recorded: Any = None  # the collection written last
 
     def __call__(self, state, batch, key):
         started = time.perf_counter()
         packed = self.rollout(state, batch, key)
         seconds = time.perf_counter() - started
-        results = self.rollout.last_results
+        results = self.episodes.last_results
+        if results is self._recorded:  # a PPO pass over a collection already written
+            return packed
+        self._recorded = results
         update = int(jax.device_get(state.updates))
         self.stage.prompts(prompt_tasks(batch), update=update, decode=self.decode)
         self.stage.sessions([r.session for r in results], update=update,
@@ -70,13 +98,21 @@ class RecordedEpisodes:
 
 def build_episode_grpo(model, variables, data: Prompts, options: GRPOOptions, episodes: EpisodeOptions, *,
                        environment: EnvironmentFactory, verifier: Verifier, decode=None,
-                       writer=None) -> Built:
-    """GRPO over tool episodes of `data`'s prompts, from the frozen `variables`.
+                       writer=None, ppo: PPOOptions | None = None) -> Built:
+    """GRPO (or, given `ppo`, PPO with a critic) over tool episodes of `data`'s prompts, from the
+    frozen `variables`.
 
     environment: `(task, identity) -> Environment`; verifier: `(task, episode) -> reward`.
     decode: prompt ids -> text for the store. writer: the stage's StageWriter (None: nothing
-    recorded); async records its scheduler records and sessions, sync also each turn.
+    recorded); async records its scheduler records and sessions, sync also each turn. ppo: runs
+    synchronously; the built objective's params are `{"policy", "critic"}`.
     """
+    if ppo is not None:
+        if options.mode != "sync":
+            raise ValueError("PPO on episodes runs with GRPOOptions.mode='sync': its targets need the "
+                             "critic at the weights that sampled")
+        return _episode_ppo(model, variables, data, options, episodes, ppo, environment=environment,
+                            verifier=verifier, decode=decode, writer=writer)
     if options.eos_id is None:
         raise ValueError("GRPOOptions.eos_id is None; a tool episode's turn ends at EOS, so give the "
                          "tokenizer's end-of-turn id")
@@ -108,4 +144,25 @@ def build_episode_grpo(model, variables, data: Prompts, options: GRPOOptions, ep
     return Built(objective=objective, dataset=data.load(batch=options.batch), rollout=rollout)
 
 
-__all__ = ["EpisodeOptions", "RecordedEpisodes", "build_episode_grpo"]
+def _episode_ppo(model, variables, data: Prompts, options: GRPOOptions, episodes: EpisodeOptions,
+                 ppo: PPOOptions, *, environment, verifier, decode, writer) -> Built:
+    width = episodes.max_context + options.max_new_tokens
+    critic = ValueHead(model)
+    objective = PPOObjective(model, width - 1, critic=critic, beta=options.beta, pretrained=variables,
+                             critic_variables=critic_from_policy(critic, variables, width - 1),
+                             value_coefficient=ppo.value_coefficient, value_clip=ppo.value_clip,
+                             sampling_temperature=options.sampling_temperature)
+    sampled = EpisodeRollout(objective.policy(pad_id=data.pad_id), environment, verifier,
+                             max_prompt_tokens=episodes.max_context, max_new_tokens=options.max_new_tokens,
+                             max_turns=episodes.max_turns, groups=options.groups,
+                             sampling=Sampling(temperature=options.temperature, eos_id=options.eos_id),
+                             workers=episodes.workers)
+    rollout = PPORollout(objective, sampled, gamma=ppo.gamma, lam=ppo.lam, epochs=ppo.epochs,
+                         minibatches=ppo.minibatches)
+    if writer is not None:
+        rollout = RecordedEpisodes(rollout, writer, decode)
+    return Built(objective=objective, dataset=dataclasses.replace(data, row_ids=True).load(batch=options.batch),
+                 rollout=rollout)
+
+
+__all__ = ["EpisodeOptions", "PPOOptions", "RecordedEpisodes", "build_episode_grpo"]

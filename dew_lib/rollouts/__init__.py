@@ -2,7 +2,8 @@
 
 `pack` turns recorded sessions into packed rows (packing.py); `SampledRollout` draws groups from
 the policy in-process (sampled.py); `EpisodeRollout` runs multi-turn tool episodes in lock step
-(episodes.py), and `PPORollout` adds a critic's GAE targets to them (ppo.py); `PromptSource` and `EnvironmentSource` draw sessions from a
+(episodes.py), and `PPORollout` adds a critic's GAE targets to them (ppo.py); `to_verl` and
+`from_verl` write sessions as verl's agent-loop rows and read them back (verl.py); `PromptSource` and `EnvironmentSource` draw sessions from a
 rollout server (sources.py); `RolloutScheduler` trains on them asynchronously (scheduler/).
 
 Not here: the losses (`dew_lib.objectives`), the records themselves (`dew_lib.records`), the
@@ -18,9 +19,11 @@ from dew_lib.rollouts.sampled import RewardFailed, SampledRollout
 from dew_lib.rollouts.scheduler import GroupState, RolloutScheduler, prompt_tasks, task_ids
 from dew_lib.rollouts.sources import EnvironmentSource, PromptSource
 from dew_lib.rollouts.subprocess_environment import SubprocessEnvironment, ToolFailure, WorkerEnvironment
+from dew_lib.rollouts.verl import VerlTrajectory, from_verl, to_verl
 from dew_lib.tool_worker import serve as serve_tool
 
 __all__ = ["EnvironmentSource", "EpisodeCancelled", "EpisodeFailure", "EpisodeJournal", "EpisodeResult",
            "EpisodeRollout", "GroupState", "JournalBusy", "JournalMismatch", "PPORollout", "PromptSource", "RewardFailed",
-           "RolloutScheduler", "SampledRollout", "SubprocessEnvironment", "ToolFailure", "WorkerEnvironment",
-           "pack", "project", "prompt_tasks", "serve_tool", "session_metrics", "session_of", "task_ids"]
+           "RolloutScheduler", "SampledRollout", "SubprocessEnvironment", "ToolFailure", "VerlTrajectory", "WorkerEnvironment",
+           "from_verl", "pack", "project", "prompt_tasks", "serve_tool", "session_metrics", "session_of",
+           "task_ids", "to_verl"]
