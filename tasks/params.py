@@ -290,8 +290,8 @@ class ToolParams(Params):
 
 
 class PPOParams(Params):
-    """PPO with a critic in place of GRPO's group baseline (PipelineParams.rl='ppo'), on tool
-    episodes: the critic is a value head on a copy of the starting policy."""
+    """PPO with a critic in place of GRPO's group baseline (PipelineParams.rl='ppo'): the critic
+    is a value head on a copy of the starting policy; one-turn prompts train as one-turn episodes."""
 
     value_coefficient: float = Field(0.5, ge=0, description="weight of the critic's value loss")
     value_clip: float = Field(0.2, gt=0, description="how far a value may move from the one recorded at "
@@ -330,7 +330,7 @@ class PipelineParams(Params):
     reward: RewardParams = RewardParams()
     tools: ToolParams = ToolParams()
     rl: Literal["grpo", "ppo"] = Field("grpo", description="the RL stage's algorithm: 'grpo' (group-relative "
-                                       "advantages) or 'ppo' (a critic and GAE; tool episodes, sync)")
+                                       "advantages) or 'ppo' (a critic and GAE; grpo.mode='sync')")
     ppo: PPOParams = PPOParams()
     stages: tuple[Literal["sft", "dpo", "grpo"], ...] = Field(
         ("sft", "dpo", "grpo"), description="stages to run, in order")
@@ -343,11 +343,11 @@ class PipelineParams(Params):
         return self
 
     @model_validator(mode="after")
-    def _ppo_on_episodes(self) -> PipelineParams:
-        if self.rl == "ppo" and (self.data.source != "tools" or self.grpo.mode != "sync"):
-            raise ValueError(f"rl='ppo' trains on tool episodes drawn in step with the trainer: it needs "
-                             f"data.source='tools' and grpo.mode='sync' (got {self.data.source!r}, "
-                             f"{self.grpo.mode!r}); use rl='grpo' otherwise")
+    def _ppo_in_step(self) -> PipelineParams:
+        if self.rl == "ppo" and self.grpo.mode != "sync":
+            raise ValueError("rl='ppo' draws its episodes in step with the trainer (its critic values them "
+                             "at the weights that sampled): set grpo.mode='sync', or use rl='grpo' for "
+                             "asynchronous rollouts")
         return self
 
     @model_validator(mode="after")

@@ -32,8 +32,8 @@ from prefect import get_run_logger, task
 
 from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts
 from dew_lib.objectives import PPOObjective
-from dew_lib.recipes import (Built, DPOOptions, EpisodeOptions, GRPOOptions, PPOOptions, SFTOptions,
-                             ScheduledRollout, build_dpo, build_episode_grpo, build_grpo, build_sft)
+from dew_lib.recipes import (Built, DPOOptions, EpisodeOptions, GRPOOptions, OneTurn, PPOOptions,
+                             SFTOptions, ScheduledRollout, build_dpo, build_episode_grpo, build_grpo, build_sft)
 from dew_lib.store import Store
 from dew_lib.train.checkpoint import Checkpoints
 from dew_lib.train.sinks import JsonlSink
@@ -81,17 +81,22 @@ def _grpo_options(params: GRPOParams, tokenizer) -> GRPOOptions:
 def _build_episodes(params: GRPOParams, pretrained, variables, data: DataManifest, tokenizer_dir: str,
                     seed: int, writer, reward: TaskReward, tools: ToolParams | None,
                     ppo: PPOParams | None) -> Built:
-    """GRPO (PPO with `ppo`) on the data's tool task: each prompt an episode with its calculator
-    worker."""
-    tools = tools or ToolParams()
+    """GRPO (PPO with `ppo`) on episodes: on a tool task each prompt is an episode with its
+    calculator worker; otherwise (PPO on one-turn prompts) each prompt is a one-turn episode
+    whose reply is graded like a GRPO completion."""
     tokenizer = pretrained.tokenizer
     spec = Prompts(path=_needs(data.prompts_path, "grpo", "prompts (prompts_path)"),
                    max_prompt_len=params.max_prompt_len, tokenizer=tokenizer_dir,
                    pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
+    if data.tool is not None:
+        tools = tools or ToolParams()
+        shape = EpisodeOptions(max_turns=tools.max_turns, max_context=tools.max_context, workers=tools.workers)
+        environment = calculator_environment(tokenizer, tokenizer_dir, tools)
+    else:
+        shape = EpisodeOptions(max_turns=1, max_context=params.max_prompt_len)
+        environment = OneTurn
     return build_episode_grpo(
-        pretrained.model, variables, spec, _grpo_options(params, tokenizer),
-        EpisodeOptions(max_turns=tools.max_turns, max_context=tools.max_context, workers=tools.workers),
-        environment=calculator_environment(tokenizer, tokenizer_dir, tools),
+        pretrained.model, variables, spec, _grpo_options(params, tokenizer), shape, environment=environment,
         verifier=EpisodeVerifier(reward, tokenizer), decode=completion_text(tokenizer), writer=writer,
         ppo=None if ppo is None else PPOOptions(**ppo.model_dump()))
 
@@ -119,11 +124,9 @@ def _build(kind: str, params: StageParams, pretrained, variables, data: DataMani
         return build_dpo(model, variables, spec, DPOOptions(batch=params.batch, beta=params.beta,
                                                             nll_weight=params.nll_weight))
     assert isinstance(params, GRPOParams)
-    if data.tool is not None:
+    if data.tool is not None or ppo is not None:
         return _build_episodes(params, pretrained, variables, data, tokenizer_dir, seed, writer, reward, tools,
                                ppo)
-    if ppo is not None:
-        raise ValueError("PPO trains on tool episodes; this run's data has no tool (data.source='tools')")
     spec = Prompts(path=_needs(data.prompts_path, kind, "prompts (prompts_path)"),
                    max_prompt_len=params.max_prompt_len,
                    tokenizer=tokenizer_dir, pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))

@@ -110,6 +110,23 @@ def test_a_rerun_with_the_same_inputs_reuses_every_finished_stage(finished):
 
 
 @pytest.mark.slow
+def test_rl_ppo_trains_the_prompts_as_one_turn_episodes_with_a_critic(finished):
+    """The finished run again with only rl='ppo': SFT and DPO are reused, the RL stage trains
+    with PPO, each prompt one episode of one turn graded by its reward."""
+    from flows.pipeline import pipeline
+
+    root, params, _ = finished
+    outcome = pipeline(params.model_copy(update={"rl": "ppo"}))
+    assert outcome["reused"] == {"start": True, "sft": True, "dpo": True, "grpo": False}
+    run = outcome["run"]
+    names = {name for (name,) in query(root, f"SELECT DISTINCT name FROM metrics WHERE run = '{run}'")}
+    assert {"critic/vf_loss", "critic/vf_explained_var", "pg_loss", "reward"} <= names
+    turns = query(root, f"SELECT count(*), count(DISTINCT session_uid), max(turn) FROM turns WHERE run = '{run}'")
+    sessions = query(root, f"SELECT count(*) FROM sessions WHERE run = '{run}' AND stage = 'grpo'")[0][0]
+    assert turns[0][0] == turns[0][1] == sessions == 2 * 2 * 4 and turns[0][2] == 0  # steps x prompts x groups
+
+
+@pytest.mark.slow
 def test_a_failed_training_task_is_retried_and_resumes_from_its_checkpoint(harness, tmp_path, monkeypatch):
     from dew_lib.train import trainer
     from flows.pipeline import pipeline

@@ -186,9 +186,7 @@ def test_each_evaluation_publishes_its_greedy_transcripts(runs):
     assert shown.count("What is") == 3 and "```" in shown
 
 
-def test_ppo_needs_tool_episodes_drawn_in_step():
-    with pytest.raises(ValueError, match="rl='ppo'"):
-        PipelineParams(rl="ppo", stages=("sft", "grpo"))
+def test_ppo_needs_episodes_drawn_in_step():
     with pytest.raises(ValueError, match="rl='ppo'"):
         PipelineParams(rl="ppo", data=dict(source="tools"), stages=("sft", "grpo"), grpo=dict(mode="async"))
 

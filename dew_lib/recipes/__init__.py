@@ -11,12 +11,12 @@ Not here: Prefect, reading files into data specs, optimizers and Trainer.fit's l
 from dew_lib.recipes.build import (Built, DPOOptions, GRPOOptions, RecordedRollout, SFTOptions,
                                    build_dpo, build_grpo, build_sft)
 from dew_lib.recipes.chain import Recipe, Stage
-from dew_lib.recipes.episodes import EpisodeOptions, PPOOptions, RecordedEpisodes, build_episode_grpo
+from dew_lib.recipes.episodes import EpisodeOptions, OneTurn, PPOOptions, RecordedEpisodes, build_episode_grpo
 from dew_lib.recipes.flow import (FlowGRPOOptions, FlowPretrainOptions, build_flow_grpo,
                                   build_flow_pretrain, image_batches)
 from dew_lib.recipes.scheduled import ScheduledRollout
 
 __all__ = ["Built", "DPOOptions", "EpisodeOptions", "FlowGRPOOptions", "FlowPretrainOptions", "GRPOOptions",
-           "PPOOptions", "Recipe", "RecordedEpisodes", "RecordedRollout", "SFTOptions", "ScheduledRollout",
+           "OneTurn", "PPOOptions", "Recipe", "RecordedEpisodes", "RecordedRollout", "SFTOptions", "ScheduledRollout",
            "Stage", "build_dpo", "build_episode_grpo", "build_flow_grpo", "build_flow_pretrain", "build_grpo",
            "build_sft", "image_batches"]

@@ -8,6 +8,8 @@
     ... + PPOOptions: PPOObjective (a ValueHead critic on a copy of the starting policy) with a
                       PPORollout over the EpisodeRollout (sync only)
 
+`OneTurn` makes a prompt a one-turn episode, so one-turn tasks train through PPO too.
+
 Each prompt row is a task (`Prompts(row_ids=True)`: its row is its id); its data reaches the
 environment and the verifier (sync: the batch's columns; async: `prompt_tasks`' layout, the
 prompt ids as `prompt_ids` and the reward fields as text). Rows are `max_context +
@@ -23,6 +25,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
 from dew_lib.data import Prompts
 from dew_lib.inference import TextGeneration
@@ -31,7 +34,7 @@ from dew_lib.objectives.ppo import critic_from_policy
 from dew_lib.options import integer, number
 from dew_lib.recipes.build import Built, GRPOOptions
 from dew_lib.recipes.scheduled import ScheduledRollout
-from dew_lib.records.episodes import EnvironmentFactory, Verifier
+from dew_lib.records.episodes import EnvironmentFactory, Observation, Verifier
 from dew_lib.rollouts import EnvironmentSource, EpisodeRollout, PPORollout, prompt_tasks
 from dew_lib.sampling import Sampling
 
@@ -68,6 +71,30 @@ class PPOOptions:
         number("PPOOptions.value_clip", self.value_clip, above=0)
         integer("PPOOptions.epochs", self.epochs)
         integer("PPOOptions.minibatches", self.minibatches)
+
+
+class OneTurn:
+    """A prompt as a one-turn episode: the context is the task's prompt ids, and the policy's
+    reply ends it (the verifier grades it), so one-turn prompts train through the episode
+    path (PPO's GAE and critic). An environment factory: `OneTurn(task, identity)`."""
+
+    def __init__(self, task, identity):
+        self.data = task.data
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def reset(self) -> Observation:
+        if "prompt_ids" in self.data:  # prompt_tasks' layout
+            return Observation(self.data["prompt_ids"])
+        prompt, length = np.asarray(self.data["prompt"]), int(self.data["prompt_length"])
+        return Observation(prompt[prompt.size - length:])
+
+    def step(self, action) -> Observation:
+        return Observation(status="completed", detail="answered")
 
 
 class RecordedEpisodes:
@@ -165,4 +192,4 @@ def _episode_ppo(model, variables, data: Prompts, options: GRPOOptions, episodes
                  rollout=rollout)
 
 
-__all__ = ["EpisodeOptions", "PPOOptions", "RecordedEpisodes", "build_episode_grpo"]
+__all__ = ["EpisodeOptions", "OneTurn", "PPOOptions", "RecordedEpisodes", "build_episode_grpo"]
