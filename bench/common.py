@@ -78,8 +78,44 @@ def torch_train_step(config: dict, batch: int, seq: int):
     return model, step
 
 
+VECTOR_FAMILIES = (("AVX2", ("avx2",)), ("AVX-512", ("avx512f",)), ("AVX-512 BF16", ("avx512_bf16",)),
+                   ("AVX-512 VNNI", ("avx512_vnni",)), ("AMX", ("amx_tile",)), ("AMX BF16", ("amx_bf16",)))
+
+
+def cpu_line() -> str:
+    """The CPU's model, its cores here and its vector extensions (AVX2, AVX-512, AMX), so every
+    ratio a bench prints says which machine family it belongs to."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                name, _, value = line.partition(":")
+                if name.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif name.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        import platform
+
+        model = platform.processor() or platform.machine()
+    have = [family for family, needs in VECTOR_FAMILIES if all(f in flags for f in needs)]
+    return f"cpu: {model}, {os.cpu_count()} cores, {', '.join(have) or 'no AVX2/AVX-512/AMX'}"
+
+
+_SHOWN_CPU = False
+
+
+def show_cpu() -> None:
+    """Print `cpu_line()` once per process: a bench's header."""
+    global _SHOWN_CPU
+    if not _SHOWN_CPU:
+        print(cpu_line())
+        _SHOWN_CPU = True
+
+
 def report(title: str, rows: list[tuple[str, str]]) -> None:
     width = max(len(k) for k, _ in rows)
+    show_cpu()
     print(f"\n== {title}")
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

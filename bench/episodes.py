@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from bench.common import report  # noqa: E402
+from bench.common import report, show_cpu  # noqa: E402
 from dew_lib import Dataset, Trainer, models  # noqa: E402
 from dew_lib.inference import TextGeneration  # noqa: E402
 from dew_lib.objectives import LMObjective  # noqa: E402
@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=600)
     parser.add_argument("--directory", default=None, help="where the journal goes (default: a temporary directory)")
     args = parser.parse_args()
+    show_cpu()
     policy = protocol_policy(args.sft_steps)
     timed = Timed()
     factory = timed.environments(SubprocessEnvironment((sys.executable, str(WORKER)), SandboxLimits(wall_seconds=120)))

@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import show_cpu  # noqa: E402
 
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
@@ -131,6 +135,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    show_cpu()
     with tempfile.TemporaryDirectory(prefix="dew-bench-load-") as tmp:
         directory = Path(tmp)
         size = write_checkpoint(directory, args.dtype)

@@ -32,6 +32,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import show_cpu  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 
@@ -103,6 +106,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=None, help="use the first N rows (default: all)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each; the fastest counts")
     args = parser.parse_args()
+    show_cpu()
     load = os.getloadavg()
     with open(args.gsm8k, encoding="utf-8") as handle:
         rows = [json.loads(line) for line in handle][:args.rows]

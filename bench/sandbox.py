@@ -32,6 +32,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import show_cpu  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import report  # noqa: E402
@@ -130,6 +133,7 @@ def main() -> None:
     parser.add_argument("--image", default=os.environ.get("DEW_SANDBOX_IMAGE", "python:3.12-slim"),
                         help="the container runner's image (needs python3; nothing is pulled)")
     args = parser.parse_args()
+    show_cpu()
     programs = workloads(args.programs)
     results = {}
     for name, runner in runners(args.image).items():
