@@ -217,6 +217,55 @@ def test_a_flow_run_ends_when_the_serving_process_is_killed(tmp_path):
                     os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
+def test_prefect_yaml_deploys_to_a_process_work_pool_whose_worker_runs_the_pipeline(tmp_path):
+    """What docs/pipeline.md tells a team to do: create the process pool, `prefect deploy` the
+    deployments of prefect.yaml, start a worker; a run started through the API completes, in
+    the store and with its artifacts."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.ui import artifact_key
+
+    prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
+    log_path = tmp_path / "services.log"
+    with open(log_path, "w") as log, prefect_server(tmp_path, log, log_path) as (api, env):
+        env = {**env, "DEW_REPOSITORY": ROOT, "PREFECT_WORKER_QUERY_SECONDS": "2"}
+        for command in (["work-pool", "create", "dew", "--type", "process"],
+                        ["--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"]):
+            subprocess.run([prefect, *command], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                           check=True, timeout=300)
+        with started([prefect, "worker", "start", "--pool", "dew"], env, log), \
+                temporary_settings(updates={PREFECT_API_URL: api}):
+
+            async def start_run():
+                async with get_client() as client:
+                    deployment = await client.read_deployment_by_name("pipeline/pipeline")
+                    assert deployment.work_pool_name == "dew"
+                    run = await client.create_flow_run_from_deployment(
+                        deployment.id, parameters={"params": {**TINY, "root": str(tmp_path / "runs")}})
+                    return run.id
+
+            async def state_of(run):
+                async with get_client() as client:
+                    return (await client.read_flow_run(run)).state
+
+            run = asyncio.run(start_run())
+            state = wait_for(lambda: (s := asyncio.run(state_of(run))) and s.is_final() and s, 900,
+                             "the worker finishing the flow run", log_path)
+            assert state.is_completed(), state
+            (stored,) = Store(str(tmp_path / "runs")).rows("SELECT run, status FROM runs")[1]
+            assert stored[1] == "completed"
+
+            async def artifacts():
+                async with get_client() as client:
+                    keys = [artifact_key(stored[0], name) for name in ("accuracy", "summary")]
+                    return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+
+            assert {a.key for a in asyncio.run(artifacts())} == {artifact_key(stored[0], n) for n in ("accuracy", "summary")}
+
+
 def test_prefect_yaml_declares_the_deployments_serve_py_serves():
     """One set of deployments, two ways to run them: names, flows, schedules and parameters agree."""
     import yaml
