@@ -143,11 +143,14 @@ def _labels(stage: str) -> dict[str, str]:
 
 
 def optimizer_for(kind: str, params: StageParams) -> optax.GradientTransformation:
-    rate = params.learning_rate
+    """Clipped AdamW: SFT warms up, decays on a cosine and takes its own weight decay; DPO and
+    GRPO keep a constant rate and optax's default decay."""
     if kind == "sft":
-        rate = optax.warmup_cosine_decay_schedule(0.0, rate, min(50, params.steps // 10 + 1),
-                                                  params.steps, rate / 10)
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(rate))
+        assert isinstance(params, SFTParams)
+        rate = optax.warmup_cosine_decay_schedule(0.0, params.learning_rate, min(50, params.steps // 10 + 1),
+                                                  params.steps, params.learning_rate / 10)
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(rate, weight_decay=params.weight_decay))
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(params.learning_rate))
 
 
 def _history(path: str) -> list[tuple[int, dict]]:
