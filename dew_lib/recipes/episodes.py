@@ -134,16 +134,16 @@ def build_episode_grpo(model, variables, data: Prompts, options: GRPOOptions, ep
     recorded); async records its scheduler records and sessions, sync also each turn. ppo: runs
     synchronously; the built objective's params are `{"policy", "critic"}`.
     """
+    if options.eos_id is None:
+        raise ValueError("GRPOOptions.eos_id is None; a tool episode's turn ends at EOS, so give the "
+                         "tokenizer's end-of-turn id")
+    data = dataclasses.replace(data, row_ids=True)
     if ppo is not None:
         if options.mode != "sync":
             raise ValueError("PPO on episodes runs with GRPOOptions.mode='sync': its targets need the "
                              "critic at the weights that sampled")
         return _episode_ppo(model, variables, data, options, episodes, ppo, environment=environment,
                             verifier=verifier, decode=decode, writer=writer)
-    if options.eos_id is None:
-        raise ValueError("GRPOOptions.eos_id is None; a tool episode's turn ends at EOS, so give the "
-                         "tokenizer's end-of-turn id")
-    data = dataclasses.replace(data, row_ids=True)
     width = episodes.max_context + options.max_new_tokens
     sampling = Sampling(temperature=options.temperature, eos_id=options.eos_id)
     if options.mode == "async":
@@ -188,8 +188,7 @@ def _episode_ppo(model, variables, data: Prompts, options: GRPOOptions, episodes
                          minibatches=ppo.minibatches)
     if writer is not None:
         rollout = RecordedEpisodes(rollout, writer, decode)
-    return Built(objective=objective, dataset=dataclasses.replace(data, row_ids=True).load(batch=options.batch),
-                 rollout=rollout)
+    return Built(objective=objective, dataset=data.load(batch=options.batch), rollout=rollout)
 
 
 __all__ = ["EpisodeOptions", "OneTurn", "PPOOptions", "RecordedEpisodes", "build_episode_grpo"]
