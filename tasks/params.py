@@ -303,6 +303,8 @@ class PPOParams(Params):
     epochs: int = Field(1, ge=1, description="passes over each collection of episodes (each pass "
                         "counts `minibatches` of the stage's steps)")
     minibatches: int = Field(1, ge=1, description="slices each pass is trained in, one step each")
+    critic_learning_rate: float | None = Field(None, gt=0, description="the critic's AdamW rate (empty: "
+                                               "the GRPO stage's learning_rate, shared with the policy)")
 
 
 class EvalParams(Params):

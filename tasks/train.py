@@ -31,7 +31,7 @@ import optax
 from prefect import get_run_logger, task
 
 from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts
-from dew_lib.objectives import PPOObjective
+from dew_lib.objectives import PPOObjective, split_optimizer
 from dew_lib.recipes import (Built, DPOOptions, EpisodeOptions, GRPOOptions, OneTurn, PPOOptions,
                              SFTOptions, ScheduledRollout, build_dpo, build_episode_grpo, build_grpo, build_sft)
 from dew_lib.store import Store
@@ -142,14 +142,17 @@ def _labels(stage: str) -> dict[str, str]:
             "ppo": "PPO parameters"}
 
 
-def optimizer_for(kind: str, params: StageParams) -> optax.GradientTransformation:
+def optimizer_for(kind: str, params: StageParams, ppo: PPOParams | None = None) -> optax.GradientTransformation:
     """Clipped AdamW: SFT warms up, decays on a cosine and takes its own weight decay; DPO and
-    GRPO keep a constant rate and optax's default decay."""
+    GRPO keep a constant rate and optax's default decay; PPO's critic may take its own rate."""
     if kind == "sft":
         assert isinstance(params, SFTParams)
         rate = optax.warmup_cosine_decay_schedule(0.0, params.learning_rate, min(50, params.steps // 10 + 1),
                                                   params.steps, params.learning_rate / 10)
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(rate, weight_decay=params.weight_decay))
+    if ppo is not None and ppo.critic_learning_rate is not None:
+        return optax.chain(optax.clip_by_global_norm(1.0),
+                           split_optimizer(optax.adamw(params.learning_rate), optax.adamw(ppo.critic_learning_rate)))
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(params.learning_rate))
 
 
@@ -214,7 +217,7 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
         pretrained, variables = load_policy(start, data.tokenizer)
         tokenizer_dir = data.tokenizer or start.path
         built = _build(kind, params, pretrained, variables, data, tokenizer_dir, seed, writer, grader, tools, ppo)
-        trainer = Trainer(built.objective, optimizer_for(kind, params), key=jax.random.key(seed),
+        trainer = Trainer(built.objective, optimizer_for(kind, params, ppo if kind == "grpo" else None), key=jax.random.key(seed),
                           rollout=built.rollout)
         checkpoints = os.path.join(directory, "checkpoints")
         resumed, written = None, os.path.abspath(checkpoints)  # the step it resumes at; where written

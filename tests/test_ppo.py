@@ -14,7 +14,7 @@ import optax
 import pytest
 
 from dew_lib import Dataset, Trainer, models
-from dew_lib.objectives import PPOObjective, ValueHead, algorithms
+from dew_lib.objectives import PPOObjective, ValueHead, algorithms, split_optimizer
 from dew_lib.objectives.batch import PackedBatch
 from dew_lib.rollouts import EpisodeRollout, PPORollout
 from test_tool_episodes import P, R, SAMPLING, Square, T, counts, tasks, trained_policy, verify  # noqa: F401
@@ -245,6 +245,26 @@ def test_a_short_run_trains_policy_and_critic_and_keeps_the_reference(protocol):
     same = jax.tree.map(np.array_equal, jax.device_get(state.ema), jax.device_get(start.params["policy"]))
     assert all(jax.tree.leaves(same))  # the reference is the starting policy, and only the policy
     assert critic_error(state.params) < critic_error(start.params)
+
+
+def test_split_optimizer_gives_the_critic_its_own_rate(protocol):
+    """A frozen policy (rate 0) beside Adam on the critic: the critic moves exactly as under one
+    Adam for the whole tree (Adam is elementwise), and the policy not at all."""
+    objective, rollout = ppo(protocol)
+    data = Dataset(train=lambda part: itertools.repeat(tasks(*range(4))), batch=4)
+
+    def one_step(optimizer):
+        return Trainer(objective, optimizer, key=jax.random.key(0), rollout=rollout).fit(data, steps=1)
+
+    start = Trainer(objective, optax.adam(3e-3), key=jax.random.key(0), rollout=rollout).initial_state()
+    split = one_step(split_optimizer(optax.sgd(0.0), optax.adam(3e-3)))
+    joint = one_step(optax.adam(3e-3))
+    same = jax.tree.map(np.array_equal, jax.device_get(split.params["policy"]), jax.device_get(start.params["policy"]))
+    assert all(jax.tree.leaves(same))
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), split.params["critic"], start.params["critic"])
+    assert any(jax.tree.leaves(moved))
+    for a, b in zip(jax.tree.leaves(split.params["critic"]), jax.tree.leaves(joint.params["critic"]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)
 
 
 def test_the_metrics_report_the_critic(protocol):

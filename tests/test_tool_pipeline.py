@@ -214,3 +214,20 @@ def test_a_ppo_stage_trains_policy_and_critic_on_tool_episodes(runs):
     from transformers import AutoConfig
 
     assert AutoConfig.from_pretrained(outcome["policy"]).model_type  # the policy alone, in HF format
+
+
+def test_ppo_params_give_the_critic_its_own_rate():
+    """Adam's first step moves each weight by about its rate: the critic's by
+    `critic_learning_rate`, the policy's by the stage's `learning_rate`."""
+    import jax.numpy as jnp
+
+    from tasks.params import GRPOParams, PPOParams
+    from tasks.train import optimizer_for
+
+    params = {"policy": {"w": jnp.ones(3)}, "critic": {"w": jnp.ones(3)}}
+    grads = {"policy": {"w": jnp.full(3, 1e-3)}, "critic": {"w": jnp.full(3, 1e-3)}}
+    for critic_rate, expected in ((None, 1e-4), (1e-3, 1e-3)):
+        optimizer = optimizer_for("grpo", GRPOParams(learning_rate=1e-4), PPOParams(critic_learning_rate=critic_rate))
+        updates, _ = optimizer.update(grads, optimizer.init(params), params)
+        np.testing.assert_allclose(-updates["policy"]["w"], 1e-4 * (1 + 1e-4), rtol=1e-3)
+        np.testing.assert_allclose(-updates["critic"]["w"], expected * (1 + 1e-4), rtol=1e-3)

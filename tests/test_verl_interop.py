@@ -130,6 +130,26 @@ def test_rows_that_cannot_train_are_refused(change, message):
         from_verl([{**row, **change}])
 
 
+def test_imported_calls_pass_the_checks_live_actions_pass():
+    """With the policy's EOS ids, a native row's runs end "stop" on EOS and "length" otherwise,
+    and ids past an EOS are refused, in verl's rows and in rows Dew wrote alike."""
+    eos = 2
+    row = {"prompt_ids": [1], "response_ids": [3, 2, 9, 4], "response_mask": [1, 1, 0, 1],
+           "response_logprobs": [-0.1, -0.2, 0.0, -0.3], "reward_score": 1.0,
+           "extra_fields": {"min_global_steps": 0}}
+    (trajectory,) = from_verl([row], eos_ids=[eos])
+    assert [c.finish_reason for c in trajectory.session.calls] == ["stop", "length"]
+    with pytest.raises(ValueError, match="verl row 0, call 0 has 1 ids after EOS 2"):
+        from_verl([{**row, "response_ids": [2, 3, 9, 4]}], eos_ids=[eos])
+    written = to_verl([Session(task="t", calls=(call([1], [3, 2, 5], 0, finish_reason="length"),), reward=1.0)])
+    assert len(from_verl(written)) == 1  # without EOS ids nothing is checked
+    with pytest.raises(ValueError, match=r"call 0 has 1 ids after EOS 2"):
+        from_verl(written, eos_ids=[eos])
+    said_stop = to_verl([Session(task="t", calls=(call([1], [3, 5], 0, finish_reason="stop"),), reward=1.0)])
+    with pytest.raises(ValueError, match="says EOS ended it"):
+        from_verl(said_stop, eos_ids=[eos])
+
+
 def test_media_rows_pass_through_only_when_asked():
     row = {"prompt_ids": [1], "response_ids": [2], "response_mask": [1], "response_logprobs": [-0.1],
            "reward_score": 1.0, "extra_fields": {"min_global_steps": 0}, "multi_modal_data": {"image": ["x"]}}

@@ -12,7 +12,8 @@ from dew_lib.objectives.batch import PackedBatch
 from dew_lib.objectives.dpo import DPOObjective
 from dew_lib.objectives.grpo import GRPOObjective
 from dew_lib.objectives.lm import LMObjective
-from dew_lib.objectives.ppo import PPOObjective, ValueHead
+from dew_lib.objectives.ppo import PPOObjective, ValueHead, split_optimizer
 
 __all__ = ["DPOObjective", "GRPOObjective", "LMObjective", "LossTerms", "Metric", "Metrics",
-           "Objective", "PPOObjective", "PackedBatch", "ValueHead", "algorithms", "loss", "mean"]
+           "Objective", "PPOObjective", "PackedBatch", "ValueHead", "algorithms", "loss", "mean",
+           "split_optimizer"]

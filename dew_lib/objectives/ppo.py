@@ -29,6 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from dew_lib.objectives import algorithms
 from dew_lib.objectives.base import LossTerms, Metrics, with_perplexity
@@ -208,4 +209,12 @@ class PPOObjective:
         return means
 
 
-__all__ = ["PPOObjective", "PolicyOf", "ValueHead", "critic_from_policy"]
+def split_optimizer(policy: optax.GradientTransformation,
+                    critic: optax.GradientTransformation) -> optax.GradientTransformation:
+    """One optimizer for PPO's `{"policy", "critic"}` tree that updates each part with its own
+    transformation: a critic usually wants a larger rate than the policy it judges."""
+    return optax.multi_transform({"policy": policy, "critic": critic},
+                                 lambda params: {name: name for name in params})
+
+
+__all__ = ["PPOObjective", "PolicyOf", "ValueHead", "critic_from_policy", "split_optimizer"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -108,20 +108,25 @@ class Action:
 
 
 def check_action(action: Action, eos_ids: tuple[int, ...]) -> None:
-    """Refuse an action whose termination flag disagrees with the configured EOS ids: one that
-    says EOS ended it must end on an EOS id, and no id may follow an EOS. Live, imported and
-    journal-restored actions all pass here."""
-    tokens = action.tokens
-    eos = np.isin(tokens, np.asarray(eos_ids, np.int32)) if eos_ids else np.zeros(tokens.shape, bool)
+    """Refuse an action whose termination flag disagrees with the configured EOS ids (see
+    `check_termination`). Live, imported and journal-restored actions all pass here."""
+    check_termination(action.tokens, action.terminated, eos_ids, f"turn {action.step}")
+
+
+def check_termination(tokens: np.ndarray, terminated: bool, eos_ids: Sequence[int], where: str) -> None:
+    """Refuse sampled ids whose termination flag disagrees with the EOS ids: ids that EOS ended
+    must end on an EOS id, and no id may follow an EOS. where names the ids in the message."""
+    tokens = np.asarray(tokens)
+    eos = np.isin(tokens, np.asarray(eos_ids, np.int32)) if len(eos_ids) else np.zeros(tokens.shape, bool)
     first = int(np.argmax(eos)) if eos.any() else -1
     if first >= 0 and first != tokens.size - 1:
-        raise ValueError(f"turn {action.step} has {tokens.size - 1 - first} ids after EOS "
-                         f"{int(tokens[first])}; a turn ends at its EOS")
-    if action.terminated and first < 0:
-        raise ValueError(f"turn {action.step} says EOS ended it but its last id is not one of the "
+        raise ValueError(f"{where} has {tokens.size - 1 - first} ids after EOS "
+                         f"{int(tokens[first])}; sampling ends at its EOS")
+    if terminated and first < 0:
+        raise ValueError(f"{where} says EOS ended it but its last id is not one of the "
                          f"EOS ids {list(eos_ids)}")
-    if not action.terminated and first >= 0:
-        raise ValueError(f"turn {action.step} ends on EOS {int(tokens[first])} but says EOS did not "
+    if not terminated and first >= 0:
+        raise ValueError(f"{where} ends on EOS {int(tokens[first])} but says EOS did not "
                          "end it")
 
 
@@ -182,5 +187,5 @@ class Environment(Protocol):
 EnvironmentFactory = Callable[[Task, EpisodeId], Environment]
 Verifier = Callable[[Task, Episode], float]
 
-__all__ = ["Action", "check_action", "Environment", "EnvironmentFactory", "Episode", "EpisodeId", "EpisodeStatus",
+__all__ = ["Action", "check_action", "check_termination", "Environment", "EnvironmentFactory", "Episode", "EpisodeId", "EpisodeStatus",
            "Observation", "Transition", "Verifier"]

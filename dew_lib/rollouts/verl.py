@@ -24,7 +24,8 @@ verl repeats each prompt. verl's own extra_fields come back in `VerlTrajectory.e
 
 Refused: a row with media (`multi_modal_data`, `mm_processor_kwargs`, `mm_processor_output`)
 unless `media=True` (a text trainer would score placeholder ids without the images), and rows
-without behavior log-probabilities, a version or a reward.
+without behavior log-probabilities, a version or a reward. With `eos_ids=`, a call whose ids run
+past an EOS, or whose finish reason disagrees with its last id, is refused as a live action is.
 
 Not here: packing (`packing.py`), reading verl's parquet prompts (`dew_lib.data.Prompts`).
 """
@@ -37,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from dew_lib.records.episodes import check_termination
 from dew_lib.records.sessions import Call, Session, Status
 from dew_lib.rollouts.packing import chains
 
@@ -105,9 +107,11 @@ def _routing(session: Session, chain) -> np.ndarray | None:
 
 
 def from_verl(rows: Sequence[Mapping[str, Any]], *, samples: int | None = None,
-              media: bool = False) -> list[VerlTrajectory]:
+              media: bool = False, eos_ids: Sequence[int] = ()) -> list[VerlTrajectory]:
     """Sessions from verl AgentLoopOutput rows (dicts or the pydantic objects); see the module
-    docstring. samples: verl's rollout.n, for rows without Dew's fields."""
+    docstring. samples: verl's rollout.n, for rows without Dew's fields. eos_ids: the policy's
+    EOS ids; given, every call's ids are checked as live actions are (nothing after an EOS, a
+    "stop" ends on one), and a native row's calls end "stop" on an EOS id, else "length"."""
     if samples is not None and (not isinstance(samples, int) or samples < 1):
         raise ValueError(f"from_verl(samples=) is verl's rollout.n, a positive integer; got {samples!r}")
     rows = [row.model_dump() if hasattr(row, "model_dump") else dict(row) for row in rows]
@@ -118,14 +122,18 @@ def from_verl(rows: Sequence[Mapping[str, Any]], *, samples: int | None = None,
         extras = dict(row.get("extra_fields") or {})
         dew = extras.pop("dew", None)
         if dew is None:
-            out.append(VerlTrajectory(_native(row, index, samples), (extras,)))
+            trajectory = VerlTrajectory(_native(row, index, samples, eos_ids), (extras,))
+            _check_calls(trajectory.session, eos_ids, f"verl row {index}")
+            out.append(trajectory)
             continue
         key = (dew["task"], dew["group"], dew["sample"], dew["attempt"])
         parts = pending.setdefault(key, [])
         parts.append((row, dew, extras))
         if len(parts) == dew["chains"]:
             del pending[key]
-            out.append(VerlTrajectory(_restored(parts), tuple(extras for _, _, extras in parts)))
+            trajectory = VerlTrajectory(_restored(parts), tuple(extras for _, _, extras in parts))
+            _check_calls(trajectory.session, eos_ids, f"the verl rows of session {key}")
+            out.append(trajectory)
     if pending:
         task = next(iter(pending))
         raise ValueError(f"the rows of session {task} are incomplete: Dew wrote {pending[task][0][1]['chains']} "
@@ -152,7 +160,15 @@ def _check(row: Mapping[str, Any], index: int, media: bool) -> None:
         raise ValueError(f"{where} has no reward_score; score it before importing")
 
 
-def _native(row: Mapping[str, Any], index: int, samples: int | None) -> Session:
+def _check_calls(session: Session, eos_ids: Sequence[int], where: str) -> None:
+    """The checks every sampled action passes (`check_termination`), when EOS ids are given."""
+    if not len(eos_ids):
+        return
+    for k, call in enumerate(session.calls):
+        check_termination(call.sampled_ids, call.finish_reason == "stop", eos_ids, f"{where}, call {k}")
+
+
+def _native(row: Mapping[str, Any], index: int, samples: int | None, eos_ids: Sequence[int]) -> Session:
     prompt = np.asarray(row["prompt_ids"], np.int32)
     response = np.asarray(row["response_ids"], np.int32)
     mask = np.asarray(row["response_mask"]) > 0
@@ -162,8 +178,10 @@ def _native(row: Mapping[str, Any], index: int, samples: int | None) -> Session:
     calls = []
     for begin, end in _runs(mask):
         context = np.concatenate([prompt, response[:begin]])
+        stopped = not len(eos_ids) or int(response[end - 1]) in eos_ids
         calls.append(Call(prompt_ids=context, sampled_ids=response[begin:end],
                           behavior_log_probs=logprobs[begin:end], version=version,
+                          finish_reason="stop" if stopped else "length",
                           routed_experts=None if routed is None else np.asarray(routed)[:prompt.size + end]))
     group, sample = (index // samples, index % samples) if samples else (index, 0)
     return Session(task=str(group), group=group, sample=sample, calls=tuple(calls), status=Status.COMPLETED,
