@@ -1,11 +1,17 @@
-"""Dew against TRL on the same DPO and GRPO updates, on CPU.
+"""Dew against TRL on the same DPO, GRPO and PPO updates, on CPU.
 
 Both sides train the same Llama-architecture decoder (bench/common.py's LLAMA_8M shapes, float32)
 on the same token counts: DPO on 8 pairs per update, GRPO on 8 prompts x 4 completions x 32 new
-tokens with the same reward on decoded text. Each side runs in its own process; rounds alternate
-and each prints the median seconds per update after warm-up; the ratio is TRL / Dew.
+tokens with the same reward on decoded text, PPO on 32 completions of 32 new tokens with a
+critic of the policy's shape (one epoch, one minibatch, a reply cut at its length graded as it
+is on both sides). TRL's PPO grades with a reward model (its trainer takes no function), so its
+update also runs one forward pass of a third decoder; Dew's grades decoded text. Each side runs
+in its own process; rounds alternate and each prints the median seconds per update after
+warm-up; the ratio is TRL / Dew.
 
-Needs TRL and torch (`pip install torch==2.13.0 trl` in the venv that runs this).
+Needs torch and TRL (`pip install torch==2.13.0 trl` in the venv that runs this). TRL's PPO
+trainer lives in `trl.experimental.ppo` up to TRL 1.12.0 and is gone from 1.13.0 on; with a TRL
+that lacks it the PPO rows say so and the others still run.
 Run: `python bench/peers.py [--rounds 3 --steps 6]`.
 """
 
@@ -25,6 +31,7 @@ import numpy as np  # noqa: E402
 from common import LLAMA_8M, in_subprocess, report, threads, torch_llama  # noqa: E402
 
 PROMPT, COMPLETION, PAIRS, PROMPTS, GROUPS, NEW = 32, 32, 8, 8, 4, 32
+EOS = 1  # t1, the tokenizer's EOS; a random policy seldom draws it
 CONFIG = dict(LLAMA_8M, max_seq_len=128)
 
 
@@ -106,6 +113,37 @@ def dew_grpo(steps: int) -> float:
     return statistics.median(1 / m["steps_per_second"] for _, m in sink.history[2:])
 
 
+def dew_ppo(steps: int) -> float:
+    import itertools
+
+    import jax
+    import optax
+
+    from dew_lib import Dataset, Trainer, models
+    from dew_lib.objectives import PPOObjective, ValueHead
+    from dew_lib.recipes import OneTurn
+    from dew_lib.rollouts import EpisodeRollout, PPORollout
+    from dew_lib.sampling import Sampling
+    from dew_lib.train.sinks import MemorySink
+
+    def verify(task, episode):
+        return reward_text(text(episode.transitions[-1].action.tokens))
+
+    prompts = {"task_id": np.arange(PROMPTS, dtype=np.int32), "prompt": sequences(3, PROMPTS, PROMPT).astype(np.int32),
+               "prompt_length": np.full(PROMPTS, PROMPT, np.int32)}
+    model = models.build("causal_transformer", **CONFIG)
+    objective = PPOObjective(model, PROMPT + NEW - 1, critic=ValueHead(models.build("causal_transformer", **CONFIG)),
+                             beta=0.05)
+    episodes = EpisodeRollout(objective.policy(), OneTurn, verify, max_prompt_tokens=PROMPT, max_new_tokens=NEW,
+                              max_turns=1, groups=GROUPS, sampling=Sampling(temperature=1.0, eos_id=EOS),
+                              truncation="score")
+    sink = MemorySink()
+    Trainer(objective, optax.adamw(1e-5), key=jax.random.key(0), rollout=PPORollout(objective, episodes)).fit(
+        Dataset(train=lambda p: itertools.repeat(prompts), batch=PROMPTS), steps=steps + 2,
+        log_every=1, sinks=[sink])
+    return statistics.median(1 / m["steps_per_second"] for _, m in sink.history[2:])
+
+
 # ----- TRL -----------------------------------------------------------------------------------------
 
 class StepClock:
@@ -181,7 +219,51 @@ def trl_grpo(steps: int) -> float:
     return statistics.median(clock.times[2:])
 
 
-SIDES = {"dew_dpo": dew_dpo, "dew_grpo": dew_grpo, "trl_dpo": trl_dpo, "trl_grpo": trl_grpo}
+def trl_has_ppo() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("trl.experimental.ppo") is not None
+
+
+def trl_ppo(steps: int) -> float:
+    import copy
+
+    from datasets import Dataset
+    from transformers import LlamaForSequenceClassification, TrainerCallback
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    work = tempfile.mkdtemp()
+    tokenizer = word_tokenizer(work)
+    rows = PROMPTS * GROUPS
+    prompts = np.repeat(sequences(3, PROMPTS, PROMPT), GROUPS, axis=0)  # Dew's 8 prompts x 4 samples
+    data = Dataset.from_dict({"input_ids": [r.tolist() for r in prompts] * (steps + 2)})
+    model = torch_llama(CONFIG, threads()).train()
+
+    def scorer():
+        config = copy.deepcopy(model.config)
+        config.num_labels, config.pad_token_id = 1, tokenizer.pad_token_id
+        return LlamaForSequenceClassification(config).float()
+
+    ends: list[float] = []
+
+    class Clock(TrainerCallback):  # TRL's PPO loop calls only on_step_end per update
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    config = PPOConfig(output_dir=work, per_device_train_batch_size=rows, num_mini_batches=1, num_ppo_epochs=1,
+                       response_length=NEW, total_episodes=rows * (steps + 2), learning_rate=1e-5,
+                       temperature=1.0, stop_token="eos", kl_coef=0.05, local_rollout_forward_batch_size=rows,
+                       num_sample_generations=0, report_to=[], use_cpu=True, bf16=False, save_strategy="no",
+                       dataloader_num_workers=0)
+    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=model, ref_model=copy.deepcopy(model).eval(),
+                         reward_model=scorer().eval(), value_model=scorer(), train_dataset=data,
+                         callbacks=[Clock()])
+    trainer.train()
+    return statistics.median(np.diff(ends)[1:].tolist())
+
+
+SIDES = {"dew_dpo": dew_dpo, "dew_grpo": dew_grpo, "dew_ppo": dew_ppo,
+         "trl_dpo": trl_dpo, "trl_grpo": trl_grpo, "trl_ppo": trl_ppo}
 
 
 def main(argv=None) -> int:
@@ -194,9 +276,10 @@ def main(argv=None) -> int:
         side, steps = args.child
         print(json.dumps({"seconds": SIDES[side](int(steps))}))
         return 0
-    seconds: dict[str, list[float]] = {side: [] for side in SIDES}
+    sides = [side for side in SIDES if side != "trl_ppo" or trl_has_ppo()]
+    seconds: dict[str, list[float]] = {side: [] for side in sides}
     for round_ in range(args.rounds):
-        order = list(SIDES) if round_ % 2 == 0 else list(reversed(SIDES))
+        order = sides if round_ % 2 == 0 else list(reversed(sides))
         for side in order:
             seconds[side].append(in_subprocess(__file__, side, str(args.steps))["seconds"])
     median = {side: statistics.median(values) for side, values in seconds.items()}
@@ -205,9 +288,21 @@ def main(argv=None) -> int:
         ("DPO speed-up (TRL / Dew)", f"{median['trl_dpo'] / median['dew_dpo']:.2f}x (target >= 1x)"),
         ("GRPO, 8 x 4 x 32 new: Dew / TRL", f"{median['dew_grpo']:.3f} / {median['trl_grpo']:.3f} s"),
         ("GRPO speed-up (TRL / Dew)", f"{median['trl_grpo'] / median['dew_grpo']:.2f}x (target >= 2x)"),
+        *ppo_rows(median),
         ("rounds (s)", json.dumps({k: [round(x, 3) for x in v] for k, v in seconds.items()})),
     ])
     return 0
+
+
+def ppo_rows(median: dict[str, float]) -> list[tuple[str, str]]:
+    if "trl_ppo" not in median:
+        import trl
+
+        return [("PPO, 32 x 32 new with a critic: Dew", f"{median['dew_ppo']:.3f} s"),
+                ("PPO speed-up (TRL / Dew)", f"not measured: TRL {trl.__version__} has no PPO trainer "
+                 "(trl.experimental.ppo ends at 1.12.0)")]
+    return [("PPO, 32 x 32 new with a critic: Dew / TRL", f"{median['dew_ppo']:.3f} / {median['trl_ppo']:.3f} s"),
+            ("PPO speed-up (TRL / Dew)", f"{median['trl_ppo'] / median['dew_ppo']:.2f}x (target >= 1x)")]
 
 
 if __name__ == "__main__":

@@ -232,6 +232,15 @@ def test_truncated_episodes_are_left_out_of_the_group_baseline():
     assert sorted(set(batch["advantages"][batch["response_mask"] == 1].tolist())) == pytest.approx([-0.7071, 0.7071], abs=1e-4)
     with pytest.raises(ValueError, match="2 policy bindings"):
         project([result(0, "completed", 1.0), result(1, "completed", 0.0, origin=2)], width=8, rows=2)
+    # "score" trains the truncated episode on its verifier's reward (5.0), "zero" on 0
+    group = [result(0, "completed", 1.0), result(1, "completed", 0.0), result(2, "truncated", 5.0)]
+    for truncation, rewards in (("score", [1.0, 0.0, 5.0]), ("zero", [1.0, 0.0, 0.0])):
+        batch = project(group, width=8, rows=3, truncation=truncation)
+        assert batch["response_mask"].sum() == 6
+        trained = batch["response_mask"] == 1
+        assert [float(batch["rewards"][trained & (batch["session_index"] == n)][0]) for n in range(3)] == rewards
+    with pytest.raises(ValueError, match="truncation must be one of"):
+        rollout(truncation="keep")
 
 
 class Failing(Square):

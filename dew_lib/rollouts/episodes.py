@@ -26,7 +26,8 @@ Each episode becomes a `Session` whose calls are its actions (`session_of`), and
 packed by the one packer every GRPO path uses into `B * groups * max_turns` rows of
 `max_prompt_tokens + max_new_tokens` ids (set `GRPOObjective(seq_len=max_prompt_tokens +
 max_new_tokens - 1)`): only sampled ids carry loss mass, advantages are relative within a task's
-group, truncated episodes are masked and left out of the baseline. Episodes keep the identity of
+group, truncated episodes are masked and left out of the baseline (or, with `truncation="score"`
+or `"zero"`, trained on their verifier's reward or on 0). Episodes keep the identity of
 the binding that sampled them; `project` refuses to pack episodes of two bindings together.
 
 With `journal=EpisodeJournal(directory)` (journal.py) a collection survives a killed process: each
@@ -57,7 +58,7 @@ from dew_lib.objectives.batch import PackedBatch
 from dew_lib.options import integer
 from dew_lib.records.episodes import (Action, Episode, EpisodeId, EpisodeStatus, EnvironmentFactory,
                                       Observation, Transition, Verifier, check_action)
-from dew_lib.records.sessions import Call, Session, Status, Task
+from dew_lib.records.sessions import TRUNCATION, Call, Session, Status, Task
 from dew_lib.rollouts.journal import (EpisodeJournal, PendingDraw, Restored, Unjournaled,
                                      collection_identity)
 from dew_lib.rollouts.packing import pack
@@ -110,14 +111,14 @@ def session_of(episode: Episode, *, group: int, reward: float | None = None) -> 
 
 
 def project(results: Sequence[EpisodeResult], *, width: int, rows: int,
-            estimator: str = "group") -> PackedBatch:
-    """Pack the sessions of `results` (truncated ones masked) into `[rows, width]`; refuses
-    episodes sampled under different policy bindings."""
+            estimator: str = "group", truncation: str = "mask") -> PackedBatch:
+    """Pack the sessions of `results` into `[rows, width]`, truncated ones as `truncation` says
+    (`pack`'s "mask", "score" or "zero"); refuses episodes sampled under different policy bindings."""
     origins = {r.episode.origin for r in results}
     if len(origins) > 1:
         raise ValueError(f"these episodes come from {len(origins)} policy bindings; project each "
                          "collection on its own (their likelihoods belong to different weights)")
-    packed = pack([r.session for r in results], width, rows=rows, estimator=estimator, truncation="mask")
+    packed = pack([r.session for r in results], width, rows=rows, estimator=estimator, truncation=truncation)
     packed.setdefault("old_log_probs", np.zeros((rows, width), np.float32))  # none trained: same columns
     return PackedBatch.of(packed)
 
@@ -167,12 +168,15 @@ class EpisodeRollout:
     one aborts it. workers: threads that run environment steps, resets and verifiers at once.
     estimator: the group baseline ("group", "mean" or "rloo"). journal: an `EpisodeJournal` that
     makes collections resumable; its environments need `get_state()` and `set_state(bytes)`.
+    truncation: how truncated episodes train: "mask" (not at all), "score" (on their verifier's
+    reward, as verl and TRL grade a reply cut at its length) or "zero" (on reward 0).
     """
 
     def __init__(self, policy, environment: EnvironmentFactory, verifier: Verifier, *,
                  max_prompt_tokens: int, max_new_tokens: int, max_turns: int, groups: int,
                  sampling: Sampling = Sampling(), record: Callable[[EpisodeResult], Any] | None = None,
-                 workers: int = 8, estimator: str = "group", journal: EpisodeJournal | None = None):
+                 workers: int = 8, estimator: str = "group", journal: EpisodeJournal | None = None,
+                 truncation: str = "mask"):
         if not callable(getattr(policy, "bind", None)):
             raise TypeError("EpisodeRollout.policy must have bind(snapshot), e.g. "
                             "dew_lib.inference.TextGeneration(model, variables)")
@@ -190,11 +194,14 @@ class EpisodeRollout:
                               accepts="an integer >= 2 (group-relative advantages compare episodes)")
         self.workers = integer("EpisodeRollout.workers", workers)
         algorithms.advantage_function(estimator)
+        if truncation not in TRUNCATION:
+            raise ValueError(f"EpisodeRollout.truncation must be one of {TRUNCATION}, got {truncation!r}")
         if journal is not None and not isinstance(journal, EpisodeJournal):
             raise TypeError(f"EpisodeRollout.journal must be an EpisodeJournal or None, got {type(journal).__name__}")
         self.journal = journal
         self.policy, self.environment, self.verifier = policy, environment, verifier
         self.sampling, self.record, self.estimator = sampling, record, estimator
+        self.truncation = truncation
         self.last_results: list[EpisodeResult] = []
 
     @property
@@ -210,7 +217,7 @@ class EpisodeRollout:
         results = self.collect(state.params, batch, key, step=int(state.step),
                                policy_step=int(state.updates))
         return project(results, width=self.width, rows=self.rows(len(results) // self.groups),
-                       estimator=self.estimator)
+                       estimator=self.estimator, truncation=self.truncation)
 
     def collect(self, snapshot: Any, batch: Mapping[str, Any], key: jax.Array, *, step: int = 0,
                 policy_step: int = 0) -> list[EpisodeResult]:

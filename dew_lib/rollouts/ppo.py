@@ -80,7 +80,8 @@ class PPORollout:
         if rows % self.minibatches:
             raise ValueError(f"a collection packs {rows} rows, which {self.minibatches} minibatches do not "
                              "split evenly; choose minibatches dividing tasks x groups x max_turns")
-        packed = project(results, width=self.episodes.width, rows=rows, estimator=self.episodes.estimator)
+        packed = project(results, width=self.episodes.width, rows=rows, estimator=self.episodes.estimator,
+                         truncation=self.episodes.truncation)
         return self.prepare(state.params, packed, episodes=len(results))
 
     def slices(self, prepared: PackedBatch, key: jax.Array) -> list[PackedBatch]:
