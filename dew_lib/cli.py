@@ -1,16 +1,21 @@
-"""The `dew` command: query the run store from a shell, also while runs are writing it.
+"""The `dew` command: query the run store from a shell, also while runs are writing it, and serve
+a trained policy over HTTP.
 
     dew sql "SELECT update, avg(reward) FROM sessions GROUP BY update ORDER BY update"
     dew sql --csv "SELECT * FROM metrics WHERE name = 'loss'" > loss.csv
     dew runs                      # every run with its stages, status and headline metrics
     dew schema [TABLE]            # the tables and what their columns hold
+    dew serve CHECKPOINT_DIR      # vLLM's OpenAI-compatible API over Dew's native server
 
 `--store PATH` (default: $DEW_STORE, else `runs`) is the project directory, its `dew.duckdb` or
 its `store/` directory; it and the output options go before the command or after it
 (`dew --store X sql ...`). A query that fails (bad SQL, an unknown table), a store that does not
-exist or cannot be read prints one message to stderr and exits with status 1.
+exist or cannot be read prints one message to stderr and exits with status 1. `dew serve` runs
+until SIGTERM or Ctrl-C (see docs/serve.md); a checkpoint it cannot load or a port it cannot bind
+prints one message and exits with status 1.
 
-Not here: writing the store (dew_lib.store), running stages (the Prefect flows).
+Not here: writing the store (dew_lib.store), running stages (the Prefect flows), the server
+itself (dew_lib.serve).
 """
 
 from __future__ import annotations
@@ -125,7 +130,58 @@ def _parser() -> argparse.ArgumentParser:
     add_format(runs)
     schema = commands.add_parser("schema", help="describe the store's tables")
     schema.add_argument("table", nargs="?", help="one table (default: all)")
+    _serve_parser(commands)
     return parser
+
+
+def _serve_parser(commands) -> None:
+    serve = commands.add_parser(
+        "serve", help="serve a Hugging Face checkpoint over vLLM's OpenAI-compatible API",
+        description="Serve a checkpoint directory (written by Pretrained.save) with Dew's native "
+                    "continuous-batching server behind vLLM's OpenAI-compatible routes.")
+    serve.add_argument("directory", help="Hugging Face checkpoint directory (config.json, safetensors, tokenizer)")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 takes a free one)")
+    serve.add_argument("--slots", type=int, default=8, help="requests decoded together (default 8)")
+    serve.add_argument("--capacity", type=int, default=None,
+                       help="ids per request, prompt and completion (default: the model's max_seq_len, at most 2048)")
+    serve.add_argument("--steps", type=int, default=16, help="decode steps per compiled call (default 16)")
+    serve.add_argument("--temperature", type=float, default=1.0, help="served temperature (default 1; 0 is greedy)")
+    serve.add_argument("--top-k", type=int, default=None, help="served top-k (default: none; 0 or -1 also mean none)")
+    serve.add_argument("--top-p", type=float, default=1.0, help="served top-p (default 1: none)")
+    serve.add_argument("--min-p", type=float, default=0.0, help="served min-p (default 0: none)")
+    serve.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="precision of weights and activations (default float32)")
+    serve.add_argument("--logprobs-mode", choices=("raw_logprobs", "processed_logprobs"), default="raw_logprobs",
+                       help="reported log-probs: the model's log-softmax (default) or after temperature and filters")
+    serve.add_argument("--served-model-name", default=None, help="model name clients send (default: the directory's name)")
+    serve.add_argument("--seed", type=int, default=0, help="seed of the seeds given to requests without one")
+    dev = serve.add_mutually_exclusive_group()
+    dev.add_argument("--dev-endpoints", dest="dev_endpoints", action="store_true", default=None,
+                     help="serve /pause, /collective_rpc, /update_weight_version, ... on a non-loopback host too "
+                          "(they have no authentication: trusted networks only)")
+    dev.add_argument("--no-dev-endpoints", dest="dev_endpoints", action="store_false",
+                     help="never serve the development routes")
+
+
+def _serve(args) -> int:
+    from dew_lib.models.pretrained import CheckpointError, UnsupportedCheckpoint
+    from dew_lib.sampling import Sampling
+    from dew_lib.serve import serve
+
+    try:
+        top_k = None if args.top_k in (None, 0, -1) else args.top_k
+        sampling = Sampling(temperature=args.temperature, top_k=top_k, top_p=args.top_p, min_p=args.min_p)
+        serve(args.directory, host=args.host, port=args.port, slots=args.slots, capacity=args.capacity,
+              sampling=sampling, dtype=args.dtype, logprobs_mode=args.logprobs_mode,
+              served_model_name=args.served_model_name, dev_endpoints=args.dev_endpoints, steps=args.steps,
+              seed=args.seed)
+    except (CheckpointError, UnsupportedCheckpoint, ValueError, OSError) as error:
+        print(f"dew serve: {' '.join(str(error).split())}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C after the graceful shutdown uvicorn ran
+        return 130
+    return 0
 
 
 def _schema(table: str | None, out) -> int:
@@ -147,6 +203,8 @@ def _schema(table: str | None, out) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = sys.stdout
+    if args.command == "serve":
+        return _serve(args)
     try:
         if args.command == "schema":
             return _schema(args.table, out)

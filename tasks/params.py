@@ -228,6 +228,32 @@ class DPOParams(StageParams):
                                      "them overfit); None: always `steps`")
 
 
+class RolloutServerParams(Params):
+    """Where an async GRPO stage draws: the native server in its process, or a remote engine
+    (vLLM, SGLang, `dew serve`) it pushes weights to through `directory` (recipes.RemoteEngine)."""
+
+    server: str = Field("native", min_length=1, description="'native', or the engine's root URL")
+    provider: Literal["vllm", "sglang"] = Field("vllm", description="wire format ('vllm' for dew serve)")
+    directory: str | None = Field(None, description="remote: the replicas' launch directory (pushes rewrite it)")
+    model: str | None = Field(None, description="remote: served model name (empty: the one it lists)")
+    replicas: list[str] = Field(default_factory=list, description="remote: root URLs pushed to (empty: server)")
+    processed_logprobs: bool = Field(False, description="remote vLLM: --logprobs-mode processed_logprobs")
+    timeout: float = Field(600.0, gt=0, description="remote: seconds a draw or one push call may take")
+
+    @property
+    def remote(self) -> bool:
+        return self.server != "native"
+
+    @model_validator(mode="after")
+    def _where(self) -> RolloutServerParams:
+        if self.remote and not self.server.startswith(("http://", "https://")):
+            raise ValueError(f"rollout.server={self.server!r} is neither 'native' nor an http(s) URL")
+        if self.remote and not self.directory:  # pushes go through the engine's launch directory
+            raise ValueError("rollout.directory is empty: a remote engine is pushed weights through the "
+                             "checkpoint directory it was launched on; give that path")
+        return self
+
+
 class GRPOParams(StageParams):
     steps: int = Field(60, ge=1, description="optimizer steps")
     learning_rate: float = Field(2e-5, gt=0, description="AdamW learning rate")
@@ -253,9 +279,14 @@ class GRPOParams(StageParams):
     slots: int = Field(32, ge=1, description="async: requests the rollout server decodes together")
     behavior_importance: float = Field(2.0, ge=1, description="async: TIS cap on the proximal over "
                                        "behavior likelihood ratio, which lagged rollouts need")
+    rollout: RolloutServerParams = Field(default_factory=RolloutServerParams,
+                                         description="async: where the rollouts are drawn")
 
     @model_validator(mode="after")
     def _schedule(self) -> GRPOParams:
+        if self.rollout.remote and self.mode != "async":
+            raise ValueError(f"rollout.server={self.rollout.server!r} is a remote engine, which draws ahead "
+                             "of the trainer: set mode='async'")
         if self.mode == "async" and self.max_lag < self.ahead + self.sync_every - 1:
             raise ValueError(f"max_lag={self.max_lag} is below ahead + sync_every - 1 = "
                              f"{self.ahead + self.sync_every - 1}; rollouts that old would always be "

@@ -32,8 +32,9 @@ from prefect import get_run_logger, task
 
 from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts
 from dew_lib.objectives import PPOObjective, split_optimizer
-from dew_lib.recipes import (Built, DPOOptions, EpisodeOptions, GRPOOptions, OneTurn, PPOOptions,
-                             SFTOptions, ScheduledRollout, build_dpo, build_episode_grpo, build_grpo, build_sft)
+from dew_lib.recipes import (Built, DPOOptions, EpisodeOptions, GRPOOptions, OneTurn, PPOOptions, RemoteEngine,
+                             SFTOptions, ScheduledRollout, build_dpo, build_episode_grpo, build_grpo, build_sft,
+                             remote_server)
 from dew_lib.store import Store
 from dew_lib.train.checkpoint import Checkpoints
 from dew_lib.train.sinks import JsonlSink
@@ -98,7 +99,8 @@ def _build_episodes(params: GRPOParams, pretrained, variables, data: DataManifes
     return build_episode_grpo(
         pretrained.model, variables, spec, _grpo_options(params, tokenizer), shape, environment=environment,
         verifier=EpisodeVerifier(reward, tokenizer), decode=completion_text(tokenizer), writer=writer,
-        ppo=None if ppo is None else PPOOptions(**ppo.model_dump()))
+        ppo=None if ppo is None else PPOOptions(**ppo.model_dump(exclude={"critic_learning_rate"})),
+        server=_server(params, pretrained))
 
 
 def _build(kind: str, params: StageParams, pretrained, variables, data: DataManifest,
@@ -132,7 +134,18 @@ def _build(kind: str, params: StageParams, pretrained, variables, data: DataMani
                    tokenizer=tokenizer_dir, pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
     return build_grpo(model, variables, spec, _grpo_options(params, tokenizer), reward=reward,
                       decode=completion_text(tokenizer), reward_details=reward.last_runs,
-                      writer=writer, verdicts=verdicts)
+                      writer=writer, verdicts=verdicts, server=_server(params, pretrained))
+
+
+def _server(params: GRPOParams, pretrained):
+    """The remote engine's server factory when `params.rollout` names one, else None (native)."""
+    rollout = params.rollout
+    if not rollout.remote:
+        return None
+    return remote_server(RemoteEngine(url=rollout.server, directory=rollout.directory, provider=rollout.provider,
+                                      model=rollout.model, replicas=tuple(rollout.replicas),
+                                      processed_logprobs=rollout.processed_logprobs, timeout=rollout.timeout),
+                         pretrained)
 
 
 def _labels(stage: str) -> dict[str, str]:
@@ -190,6 +203,11 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
     """
     logger = get_run_logger()
     relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
+    if isinstance(relevant, GRPOParams) and relevant.rollout.remote:
+        # Native or remote, the wire format and the log-probabilities decide the rollouts; where
+        # the engine runs does not (a restarted engine elsewhere resumes the same stage).
+        relevant = relevant.model_copy(update={"rollout": relevant.rollout.model_copy(update={
+            "server": "remote", "directory": None, "model": None, "replicas": [], "timeout": 600.0})})
     graded = [reward or RewardParams()] if kind == "grpo" else []
     if kind == "grpo" and data.tool is not None:
         graded.append(tools or ToolParams())
@@ -217,8 +235,8 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
         pretrained, variables = load_policy(start, data.tokenizer)
         tokenizer_dir = data.tokenizer or start.path
         built = _build(kind, params, pretrained, variables, data, tokenizer_dir, seed, writer, grader, tools, ppo)
-        trainer = Trainer(built.objective, optimizer_for(kind, params, ppo if kind == "grpo" else None), key=jax.random.key(seed),
-                          rollout=built.rollout)
+        optimizer = optimizer_for(kind, params, ppo if kind == "grpo" else None)
+        trainer = Trainer(built.objective, optimizer, key=jax.random.key(seed), rollout=built.rollout)
         checkpoints = os.path.join(directory, "checkpoints")
         resumed, written = None, os.path.abspath(checkpoints)  # the step it resumes at; where written
         if os.path.isdir(checkpoints):

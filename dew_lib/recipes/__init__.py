@@ -2,7 +2,8 @@
 
 build.py maps SFT, DPO and GRPO options (sync or async) to an objective, its data and its
 rollout; flow.py does the same for flow-matching pre-training and Flow-GRPO; scheduled.py is
-asynchronous GRPO's rollout; episodes.py is GRPO on tool episodes; chain.py chains SFT, DPO and GRPO stages on one decoder. The
+asynchronous GRPO's rollout, drawn on the native server or on a remote engine (remote.py);
+episodes.py is GRPO on tool episodes; chain.py chains SFT, DPO and GRPO stages on one decoder. The
 pipeline's tasks (tasks/train.py, tasks/flow_train.py) and the Recipe chain both build here.
 
 Not here: Prefect, reading files into data specs, optimizers and Trainer.fit's loop.
@@ -14,9 +15,10 @@ from dew_lib.recipes.chain import Recipe, Stage
 from dew_lib.recipes.episodes import EpisodeOptions, OneTurn, PPOOptions, RecordedEpisodes, build_episode_grpo
 from dew_lib.recipes.flow import (FlowGRPOOptions, FlowPretrainOptions, build_flow_grpo,
                                   build_flow_pretrain, image_batches)
+from dew_lib.recipes.remote import RemoteEngine, remote_server
 from dew_lib.recipes.scheduled import ScheduledRollout
 
 __all__ = ["Built", "DPOOptions", "EpisodeOptions", "FlowGRPOOptions", "FlowPretrainOptions", "GRPOOptions",
-           "OneTurn", "PPOOptions", "Recipe", "RecordedEpisodes", "RecordedRollout", "SFTOptions", "ScheduledRollout",
-           "Stage", "build_dpo", "build_episode_grpo", "build_flow_grpo", "build_flow_pretrain", "build_grpo",
-           "build_sft", "image_batches"]
+           "OneTurn", "PPOOptions", "Recipe", "RecordedEpisodes", "RecordedRollout", "RemoteEngine", "SFTOptions",
+           "ScheduledRollout", "Stage", "build_dpo", "build_episode_grpo", "build_flow_grpo", "build_flow_pretrain",
+           "build_grpo", "build_sft", "image_batches", "remote_server"]

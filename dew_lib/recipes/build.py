@@ -198,19 +198,22 @@ def build_grpo(model, variables, data: Prompts, options: GRPOOptions, *,
                reward: Callable[[str, str, str, str], float],
                decode: Callable[[Sequence[int]], str] | None = None,
                reward_details: Callable[[], Any] | None = None,
-               writer=None, verdicts: Verdicts | None = None) -> Built:
+               writer=None, verdicts: Verdicts | None = None, server=None) -> Built:
     """GRPO on the prompts of `data` graded by `reward`, from the frozen `variables`.
 
     decode: sampled ids -> the text `reward` reads (None: the rollouts' token-id text).
     reward_details: the reward's record of the latest call on the calling thread (e.g.
     CodeReward.last_runs), or None. writer: the stage's `dew_lib.store.StageWriter`, to record
     sessions (and, async, scheduler records) in the run store; None records nothing.
-    verdicts: turns reward_details' program runs into the store's Verdict rows.
+    verdicts: turns reward_details' program runs into the store's Verdict rows. server: async
+    only, `sampling -> RolloutServer` for a remote engine (`remote_server`; None: the native server).
     """
+    if server is not None and options.mode != "async":
+        raise ValueError("a remote rollout server draws ahead of the trainer: it needs GRPOOptions.mode='async'")
     if options.mode == "async":
         scheduled = ScheduledRollout(options, model, variables, reward, max_prompt_len=data.max_prompt_len,
                                      decode=decode, reward_details=reward_details, writer=writer,
-                                     verdicts=verdicts)
+                                     verdicts=verdicts, server=server)
         try:
             dataset = scheduled.dataset(data.load(batch=options.batch))
         except BaseException:

@@ -125,19 +125,23 @@ class RecordedEpisodes:
 
 def build_episode_grpo(model, variables, data: Prompts, options: GRPOOptions, episodes: EpisodeOptions, *,
                        environment: EnvironmentFactory, verifier: Verifier, decode=None,
-                       writer=None, ppo: PPOOptions | None = None) -> Built:
+                       writer=None, ppo: PPOOptions | None = None, server=None) -> Built:
     """GRPO (or, given `ppo`, PPO with a critic) over tool episodes of `data`'s prompts, from the
     frozen `variables`.
 
     environment: `(task, identity) -> Environment`; verifier: `(task, episode) -> reward`.
     decode: prompt ids -> text for the store. writer: the stage's StageWriter (None: nothing
     recorded); async records its scheduler records and sessions, sync also each turn. ppo: runs
-    synchronously; the built objective's params are `{"policy", "critic"}`.
+    synchronously; the built objective's params are `{"policy", "critic"}`. server: async only,
+    `sampling -> RolloutServer` for a remote engine (`remote_server`; None: the native server).
     """
     if options.eos_id is None:
         raise ValueError("GRPOOptions.eos_id is None; a tool episode's turn ends at EOS, so give the "
                          "tokenizer's end-of-turn id")
     data = dataclasses.replace(data, row_ids=True)
+    if server is not None and (options.mode != "async" or ppo is not None):
+        raise ValueError("a remote rollout server draws ahead of the trainer: it needs GRPOOptions.mode='async' "
+                         "(and GRPO, not PPO)")
     if ppo is not None:
         if options.mode != "sync":
             raise ValueError("PPO on episodes runs with GRPOOptions.mode='sync': its targets need the "
@@ -153,7 +157,8 @@ def build_episode_grpo(model, variables, data: Prompts, options: GRPOOptions, ep
                                      workers=episodes.workers, keep_episodes=writer is not None)
 
         scheduled = ScheduledRollout(options, model, variables, max_prompt_len=episodes.max_context,
-                                     decode=decode, writer=writer, source=source, truncation="mask")
+                                     decode=decode, writer=writer, source=source, truncation="mask",
+                                     server=server)
         try:
             dataset = scheduled.dataset(data.load(batch=options.batch))
         except BaseException:

@@ -1,7 +1,8 @@
 """Asynchronous GRPO's rollout: the RolloutScheduler over a PromptSource on the native server.
 
 `ScheduledRollout` is the Trainer's rollout that `build_grpo` (build.py) returns when
-`GRPOOptions.mode == "async"`. It starts a `NativeRolloutServer` on the starting policy, scores
+`GRPOOptions.mode == "async"`. It starts a `NativeRolloutServer` on the starting policy (or
+draws from a remote engine, `server=`: remote.py), scores
 completions with the stage's reward on the source's thread pool as draws finish, and, given the
 stage's `dew_lib.store.StageWriter`, records in the run store every SchedulerRecord
 (`scheduler_records`) and every session the scheduler settles, with its cause (admitted,
@@ -43,10 +44,13 @@ class ScheduledRollout:
     episodes (recipes/episodes.py), in place of a PromptSource grading with `reward`;
     max_prompt_len is then the longest context a turn reads. truncation: what the scheduler does
     with a truncated session, "score" (trained, graded as it is) or "mask" (tool episodes).
+    server: `sampling -> RolloutServer` for an engine elsewhere (`remote.remote_server`), in place
+    of a NativeRolloutServer on the starting policy.
     """
 
     def __init__(self, options, model, variables, reward=None, *, max_prompt_len: int, decode=None,
-                 reward_details=None, writer=None, verdicts=None, source=None, truncation=TRUNCATION):
+                 reward_details=None, writer=None, verdicts=None, source=None, truncation=TRUNCATION,
+                 server=None):
         prompt, response = max_prompt_len, options.max_new_tokens
         width = prompt + response
         self.objective = GRPOObjective(model, width - 1, beta=options.beta, pretrained=variables,
@@ -56,9 +60,12 @@ class ScheduledRollout:
         self.decode = decode or token_text
         self._unrecorded: dict[str, object] = {}  # task id -> Task whose prompt is not written yet
         sampling = Sampling(temperature=options.temperature, eos_id=options.eos_id)
-        self.server = NativeRolloutServer(Server.from_task(
-            ServeTask(model=model, variables=variables, sampling=sampling),
-            slots=options.slots, capacity=width))
+        if server is not None:
+            self.server = server(sampling)
+        else:
+            self.server = NativeRolloutServer(Server.from_task(
+                ServeTask(model=model, variables=variables, sampling=sampling),
+                slots=options.slots, capacity=width))
         self.source = None
         try:
             if source is not None:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+
+from dew_lib.records.ids import token_ids
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -16,6 +20,10 @@ class Draw:
     filters; 0 for greedy). raw_log_probs: the model's own log-softmax at each id, or None when
     the backend does not report it. eos: whether EOS ended the draw (else it used its budget).
     version: the oldest weights version that may have produced any of its tokens.
+    routed_experts: the expert ids each token was routed to, `[prompt + sampled ids, layers,
+    top_k]` in the engine's integer dtype, when the engine reports routing (routing replay).
+    support: for each sampled id, the ids the sampler kept (its top-k/top-p support), when the
+    engine reports them. A `Call` built from the draw checks the routing against its prompt.
     """
 
     ids: np.ndarray
@@ -23,6 +31,8 @@ class Draw:
     raw_log_probs: np.ndarray | None
     eos: bool
     version: int
+    routed_experts: Any = None
+    support: Sequence[Any] | None = None
 
     def __post_init__(self):
         ids = np.asarray(self.ids)
@@ -44,6 +54,25 @@ class Draw:
             fields[name] = value
         if isinstance(self.version, bool) or not isinstance(self.version, int | np.integer):
             raise ValueError(f"Draw.version must be an int, got {self.version!r}")
+        if self.routed_experts is not None:
+            routed = np.array(self.routed_experts)  # a copy, so freezing it leaves the caller's
+            if routed.ndim != 3 or routed.shape[0] <= ids.size or not np.issubdtype(routed.dtype, np.integer):
+                raise ValueError(
+                    f"Draw.routed_experts must be integer expert ids [prompt + sampled ids, layers, "
+                    f"top_k] covering more than the {ids.size} sampled ids, got {routed.dtype} "
+                    f"{routed.shape}")
+            fields["routed_experts"] = routed
+        if self.support is not None:
+            support = tuple(token_ids(kept, "Draw.support") for kept in self.support)
+            if len(support) != ids.size:
+                raise ValueError(f"Draw.support has {len(support)} entries for {ids.size} sampled ids; "
+                                 "it needs the kept ids of every sampled id")
+            for j, (token, kept) in enumerate(zip(ids, support, strict=True)):
+                if token not in kept:
+                    raise ValueError(f"Draw.support[{j}] does not contain the id sampled there "
+                                     f"({int(token)}); a support lists every id the sampler could draw")
+                kept.flags.writeable = False
+            object.__setattr__(self, "support", support)
         for name, value in fields.items():
             value.flags.writeable = False
             object.__setattr__(self, name, value)

@@ -68,7 +68,7 @@ from dew_lib.rollouts.sampled import Reward, token_text
 def _call(prompt, draw) -> Call:
     return Call(prompt_ids=prompt, sampled_ids=draw.ids, behavior_log_probs=draw.behavior_log_probs,
                 raw_log_probs=draw.raw_log_probs, finish_reason=draw.finish_reason,
-                version=draw.version)
+                version=draw.version, routed_experts=draw.routed_experts, support=draw.support)
 
 
 def _describe(error: BaseException) -> str:

@@ -1,0 +1,95 @@
+"""An asynchronous GRPO stage's rollouts drawn on a remote engine: vLLM, SGLang or `dew serve`.
+
+`RemoteEngine` says where the engine is and where its weights live; `remote_server` turns it,
+with the stage's `Pretrained` and starting variables, into the `RolloutServer` a
+`ScheduledRollout` draws from: an `OpenAIRolloutServer` on the engine's completions route whose
+weights are a `Publication` over `SafetensorsReload`. Whatever the engine was launched on, it
+serves the stage's own weights before anything is drawn: the scheduler's first call pushes the
+state it trains (version 0 on a fresh stage, the checkpoint's update on a resumed one).
+
+Not here: the wire formats (dew_lib.inference.openai_engine), the pushes (dew_lib.inference.publish),
+launching engines (docs/remote_engines.md, `dew serve`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from dew_lib.inference import (OpenAICompletion, OpenAIRolloutServer, Publication, RemoteOptions,
+                               SafetensorsReload)
+from dew_lib.inference.endpoints import root_urls
+from dew_lib.models.pretrained import Pretrained
+from dew_lib.options import choice, number
+from dew_lib.sampling import Sampling
+
+PROVIDERS = ("vllm", "sglang")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RemoteEngine:
+    """A remote engine for a GRPO stage's rollouts.
+
+    url: the root URL of the engine that answers completions (not its /v1). directory: the
+    checkpoint directory every replica was launched on; pushes rewrite it, so it must be the
+    same path on the engines' hosts. provider: "vllm" (also `dew serve`) or "sglang". model: the
+    served model name (None: the one model the engine lists). replicas: the root URLs of every
+    replica to push to (empty: `url` alone). processed_logprobs: the vLLM engine reports
+    processed log-probabilities (`--logprobs-mode processed_logprobs`). timeout: seconds a draw
+    or one push call may take.
+    """
+
+    url: str
+    directory: str
+    provider: str = "vllm"
+    model: str | None = None
+    replicas: tuple[str, ...] = ()
+    processed_logprobs: bool = False
+    timeout: float = 600.0
+
+    def __post_init__(self):
+        (url,) = root_urls((self.url,), "RemoteEngine.url")
+        object.__setattr__(self, "url", url)
+        object.__setattr__(self, "replicas", root_urls(self.replicas or (url,), "RemoteEngine.replicas"))
+        choice("RemoteEngine.provider", self.provider, PROVIDERS)
+        number("RemoteEngine.timeout", self.timeout, above=0)
+        if not self.directory:
+            raise ValueError("RemoteEngine.directory is empty; give the checkpoint directory the engine was "
+                             "launched on (pushes rewrite it)")
+
+
+def served_model(url: str, timeout: float = 30.0) -> str:
+    """The one model an OpenAI-compatible engine at `url` lists on /v1/models."""
+    try:
+        answer = httpx.get(f"{url}/v1/models", timeout=timeout)
+        answer.raise_for_status()
+        names = [entry["id"] for entry in answer.json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"could not read the served model from {url}/v1/models ({error}); is the engine up? "
+                         "Or set RemoteEngine.model") from error
+    if len(names) != 1:
+        raise ValueError(f"{url} serves {len(names)} models ({names}); name one with RemoteEngine.model")
+    return names[0]
+
+
+def remote_server(engine: RemoteEngine, pretrained: Pretrained) -> Callable[[Sampling], Any]:
+    """A factory `sampling -> OpenAIRolloutServer` on `engine`, pushing to every replica the
+    weights a RolloutScheduler hands it (its first push comes before its first draw)."""
+    import openai
+
+    def build(sampling: Sampling) -> OpenAIRolloutServer:
+        options = RemoteOptions(timeout=engine.timeout)
+        client = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="EMPTY")  # timeouts: options'
+        completion = OpenAICompletion(engine.model or served_model(engine.url), client, engine.provider)
+        publication = Publication(SafetensorsReload(pretrained, engine.directory, engine.replicas,
+                                                    engine=engine.provider, timeout=engine.timeout), version=0)
+        return OpenAIRolloutServer(completion, sampling, publication,
+                                   processed_logprobs=engine.processed_logprobs, options=options)
+
+    return build
+
+
+__all__ = ["RemoteEngine", "remote_server", "served_model"]

@@ -1,0 +1,440 @@
+"""The HTTP routes of `dew serve`: vLLM's OpenAI-compatible subset over a `ServedPolicy`.
+
+`create_app(policy, dev_endpoints=...)` returns a FastAPI app with
+
+- GET /health, GET /v1/models, POST /v1/completions (prompts as ids or text), POST
+  /v1/chat/completions (messages through the tokenizer's chat template);
+- with dev_endpoints, the calls a weight push makes on a vLLM launched with
+  VLLM_SERVER_DEV_MODE=1: POST /pause?mode=wait, POST /collective_rpc {"method":
+  "reload_weights"}, POST /reset_prefix_cache, POST /update_weight_version, POST /resume, and GET
+  /is_paused, GET /weight_info. They carry no authentication: whoever reaches them can stop the
+  server and swap its weights for whatever the launch directory holds.
+
+Every request is checked before it is drawn: sampling controls must equal the served ones (the
+engine has one `Sampling`), fields vLLM knows but Dew cannot honour are refused by name, and
+prompt plus max_tokens must fit the server's capacity. The draw is awaited against the client's
+connection: a client that goes away cancels its request, and its slot frees at the next call.
+
+Not here: request and response models (`protocol`), rendering a draw (`render`), the engine
+(`policy`), launching (`launch`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Awaitable, Sequence
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Body, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from dew_lib.inference import ServerClosed
+from dew_lib.records.draw import Draw
+from dew_lib.sampling import Sampling
+from dew_lib.serve import render
+from dew_lib.serve.policy import ReloadError, ServedPolicy
+from dew_lib.serve.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    ServeError,
+    UsageInfo,
+    error_response,
+    unsupported,
+)
+
+GREEDY_BELOW = 1e-5  # vLLM samples greedily under this temperature
+SEEDS = 2**32  # the native server's seeds are uint32
+
+
+def create_app(policy: ServedPolicy, *, dev_endpoints: bool = False) -> FastAPI:
+    """The app serving `policy`; dev_endpoints adds the pause/reload routes (trusted callers only).
+
+    The caller owns `policy` and closes it after the app stops.
+    """
+    app = FastAPI(title="dew serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.policy = policy
+    app.add_exception_handler(ServeError, lambda request, error: error.response())
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.include_router(_openai_routes(policy))
+    if dev_endpoints:
+        app.include_router(_dev_routes(policy))
+    return app
+
+
+# ---- checks ------------------------------------------------------------------------------------
+
+def check_sampling(request: Any, served: Sampling) -> None:
+    """Refuse a sampling control that differs from the served one, naming both values."""
+    def close(a, b):
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+
+    top_k = None if request.top_k in (0, -1) else request.top_k  # vLLM's spellings of "no top-k"
+    checks = (  # (field, value sent, value compared, served value, launch flag, equality)
+        ("temperature", request.temperature, request.temperature, served.temperature, "--temperature",
+         lambda a, b: (a < GREEDY_BELOW and b == 0.0) or close(a, b)),
+        ("top_p", request.top_p, request.top_p, served.top_p, "--top-p", close),
+        ("min_p", request.min_p, request.min_p, served.min_p, "--min-p", close),
+        ("top_k", request.top_k, top_k, served.top_k, "--top-k", lambda a, b: a == b),
+    )
+    for name, sent, given, value, flag, same in checks:
+        if sent is not None and not same(given, value):
+            shown = "none (null, 0 or -1)" if value is None else repr(value)
+            raise ServeError(
+                f"{name}={sent!r} differs from the served {name}={shown}: dew serve draws every request "
+                f"with the sampling fixed at launch; leave {name} out or send the served value, or "
+                f"relaunch dew serve with {flag} {sent}", param=name)
+
+
+def _check_request(request: CompletionRequest | ChatCompletionRequest, policy: ServedPolicy) -> None:
+    if request.model and request.model != policy.name:
+        raise ServeError(f"The model `{request.model}` does not exist; this server serves `{policy.name}`.",
+                         param="model", status=404, kind="NotFoundError")
+    if request.stream:
+        raise ServeError("dew serve does not stream; send stream=false (the whole completion comes in "
+                         "one response)", param="stream")
+    if request.n not in (None, 1):
+        raise ServeError(f"n={request.n}: dew serve draws one completion per prompt; send n=1, or n "
+                         "requests with different seeds", param="n")
+    unsupported(request)
+    check_sampling(request, policy.sampling)
+    extra = sorted(set(request.stop_token_ids or ()) - set(policy.sampling.eos_ids))
+    if extra:  # vLLM stops on the model's EOS ids and these; the native server on its EOS ids only
+        raise ServeError(f"stop_token_ids {extra} are not among the ids dew serve stops on "
+                         f"({list(policy.sampling.eos_ids)}, the checkpoint's EOS ids); send a subset of those "
+                         "or leave stop_token_ids out", param="stop_token_ids")
+    if request.seed is not None and not 0 <= request.seed < SEEDS:
+        raise ServeError(f"seed={request.seed} is outside [0, 2**32), the seeds Dew's sampler takes; "
+                         "send a seed in that range", param="seed")
+
+
+def _check_prompt(policy: ServedPolicy, prompt: Sequence[int], max_tokens: int, seed: int | None) -> None:
+    if max_tokens < 1:
+        raise ServeError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if len(prompt) + max_tokens > policy.capacity:
+        raise ServeError(
+            f"This server's maximum context length is {policy.capacity} tokens. However, you requested "
+            f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} in the "
+            f"completion). Lower max_tokens or shorten the prompt, or relaunch dew serve with a larger "
+            f"--capacity.", param="max_tokens")
+    try:
+        policy.native.server.check(prompt, max_tokens, seed)
+    except ValueError as error:
+        raise ServeError(str(error), param="prompt") from None
+
+
+# ---- drawing -----------------------------------------------------------------------------------
+
+async def _draw_all(policy: ServedPolicy, prompts: list[list[int]], max_tokens: int, seed: int | None) -> list[Draw]:
+    try:
+        if len(prompts) == 1:
+            return [await policy.draw(prompts[0], max_tokens, seed)]
+        async with asyncio.TaskGroup() as group:  # one failure cancels the siblings
+            tasks = [group.create_task(policy.draw(p, max_tokens, seed)) for p in prompts]
+        return [task.result() for task in tasks]
+    except BaseExceptionGroup as errors:
+        raise _failure(errors.exceptions[0]) from None
+    except Exception as error:  # noqa: BLE001 - every failure becomes an error response
+        raise _failure(error) from None
+
+
+def _failure(error: BaseException) -> BaseException:
+    if isinstance(error, ServerClosed):
+        return ServeError(f"the engine stopped: {error}", status=503, kind="ServiceUnavailableError")
+    if isinstance(error, ValueError):  # the engine refused the request itself
+        return ServeError(str(error), param="prompt")
+    if isinstance(error, ServeError | asyncio.CancelledError):
+        return error
+    return ServeError(f"drawing failed: {error!r}", status=500, kind="InternalServerError")
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(raw: Request, work: Awaitable):
+    """`work`'s result, or None when the client went away first (then `work` is cancelled)."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
+
+
+def _gone() -> Response:
+    return error_response("Client disconnected", param=None, status=400, kind="BadRequestError")
+
+
+# ---- /v1/completions ---------------------------------------------------------------------------
+
+async def _completion_prompts(policy: ServedPolicy, request: CompletionRequest) -> list[list[int]]:
+    """The request's prompts as id lists; text is encoded on the policy's text thread."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise ServeError("prompt must be nonempty: token ids, a string, or a list of either", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    if isinstance(prompt[0], list):
+        if not all(prompt):
+            raise ServeError("every prompt must hold at least one token id", param="prompt")
+        return [list(p) for p in prompt]
+    if policy.tokenizer is None:
+        raise ServeError(f"{policy.directory} has no tokenizer, so text prompts cannot be encoded; "
+                         "send token ids", param="prompt")
+    encoded = await policy.text(policy.tokenizer, list(prompt), add_special_tokens=request.add_special_tokens)
+    if not all(encoded["input_ids"]):
+        raise ServeError("a text prompt encoded to no token ids; send nonempty text", param="prompt")
+    return [list(ids) for ids in encoded["input_ids"]]
+
+
+def _completion_choices(policy: ServedPolicy, request: CompletionRequest, prompts, draws) -> list[CompletionChoice]:
+    tokenizer, choices = policy.tokenizer, []
+    for index, (prompt, draw) in enumerate(zip(prompts, draws, strict=True)):
+        finish_reason, stop_reason = render.finish(draw, policy.primary_eos)
+        logprobs = None
+        if request.logprobs is not None:
+            names = render.token_names(tokenizer, draw.ids, as_ids=bool(request.return_tokens_as_token_ids),
+                                       known=policy.token_text)
+            logprobs = render.completion_logprobs(names, render.log_probs(draw, policy.logprobs_mode))
+        ids = draw.ids.tolist() if request.return_token_ids else None
+        choices.append(CompletionChoice(
+            index=index, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason,
+            text=render.visible_text(tokenizer, draw, include_stop=request.include_stop_str_in_output,
+                                     skip_special=request.skip_special_tokens),
+            token_ids=ids, prompt_token_ids=list(prompt) if request.return_token_ids else None))
+    return choices
+
+
+# ---- /v1/chat/completions ----------------------------------------------------------------------
+
+def _text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with list contents joined into text, as vLLM's "string" content format does."""
+    out = []
+    for k, message in enumerate(messages):
+        if not isinstance(message.get("role"), str):
+            raise ServeError(f"messages[{k}] needs a string role, got {message.get('role')!r}", param="messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ServeError(f"messages[{k}] has a {kind!r} content part; dew serve takes text "
+                                     "parts only", param="messages")
+                texts.append(str(part.get("text", "")))
+            message = {**message, "content": "\n".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise ServeError(f"messages[{k}].content must be a string, a list of text parts or null",
+                             param="messages")
+        out.append(message)
+    return out
+
+
+def _chat_prompt(policy: ServedPolicy, request: ChatCompletionRequest) -> list[int]:
+    try:
+        text = policy.tokenizer.apply_chat_template(
+            _text_messages(request.messages), tools=request.tools, tokenize=False,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message, **(request.chat_template_kwargs or {}))
+    except ServeError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a template's own refusal (jinja2 raise_exception) included
+        raise ServeError(f"the chat template could not render these messages: {error}", param="messages") from None
+    ids = policy.tokenizer(text, add_special_tokens=request.add_special_tokens)["input_ids"]
+    if not ids:
+        raise ServeError("the chat template rendered these messages to no token ids", param="messages")
+    return list(ids)
+
+
+def _chat_choice(policy: ServedPolicy, request: ChatCompletionRequest, draw: Draw) -> ChatChoice:
+    tokenizer = policy.tokenizer
+    finish_reason, stop_reason = render.finish(draw, policy.primary_eos)
+    logprobs = None
+    if request.logprobs:
+        decoded = render.decoded_tokens(tokenizer, draw.ids, policy.token_text)
+        names = render.token_names(tokenizer, draw.ids, as_ids=True) if request.return_tokens_as_token_ids else decoded
+        logprobs = render.chat_logprobs(names, decoded, render.log_probs(draw, policy.logprobs_mode))
+    content = render.visible_text(tokenizer, draw, include_stop=request.include_stop_str_in_output,
+                                  skip_special=request.skip_special_tokens)
+    return ChatChoice(index=0, message=ChatMessage(role="assistant", content=content), logprobs=logprobs,
+                      finish_reason=finish_reason, stop_reason=stop_reason,
+                      token_ids=draw.ids.tolist() if request.return_token_ids else None)
+
+
+def _check_chat(request: ChatCompletionRequest, policy: ServedPolicy) -> None:
+    if policy.tokenizer is None or not getattr(policy.tokenizer, "chat_template", None):
+        raise ServeError(f"{policy.directory} has no tokenizer with a chat template, so messages cannot "
+                         "be rendered; use /v1/completions with token ids", param="messages")
+    if request.top_logprobs not in (None, 0):
+        if not request.logprobs:
+            raise ServeError("when using `top_logprobs`, `logprobs` must be set to true", param="top_logprobs")
+        raise ServeError(f"top_logprobs={request.top_logprobs}: dew serve reports the sampled token's "
+                         "log-probability only; send top_logprobs=0", param="top_logprobs")
+    if request.tool_choice not in (None, "none"):
+        raise ServeError(f"tool_choice={request.tool_choice!r} needs a tool-call parser, which dew serve "
+                         "does not have; leave it out or send \"none\" (tools still reach the chat template)",
+                         param="tool_choice")
+    if request.add_generation_prompt and request.continue_final_message:
+        raise ServeError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                         param="continue_final_message")
+
+
+# ---- routes ------------------------------------------------------------------------------------
+
+def _openai_routes(policy: ServedPolicy) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> Response:
+        if policy.failure is not None:
+            return error_response(f"the engine stopped: {policy.failure}", param=None, status=503,
+                                  kind="ServiceUnavailableError")
+        return Response(status_code=200)
+
+    @router.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(id=policy.name, root=str(policy.directory), max_model_len=policy.capacity)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @router.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw: Request) -> Response:
+        _check_request(request, policy)
+        if request.logprobs not in (None, 0):
+            raise ServeError(f"logprobs={request.logprobs}: dew serve reports the sampled token's "
+                             "log-probability only; send logprobs=0", param="logprobs")
+        tokenizer_needed = (request.logprobs is not None and not request.return_tokens_as_token_ids)
+        if tokenizer_needed and policy.tokenizer is None:
+            raise ServeError(f"{policy.directory} has no tokenizer to name tokens with; send "
+                             "return_tokens_as_token_ids=true", param="return_tokens_as_token_ids")
+        max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        prompts = await _completion_prompts(policy, request)
+        for prompt in prompts:
+            _check_prompt(policy, prompt, max_tokens, request.seed)
+        draws = await _unless_disconnected(raw, _draw_all(policy, prompts, max_tokens, request.seed))
+        if draws is None:
+            return _gone()
+        choices = await policy.text(_completion_choices, policy, request, prompts, draws)
+        usage = _usage(sum(map(len, prompts)), sum(map(len, draws)))
+        return _json(CompletionResponse(model=policy.name, choices=choices, usage=usage))
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
+        _check_request(request, policy)
+        _check_chat(request, policy)
+        prompt = await policy.text(_chat_prompt, policy, request)
+        max_tokens = next((m for m in (request.max_completion_tokens, request.max_tokens) if m is not None), None)
+        if max_tokens is None:  # vLLM's default: whatever the context has left
+            max_tokens = max(policy.capacity - len(prompt), 1)
+        _check_prompt(policy, prompt, max_tokens, request.seed)
+        draws = await _unless_disconnected(raw, _draw_all(policy, [prompt], max_tokens, request.seed))
+        if draws is None:
+            return _gone()
+        choice = await policy.text(_chat_choice, policy, request, draws[0])
+        response = ChatCompletionResponse(model=policy.name, choices=[choice], usage=_usage(len(prompt), len(draws[0])),
+                                          prompt_token_ids=prompt if request.return_token_ids else None)
+        return _json(response)
+
+    return router
+
+
+def _dev_routes(policy: ServedPolicy) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/pause")
+    async def pause(mode: Literal["abort", "wait", "keep"] = "abort", wait_for_inflight_requests: bool = False,
+                    clear_cache: bool = True) -> JSONResponse:
+        if mode != "wait" and not wait_for_inflight_requests:
+            raise ServeError(f"mode={mode}: dew serve pauses with mode=wait only (in-flight requests finish, "
+                             "new ones wait for /resume); it cannot abort or freeze a draw", param="query.mode")
+        await policy.pause()
+        return JSONResponse({"status": "paused"})
+
+    @router.post("/resume")
+    async def resume() -> JSONResponse:
+        policy.resume()
+        return JSONResponse({"status": "resumed"})
+
+    @router.get("/is_paused")
+    async def is_paused() -> JSONResponse:
+        return JSONResponse({"is_paused": policy.paused})
+
+    @router.post("/collective_rpc")
+    async def collective_rpc(raw: Request) -> JSONResponse:
+        try:
+            body = await raw.json()
+        except ValueError as error:
+            raise ServeError(f"JSON decode error: {error}") from None
+        method = body.get("method") if isinstance(body, dict) else None
+        if method is None:
+            raise ServeError("Missing 'method' in request body", param="method")
+        if method != "reload_weights":
+            raise ServeError(f"method={method!r}: dew serve answers reload_weights only (re-read the launch "
+                             "directory)", param="method")
+        if body.get("args") or body.get("kwargs"):
+            raise ServeError("reload_weights takes no args or kwargs here: it re-reads the launch directory",
+                             param="args" if body.get("args") else "kwargs")
+        try:
+            await policy.reload()
+        except (ReloadError, OSError, ValueError) as error:
+            raise ServeError(f"reload_weights failed: {error}", status=500, kind="InternalServerError") from None
+        return JSONResponse({"results": [None]})  # one engine, whose reload returns nothing
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False) -> JSONResponse:
+        return JSONResponse({"success": True})  # the native server keeps no prefix cache
+
+    @router.post("/update_weight_version")
+    async def update_weight_version(new_version: Annotated[str, Body(embed=True)]) -> JSONResponse:
+        policy.weight_version = new_version
+        return JSONResponse({"success": True, "new_version": new_version})
+
+    @router.get("/weight_info")
+    async def weight_info() -> JSONResponse:
+        return JSONResponse({"weight_version": policy.weight_version})
+
+    return router
+
+
+def _json(model: BaseModel) -> Response:
+    # pydantic's own encoder: a fifth of json.dumps(model.model_dump()) for a 128-token logprobs body
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def _param(loc: Sequence[Any]) -> str:
+    """A validation error's location as a dotted field path, without pydantic's union branches."""
+    parts = [str(p) for p in loc if not any(c in str(p) for c in "[]()") and str(p) not in ("str", "int", "list")]
+    return ".".join(parts) or ".".join(map(str, loc))
+
+
+async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+    errors = error.errors()
+    lines = [f"{_param(e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors[:10]]
+    message = f"{len(errors)} validation error{'s' if len(errors) != 1 else ''}: " + "; ".join(lines)
+    param = _param(errors[0].get("loc", ())) if errors else None
+    return error_response(message, param=param, status=400, kind="Bad Request")
+
+
+__all__ = ["check_sampling", "create_app"]

@@ -1,0 +1,143 @@
+"""Launching `dew serve`: load a checkpoint, bind a socket, run uvicorn until SIGTERM or SIGINT.
+
+`serve(directory, ...)` is what the `dew serve` command runs; `running(app)` serves an app on a
+background thread for tests, benches and notebooks, and yields its URL.
+
+The development routes (pause, reload, weight version) have no authentication, so `serve`
+mounts them only where the launcher can vouch for every caller: on a loopback host by default,
+on any other host only with dev_endpoints=True (the `--dev-endpoints` flag, Dew's counterpart of
+vLLM's VLLM_SERVER_DEV_MODE=1), never with dev_endpoints=False. The OpenAI routes are served on
+whatever host is given, with no authentication either.
+
+A SIGTERM or SIGINT stops accepting connections, gives in-flight requests `grace` seconds to
+finish, cancels the rest, closes the engine and returns; `serve` then exits the process with
+status 0 for SIGTERM. Nothing is forked: the engine runs on threads of this process.
+
+Not here: the routes (`app`), the engine (`policy`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from dew_lib.sampling import Sampling
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def dev_endpoints_for(host: str, dev_endpoints: bool | None) -> bool:
+    """Whether to mount the development routes: None means only on a loopback host."""
+    return is_loopback(host) if dev_endpoints is None else bool(dev_endpoints)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); port 0 takes a free one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    return sock
+
+
+def _config(app, log_level: str, grace: float):
+    import uvicorn
+
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace, access_log=False,
+                          lifespan="off")
+
+
+def serve(directory: str | Path, *, host: str = "127.0.0.1", port: int = 8000, slots: int = 8,
+          capacity: int | None = None, sampling: Sampling = Sampling(), dtype: str = "float32",
+          logprobs_mode: str = "raw_logprobs", served_model_name: str | None = None,
+          dev_endpoints: bool | None = None, steps: int = 16, seed: int = 0, grace: float = 5.0,
+          log_level: str = "info") -> None:
+    """Serve the Hugging Face checkpoint in `directory` over HTTP until SIGTERM or SIGINT.
+
+    slots: requests decoded together. capacity: ids per request, prompt and completion (default:
+    the model's max_seq_len, at most 2048). sampling: temperature and filters of every request
+    (EOS ids from the checkpoint unless set). dtype: "float32" or "bfloat16". logprobs_mode:
+    "raw_logprobs" (the model's log-softmax) or "processed_logprobs" (after temperature and
+    filters). served_model_name: the model name clients send (default: the directory's name).
+    dev_endpoints: see the module docstring. Prints one line with the URL once listening.
+    """
+    import uvicorn
+
+    from dew_lib.serve.app import create_app
+    from dew_lib.serve.policy import ServedPolicy
+
+    mounted = dev_endpoints_for(host, dev_endpoints)
+    if mounted and not is_loopback(host):
+        print(f"dew serve: the development routes are on at {host}, with no authentication: anyone who "
+              "reaches this port can pause the server and swap its weights", file=sys.stderr, flush=True)
+    sock = bind(host, port)  # before loading: a taken port fails fast
+    policy = ServedPolicy.load(directory, slots=slots, capacity=capacity, sampling=sampling, dtype=dtype,
+                               logprobs_mode=logprobs_mode, served_model_name=served_model_name,
+                               steps=steps, seed=seed)
+    terminate = signal.getsignal(signal.SIGTERM)
+    try:
+        policy.warm_up()
+        server = uvicorn.Server(_config(create_app(policy, dev_endpoints=mounted), log_level, grace))
+        shown = f"[{host}]" if ":" in host else host
+        print(f"dew serve: {policy.name} on http://{shown}:{sock.getsockname()[1]} ({policy.native.server.slots} "
+              f"slots, capacity {policy.capacity}, development routes {'on' if mounted else 'off'})", flush=True)
+        if threading.current_thread() is threading.main_thread():
+            # uvicorn re-raises the SIGTERM it shut down for; exit with status 0 instead of dying by it
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+        server.run(sockets=[sock])
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, terminate)
+        sock.close()
+        policy.close()
+
+
+@contextlib.contextmanager
+def running(app, *, host: str = "127.0.0.1", port: int = 0, grace: float = 2.0,
+            log_level: str = "warning", timeout: float = 60.0) -> Iterator[str]:
+    """Serve `app` with uvicorn on a background thread; yields its base URL ("http://host:port").
+
+    Leaving the block shuts the server down (in-flight requests get `grace` seconds).
+    """
+    import uvicorn
+
+    sock = bind(host, port)
+    server = uvicorn.Server(_config(app, log_level, grace))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dew-serve-http", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on {host}:{sock.getsockname()[1]}")
+            time.sleep(0.01)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=grace + 10)
+        sock.close()
+
+
+__all__ = ["bind", "dev_endpoints_for", "is_loopback", "running", "serve"]
