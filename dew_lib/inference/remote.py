@@ -25,6 +25,7 @@ Not here: the engines' wire formats (`openai_engine`, `vllm_generate`), weight p
 
 from __future__ import annotations
 
+import abc
 import base64
 import binascii
 import concurrent.futures
@@ -83,7 +84,7 @@ def check_prompt(prompt_ids, max_new_tokens: int, seed: int | None) -> np.ndarra
     return prompt.astype(np.int32)
 
 
-class RemoteRolloutServer:
+class RemoteRolloutServer(abc.ABC):
     """A `RolloutServer` whose draws come from an engine over HTTP (see the module docstring).
 
     Subclasses implement `_draw(prompt, max_new_tokens, seed, version) -> Draw`, raising
@@ -200,8 +201,10 @@ class RemoteRolloutServer:
         else:
             future.set_result(draw)
 
+    @abc.abstractmethod
     def _draw(self, prompt: np.ndarray, max_new_tokens: int, seed: int, version: int) -> Draw:
-        raise NotImplementedError
+        """Send one request and read its answer into a Draw (on a pool thread); raise
+        `EngineError` when the engine fails it. Each engine's client says how."""
 
 
 def remote_draw(engine: str, sampling: Sampling, *, ids: Sequence[int], log_probs: Sequence[float],
