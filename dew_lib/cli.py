@@ -99,7 +99,7 @@ def emit(columns: Sequence[str], rows: Sequence[Sequence[Any]], form: str, max_w
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dew", description="Query Dew's run store.")
+    parser = argparse.ArgumentParser(prog="dew", description="Query Dew's run store, serve a policy, launch a multi-process job.")
     # The options exist before the command (with the defaults) and after it (SUPPRESS: a
     # subcommand that does not see one leaves what was given before it).
     parser.set_defaults(store=os.environ.get("DEW_STORE", "runs"), form=None, max_width=48)
@@ -131,6 +131,14 @@ def _parser() -> argparse.ArgumentParser:
     schema = commands.add_parser("schema", help="describe the store's tables")
     schema.add_argument("table", nargs="?", help="one table (default: all)")
     _serve_parser(commands)
+    launch = commands.add_parser(
+        "launch", help="run a command as a multi-process JAX job on this host",
+        description="Start the command N times as one JAX job (dew_lib.train.distributed.initialize() "
+                    "joins it); a process that fails ends the others.")
+    launch.add_argument("--processes", type=int, required=True, help="processes in the job")
+    launch.add_argument("--local-devices", type=int, default=None,
+                        help="host devices per process on CPU (default: the platform's own)")
+    launch.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- python train.py")
     return parser
 
 
@@ -184,6 +192,17 @@ def _serve(args) -> int:
     return 0
 
 
+def _launch(args) -> int:
+    from dew_lib.train.launch import launch
+
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    try:
+        return launch(argv, args.processes, local_devices=args.local_devices)
+    except (ValueError, OSError) as error:
+        print(f"dew launch: {error}", file=sys.stderr)
+        return 1
+
+
 def _schema(table: str | None, out) -> int:
     from dew_lib.store.schema import TABLES
 
@@ -205,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = sys.stdout
     if args.command == "serve":
         return _serve(args)
+    if args.command == "launch":
+        return _launch(args)
     try:
         if args.command == "schema":
             return _schema(args.table, out)

@@ -22,25 +22,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 
-PR_SET_PDEATHSIG = 1
+from dew_lib.children import die_with_parent, free_port
+
 EXIT_WITH = "DEW_EXIT_WITH"  # in a child's environment: the pid of the parent it ends with
 TELEMETRY_OFF = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
-
-try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-except (OSError, AttributeError):
-    _prctl = None
-
 
 def quiet_prefect(env: dict | None = None) -> dict:
     """Prefect's telemetry off in `env` (default: this process's environment, before Prefect is
@@ -49,20 +42,6 @@ def quiet_prefect(env: dict | None = None) -> dict:
     for name, value in TELEMETRY_OFF.items():
         env.setdefault(name, value)
     return env
-
-
-def die_with_parent(signal_number: int = signal.SIGTERM):
-    """A `preexec_fn` that gives the child the parent-death signal. The signal comes when the
-    thread that started the child exits, so start bound children from the main thread."""
-    parent = os.getpid()
-
-    def preexec() -> None:
-        if _prctl is not None:
-            _prctl(PR_SET_PDEATHSIG, int(signal_number), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os.kill(os.getpid(), signal_number)
-
-    return preexec
 
 
 def bound_child(command: list[str], *, signal_number: int = signal.SIGTERM, **popen) -> subprocess.Popen:
@@ -138,12 +117,6 @@ def exit_with_marked_parent() -> threading.Thread | None:
     if os.getppid() != int(value):
         os.kill(os.getpid(), signal.SIGTERM)
     return exit_with_parent(int(value))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def healthy(api: str) -> bool:

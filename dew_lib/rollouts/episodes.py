@@ -177,6 +177,10 @@ class EpisodeRollout:
                  sampling: Sampling = Sampling(), record: Callable[[EpisodeResult], Any] | None = None,
                  workers: int = 8, estimator: str = "group", journal: EpisodeJournal | None = None,
                  truncation: str = "mask"):
+        if jax.process_count() > 1:
+            raise RuntimeError(f"EpisodeRollout runs in one process and this job has {jax.process_count()}; "
+                               "episode pools across processes are not built yet. Train episodes in one "
+                               "process (several local devices are fine)")
         if not callable(getattr(policy, "bind", None)):
             raise TypeError("EpisodeRollout.policy must have bind(snapshot), e.g. "
                             "dew_lib.inference.TextGeneration(model, variables)")

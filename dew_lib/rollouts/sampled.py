@@ -24,6 +24,12 @@ called on the scoring thread right after each reward call, such as `CodeReward.l
 `last_reward_details[n]` holds what it returned for `last_sessions[n]`, so a caller can record
 what the reward did (the programs a code reward ran) beside each session.
 
+In a multi-process job every process draws the job's whole batch (its prompts gathered from every
+process) from the same key, exactly what one process would draw on the same global devices, then
+scores, packs and trains on its own rows; a session's `group` is its prompt's row in the global
+batch. Drawing is repeated on every process, so more processes add no sampling throughput here;
+scaled-out drawing belongs on a rollout server.
+
 Not here: multi-turn episodes, asynchronous drawing (the scheduler), remote engines.
 """
 
@@ -43,6 +49,7 @@ from dew_lib.options import integer
 from dew_lib.records.sessions import Call, Session, Status, Task
 from dew_lib.rollouts.packing import pack
 from dew_lib.rollouts.scheduler.tasks import prompt_tasks
+from dew_lib.train.distributed import gather_rows, own_rows
 from dew_lib.sampling import Sampling, generate
 
 Reward = Callable[[str, str, str, str], float]
@@ -112,10 +119,13 @@ class SampledRollout:
             )
         tasks = prompt_tasks(batch)  # each row's stable id, prompt ids and reward fields
         g = self.groups
-        drawn = generate(self.objective.model, state.params, np.repeat(prompt, g, axis=0),
-                         np.repeat(lengths, g), key=key, max_new_tokens=self.max_new_tokens,
+        # Every process draws the job's whole batch, the same computation a single process runs
+        # on the same global devices, and keeps its own rows (a no-op in one process).
+        drawn = generate(self.objective.model, state.params, np.repeat(gather_rows(prompt), g, axis=0),
+                         np.repeat(gather_rows(lengths), g), key=key, max_new_tokens=self.max_new_tokens,
                          sampling=self.sampling)
-        tokens, raw, behavior, counts, stopped = jax.device_get(tuple(drawn))
+        tokens, raw, behavior, counts, stopped = (own_rows(x, rows * g) for x in jax.device_get(tuple(drawn)))
+        first = jax.process_index() * rows  # this process's first row of the global batch
 
         def completion(n: int) -> str:
             ids = tokens[n, :counts[n]]
@@ -154,7 +164,7 @@ class SampledRollout:
             call = Call(prompt_ids=tasks[b].data["prompt_ids"], sampled_ids=ids,
                         behavior_log_probs=behavior[n, :counts[n]], raw_log_probs=raw[n, :counts[n]],
                         finish_reason="stop" if stopped[n] else "length", version=version)
-            sessions.append(Session(task=tasks[b].id, group=b, sample=n % g, calls=(call,),
+            sessions.append(Session(task=tasks[b].id, group=first + b, sample=n % g, calls=(call,),
                                     status=Status.COMPLETED if stopped[n] else Status.TRUNCATED,
                                     reward=rewards[n]))
         packed = pack(sessions, self.objective.width, rows=rows * g, estimator=self.estimator,

@@ -8,14 +8,17 @@ device and are read a window later, so the host never waits for the step it just
 happens every k steps and the gradient sum in between lives in the state, so a checkpoint taken
 inside an accumulation window resumes bit for bit.
 
+In a multi-process job (distributed.py) the mesh spans every process's devices, each process
+reads its own partition of the data and places its rows with the others', and only process 0
+writes to the sinks: the metrics are the same everywhere.
+
 Not here: pipeline or tensor parallelism (parameters are replicated), learning-rate schedules
-(use optax's), multi-host data loading (each process reads its own partition).
+(use optax's).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -31,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew_lib.data.dataset import Batch, Dataset, Partition
 from dew_lib.objectives.base import Metrics, Objective
+from dew_lib.train import distributed
 from dew_lib.train.checkpoint import CheckpointMismatch, Checkpoints
 from dew_lib.train.sinks import Sink, default_sinks
 
@@ -222,7 +226,8 @@ class Trainer:
 
         directory: where checkpoints live; if it already holds one, training continues from it.
         checkpoint_every: save every this many steps (and always at the end) when a directory
-        is given. sinks: metric consumers (default: a progress bar on a terminal).
+        is given. sinks: metric consumers (default: a progress bar on a terminal); in a
+        multi-process job only process 0's are written to, the others' are closed.
         state: start from this state instead of a fresh one (ignored when resuming).
         """
         if steps < 0:
@@ -232,6 +237,10 @@ class Trainer:
         if eval_every is not None and (eval_every < 1 or data.val is None):
             raise ValueError("fit(eval_every=...) needs a positive interval and a Dataset with val")
         sinks = list(default_sinks() if sinks is None else sinks)
+        if not distributed.is_primary():  # every process has the same metrics; process 0 writes them
+            for sink in sinks:
+                sink.close()
+            sinks = []
         store = Checkpoints(directory, keep=keep) if directory is not None else None
         run = _Run(self, data, steps, log_every, eval_every, store, checkpoint_every, sinks)
         try:
@@ -344,7 +353,7 @@ class _Run:
                 self._deliver(include_open=True)  # a diverged step must never be checkpointed
                 info = {"position": done, "accumulate": trainer.accumulate}
                 if hasattr(stream, "state"):
-                    info["streams"] = _every_process(stream.state())
+                    info["streams"] = distributed.every_process(stream.state())
                 self.store.save(done, state, info)
                 self.last_checkpoint = f"{self.store.directory}/{done}"
                 for sink in self.sinks:  # e.g. the run store records where the checkpoint is
@@ -412,21 +421,6 @@ class _Run:
             means = derive(means)
         for sink in self.sinks:
             sink.write(step, {f"val/{k}": v for k, v in means.items()})
-
-
-def _every_process(value: Any) -> list:
-    """A JSON-able value from every process, in process order (the checkpoint record is
-    written by one process, and each process's data stream stands at its own record)."""
-    if jax.process_count() == 1:
-        return [value]
-    from jax.experimental import multihost_utils
-
-    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size]))).reshape(-1)
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[:data.size] = data
-    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
-    return [json.loads(bytes(row[:size]).decode()) for row, size in zip(rows, sizes, strict=True)]
 
 
 def _window_means(values: list[Metrics]) -> dict[str, float]:

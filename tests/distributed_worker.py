@@ -1,0 +1,118 @@
+"""One process of a `dew launch` job (or a run alone), for the multi-process tests.
+
+python tests/distributed_worker.py RECIPES OUT [--directory D] [--steps N] [--pause S]
+RECIPES: comma-separated sft, dpo, grpo; each trains a tiny model on a fixed sequence of global
+batches, of which each process reads its own rows, and process 0 writes the final state's
+leaves to OUT-<recipe>.npz. --directory checkpoints every step (one recipe); --pause sleeps
+before each step so a test can kill the job mid-run. Prints `pid <n>` first and one line per
+finished step.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from dew_lib.train import distributed  # noqa: E402
+
+distributed.initialize()
+
+import itertools  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from conftest import tiny_model  # noqa: E402
+from dew_lib import Dataset, Trainer  # noqa: E402
+from dew_lib.objectives import DPOObjective, GRPOObjective, LMObjective  # noqa: E402
+from dew_lib.rollouts import SampledRollout  # noqa: E402
+from dew_lib.sampling import Sampling  # noqa: E402
+from dew_lib.train.sinks import LineLog  # noqa: E402
+
+ROWS = 8  # global rows per batch (prompts for GRPO: 4, each drawn twice)
+
+
+def sft_batch(rng):
+    text = rng.integers(1, 32, size=(ROWS, 9)).astype(np.int32)
+    real = rng.integers(2, 10, size=ROWS)
+    segments = (np.arange(9)[None] < real[:, None]).astype(np.int32)
+    return {"text": text * segments, "text_segment_ids": segments}
+
+
+def dpo_batch(rng):
+    prompt = rng.integers(1, 32, size=(ROWS, 2))
+    chosen = np.concatenate([prompt, rng.integers(1, 32, size=(ROWS, 3))], axis=1).astype(np.int32)
+    rejected = np.concatenate([prompt, rng.integers(1, 32, size=(ROWS, 3))], axis=1).astype(np.int32)
+    mask = np.tile([0, 0, 1, 1, 1], (ROWS, 2, 1)).astype(np.int32)
+    return {"input_ids": np.stack([chosen, rejected], axis=1), "completion_mask": mask}
+
+
+def grpo_batch(rng):
+    rows = ROWS // 2
+    lengths = rng.integers(1, 4, size=rows).astype(np.int32)
+    prompt = rng.integers(3, 32, size=(rows, 3)).astype(np.int32) * (np.arange(3)[None] >= 3 - lengths[:, None])
+    truth = np.zeros((rows, 1), np.int32) + ord("7")
+    return {"prompt": prompt.astype(np.int32), "prompt_length": lengths, "ground_truth": truth,
+            "data_source": np.tile(np.frombuffer(b"toy", np.uint8).astype(np.int32), (rows, 1)),
+            "extra_info": np.zeros((rows, 0), np.int32)}
+
+
+def sevens(data_source, completion, ground_truth, extra_info):
+    return float(completion.split().count("7"))
+
+
+def setup(recipe):
+    """The objective, the global batch maker, and the rollout, for one recipe."""
+    model = tiny_model()
+    if recipe == "sft":
+        return LMObjective(model, seq_len=8), sft_batch, None
+    if recipe == "dpo":
+        return DPOObjective(model, seq_len=4, beta=0.1), dpo_batch, None
+    objective = GRPOObjective(model, seq_len=8)
+    rollout = SampledRollout(objective, reward=sevens, groups=2, max_new_tokens=6,
+                             sampling=Sampling(temperature=1.0, eos_id=2), decode=lambda ids: " ".join(map(str, ids)),
+                             workers=1)
+    return objective, grpo_batch, rollout
+
+
+def shares(make, partition):
+    """This partition's rows of a fixed endless sequence of global batches."""
+    rng = np.random.default_rng(11)
+    for batch in (make(rng) for _ in itertools.count()):
+        rows = len(next(iter(batch.values()))) // partition.count
+        yield {k: v[partition.index * rows:(partition.index + 1) * rows] for k, v in batch.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("recipes")
+    parser.add_argument("out")
+    parser.add_argument("--directory")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--pause", type=float, default=0.0)
+    args = parser.parse_args()
+    print("pid", os.getpid(), flush=True)
+    for recipe in args.recipes.split(","):
+        objective, make, rollout = setup(recipe)
+
+        def step(state, batch, key, rollout=rollout):
+            time.sleep(args.pause)
+            return batch if rollout is None else rollout(state, batch, key)
+
+        trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0),
+                          rollout=step if (rollout or args.pause) else None)
+        data = Dataset(train=lambda partition, make=make: shares(make, partition), batch=ROWS)
+        state = trainer.fit(data, steps=args.steps, log_every=1, directory=args.directory,
+                            checkpoint_every=1 if args.directory else None, sinks=[LineLog()])
+        if distributed.is_primary():
+            np.savez(f"{args.out}-{recipe}.npz",
+                     **{str(i): np.asarray(x) for i, x in enumerate(jax.tree.leaves(state))})
+        print(recipe, "process", jax.process_index(), "of", jax.process_count(), "devices",
+              jax.device_count(), "step", int(state.step), flush=True)
+
+
+if __name__ == "__main__":
+    main()
