@@ -23,7 +23,7 @@ in its rollout wrapper; pre-training has no rollout, so it passes a `PreviewHook
 rollout slot, the Trainer's one host hook that sees the state, and returns the batch unchanged.
 
 Not here: what the options build (dew_lib/recipes/flow.py), conditioned models (prompts or
-labels), guidance, multi-process training (FlowRollout runs in one process).
+labels), guidance, image stages as multi-process jobs (the library runs FlowRollout across processes).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One process of a `dew launch` job (or a run alone), for the multi-process tests.
 
 python tests/distributed_worker.py RECIPES OUT [--directory D] [--steps N] [--pause S]
-RECIPES: comma-separated sft, dpo, grpo; each trains a tiny model on a fixed sequence of global
+RECIPES: comma-separated sft, dpo, grpo, flow (Flow-GRPO); each trains a tiny model on a fixed sequence of global
 batches, of which each process reads its own rows, and process 0 writes the final state's
 leaves to OUT-<recipe>.npz. --directory checkpoints every step (one recipe); --pause sleeps
 before each step so a test can kill the job mid-run. Prints `pid <n>` first and one line per
@@ -26,13 +26,14 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from conftest import tiny_model  # noqa: E402
-from dew_lib import Dataset, Trainer  # noqa: E402
+from dew_lib import Dataset, Field, InputSpec, Trainer, models, presets  # noqa: E402
+from dew_lib.diffusion import FlowGRPOObjective, FlowRollout  # noqa: E402
 from dew_lib.objectives import DPOObjective, GRPOObjective, LMObjective  # noqa: E402
 from dew_lib.rollouts import SampledRollout  # noqa: E402
 from dew_lib.sampling import Sampling  # noqa: E402
 from dew_lib.train.sinks import LineLog  # noqa: E402
 
-ROWS = 8  # global rows per batch (prompts for GRPO: 4, each drawn twice)
+ROWS = 8  # global rows per batch (GRPO: 4 prompts drawn twice; Flow-GRPO: 2 sources drawn 4 times)
 
 
 def sft_batch(rng):
@@ -60,6 +61,14 @@ def grpo_batch(rng):
             "extra_info": np.zeros((rows, 0), np.int32)}
 
 
+def flow_batch(rng):
+    return {"image": rng.integers(0, 255, size=(ROWS // 4, 4, 4, 1)).astype(np.uint8)}
+
+
+def brightness(images, batch):
+    return images.mean(axis=(1, 2, 3))
+
+
 def sevens(data_source, completion, ground_truth, extra_info):
     return float(completion.split().count("7"))
 
@@ -71,6 +80,12 @@ def setup(recipe):
         return LMObjective(model, seq_len=8), sft_batch, None
     if recipe == "dpo":
         return DPOObjective(model, seq_len=4, beta=0.1), dpo_batch, None
+    if recipe == "flow":
+        dit = models.SimpleDiT(output_channels=1, patch_size=2, emb_features=8, num_layers=1, num_heads=2,
+                               mlp_ratio=2)
+        objective = FlowGRPOObjective(dit, presets.Flow()(), InputSpec(Field("image", (4, 4, 1))), guidance=None,
+                                      beta=0.01, steps=5)
+        return objective, flow_batch, FlowRollout(objective, brightness, groups=4, steps=5, train_steps=2)
     objective = GRPOObjective(model, seq_len=8)
     rollout = SampledRollout(objective, reward=sevens, groups=2, max_new_tokens=6,
                              sampling=Sampling(temperature=1.0, eos_id=2), decode=lambda ids: " ".join(map(str, ids)),

@@ -50,23 +50,24 @@ def assert_close(a, b, exact=False):
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-    """Three steps of SFT, DPO and GRPO, in one process on 4 devices and in 2 processes on 2 each."""
+    """Three steps of SFT, DPO, GRPO and Flow-GRPO, in one process on 4 devices and in 2
+    processes on 2 each."""
     where = tmp_path_factory.mktemp("jobs")
-    one = run_job(1, 4, "sft,dpo,grpo", where / "one")
-    two = run_job(2, 2, "sft,dpo,grpo", where / "two")
+    one = run_job(1, 4, "sft,dpo,grpo,flow", where / "one")
+    two = run_job(2, 2, "sft,dpo,grpo,flow", where / "two")
     return where, one.stdout, two.stdout
 
 
 @pytest.mark.slow
-def test_two_processes_train_sft_dpo_and_grpo_like_one_process_on_the_same_four_devices(finished):
+def test_two_processes_train_sft_dpo_grpo_and_flow_grpo_like_one_process_on_the_same_four_devices(finished):
     where, one, two = finished
-    for recipe in ("sft", "dpo", "grpo"):
+    for recipe in ("sft", "dpo", "grpo", "flow"):
         assert f"[0] {recipe} process 0 of 1 devices 4 step 3" in one
         assert f"[1] {recipe} process 1 of 2 devices 4 step 3" in two
         first, second = leaves(where / f"one-{recipe}.npz"), leaves(where / f"two-{recipe}.npz")
         assert_close(first, second)
     # Only process 0 writes metrics: each step's line comes once, from it.
-    assert two.count("step 3/3") == 3 and "[1] step" not in two
+    assert two.count("step 3/3") == 4 and "[1] step" not in two
 
 
 @pytest.mark.slow

@@ -15,8 +15,13 @@ advantages, as Flow-GRPO's per-prompt tracker computes them). It returns the fir
     rewards                    [N]               float64   (a diagnostic on the device)
     the condition fields       [N, *shape]                 repeated with their groups
 
-Not here: the loss (`FlowGRPOObjective`), multi-process rollouts (generation on every rank with
-rewards on rank zero).
+In a multi-process job every process draws the job's whole batch from the same key (its sources
+gathered from every process), exactly what one process would draw on the same global devices,
+then scores and normalizes its own groups, which never cross processes. `records` sees each
+process's own rows, on that process. Drawing is repeated on every process: more processes train
+faster but sample no faster.
+
+Not here: the loss (`FlowGRPOObjective`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import numpy as np
 from dew_lib.diffusion.flow_grpo import GROUP_EPSILON, FlowGRPOObjective, FlowReward
 from dew_lib.diffusion.preview import Preview, ensure_sequence, score
 from dew_lib.options import integer
+from dew_lib.train.distributed import gather_rows, own_rows
 
 
 def group_statistics(rewards: np.ndarray, groups: int):
@@ -142,17 +148,19 @@ class FlowRollout:
         return self._compiled[signature]
 
     def __call__(self, state, batch: Mapping[str, Any], key: jax.Array) -> dict[str, np.ndarray]:
-        if jax.process_count() > 1:
-            raise RuntimeError(f"FlowRollout runs in one process and this job has {jax.process_count()}; "
-                               "start Flow-GRPO as a single-process job")
         objective, groups = self.objective, self.groups
         sources = objective.inputs.check(batch)
         rows = sources * groups
-        source = {k: np.repeat(np.asarray(v), groups, axis=0) for k, v in batch.items()}  # contiguous groups
-        conditions = objective.inputs.condition_batch(source)
-        path, images = self._sampler(rows, conditions)(state.params, conditions, key)
+        # Every process draws the job's whole batch (a no-op gather in one process), exactly what
+        # one process would draw on the same global devices, and keeps its own groups.
+        everyone = {k: np.repeat(gather_rows(np.asarray(v)), groups, axis=0) for k, v in batch.items()}
+        conditions = objective.inputs.condition_batch(everyone)
+        path, images = self._sampler(rows * jax.process_count(), conditions)(state.params, conditions, key)
         (states, times, log_probs, stochastic, images), step = jax.device_get(
             ((path.states, path.times, path.log_probs, path.stochastic, images), state.updates))
+        states, log_probs, stochastic, images = (own_rows(x, rows) for x in (states, log_probs, stochastic, images))
+        source = {k: own_rows(v, rows) for k, v in everyone.items()}  # contiguous groups
+        conditions = {k: own_rows(v, rows) for k, v in conditions.items()}
         images = np.asarray(images, np.float32)
         rewards = score(self.reward, images, source, rows)  # float64 from here to the advantages
         mean, std, advantages = group_statistics(rewards, groups)
