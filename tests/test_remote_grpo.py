@@ -146,3 +146,40 @@ def test_the_pipelines_grpo_stage_draws_on_a_remote_engine(prefect_harness, tmp_
     assert [update for update, _ in drawn] == [0, 1, 2]
     assert all(set(versions) <= {update - 1, update} for update, versions in drawn), drawn
     assert result["reused"]["grpo"] is False and 0 <= result["accuracy"]["grpo"] <= 1
+
+
+@pytest.mark.slow
+def test_the_tool_tasks_episodes_draw_every_turn_on_a_remote_engine(prefect_harness, tmp_path):
+    """The tool task's asynchronous GRPO with `grpo.rollout.server`: each episode's turns are
+    completions `dew serve` draws (the calculator's replies in between), and every update's
+    weights reach the engine before the next batch is drawn."""
+    import shutil
+
+    from test_tool_pipeline import TINY as TOOLS
+
+    from dew_lib.store import Store
+    from flows.pipeline import pipeline
+    from tasks.params import PipelineParams
+
+    def run(name, **grpo):
+        return pipeline(PipelineParams(root=str(tmp_path), name=name, **{
+            **TOOLS, "stages": ("grpo",), "grpo": {**TOOLS["grpo"], "steps": 1, **grpo}}))
+
+    run("first")
+    launch = tmp_path / "engine"
+    shutil.copytree(tmp_path / "first" / "init", launch)
+    policy = ServedPolicy.load(launch, slots=8, sampling=Sampling(temperature=1.0), steps=4)
+    try:
+        with running(create_app(policy, dev_endpoints=True)) as url:
+            result = run("remote", steps=2, mode="async", rollout={"server": url, "directory": str(launch)})
+            assert policy.weight_version == "1"  # pushed before each of the two updates
+    finally:
+        policy.close()
+    _, drawn = Store(str(tmp_path)).rows(
+        "SELECT s.update, count(DISTINCT s.session_uid), list(DISTINCT c.version ORDER BY c.version) "
+        "FROM sessions s JOIN calls c USING (session_uid) WHERE s.run = ? AND s.cause = 'admitted' "
+        "GROUP BY s.update ORDER BY s.update", [result["run"]])
+    assert [update for update, *_ in drawn] == [0, 1]
+    assert all(sessions == 2 * 4 for _, sessions, _ in drawn), drawn  # batch 2 x groups 4
+    assert all(set(versions) <= {update - 1, update} for update, _, versions in drawn), drawn
+    assert result["reused"]["grpo"] is False
