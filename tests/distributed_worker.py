@@ -1,7 +1,9 @@
 """One process of a `dew launch` job (or a run alone), for the multi-process tests.
 
 python tests/distributed_worker.py RECIPES OUT [--directory D] [--steps N] [--pause S]
-RECIPES: comma-separated sft, dpo, grpo, flow (Flow-GRPO); each trains a tiny model on a fixed sequence of global
+RECIPES: comma-separated sft, dpo, grpo, flow (Flow-GRPO), async (GRPO through one RolloutScheduler
+per process, each on its own native server), async-fail (the same with a reward that fails on
+process 1 only); each trains a tiny model on a fixed sequence of global
 batches, of which each process reads its own rows, and process 0 writes the final state's
 leaves to OUT-<recipe>.npz. --directory checkpoints every step (one recipe); --pause sleeps
 before each step so a test can kill the job mid-run. Prints `pid <n>` first and one line per
@@ -29,7 +31,8 @@ from conftest import tiny_model  # noqa: E402
 from dew_lib import Dataset, Field, InputSpec, Trainer, models, presets  # noqa: E402
 from dew_lib.diffusion import FlowGRPOObjective, FlowRollout  # noqa: E402
 from dew_lib.objectives import DPOObjective, GRPOObjective, LMObjective  # noqa: E402
-from dew_lib.rollouts import SampledRollout  # noqa: E402
+from dew_lib.inference import NativeRolloutServer, Server, ServeTask  # noqa: E402
+from dew_lib.rollouts import PromptSource, RolloutScheduler, SampledRollout, prompt_tasks  # noqa: E402
 from dew_lib.sampling import Sampling  # noqa: E402
 from dew_lib.train.sinks import LineLog  # noqa: E402
 
@@ -73,9 +76,32 @@ def sevens(data_source, completion, ground_truth, extra_info):
     return float(completion.split().count("7"))
 
 
+def scheduled(model, fail: bool):
+    """One RolloutScheduler for this process, on its own native server. ahead=0 and max_lag=0
+    draw every batch under the weights it trains, so a run does not depend on timing."""
+    objective = GRPOObjective(model, seq_len=8)
+    task = ServeTask(model=model, variables=objective.init(jax.random.key(9)),
+                     sampling=Sampling(temperature=1.0, eos_id=2))
+    server = NativeRolloutServer(Server.from_task(task, slots=8, capacity=9, steps=3))
+
+    def reward(data_source, completion, ground_truth, extra_info):
+        if fail and jax.process_index() == 1:
+            raise ValueError("this grader is down on process 1")
+        return float(sum(map(int, completion.split())) % 5)  # differs within a group: advantages are not 0
+
+    source = PromptSource(server, reward, decode=lambda ids: " ".join(map(str, ids)), max_new_tokens=6)
+    scheduler = RolloutScheduler(objective, source, server, width=9, rows=ROWS // jax.process_count(),
+                                 tasks=prompt_tasks, groups=2, ahead=0, max_lag=0, max_attempts=2,
+                                 truncation="score")
+    return objective, scheduler
+
+
 def setup(recipe):
     """The objective, the global batch maker, and the rollout, for one recipe."""
     model = tiny_model()
+    if recipe.startswith("async"):
+        objective, scheduler = scheduled(model, fail=recipe == "async-fail")
+        return objective, grpo_batch, scheduler
     if recipe == "sft":
         return LMObjective(model, seq_len=8), sft_batch, None
     if recipe == "dpo":
@@ -120,8 +146,20 @@ def main():
         trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0),
                           rollout=step if (rollout or args.pause) else None)
         data = Dataset(train=lambda partition, make=make: shares(make, partition), batch=ROWS)
-        state = trainer.fit(data, steps=args.steps, log_every=1, directory=args.directory,
-                            checkpoint_every=1 if args.directory else None, sinks=[LineLog()])
+        if isinstance(rollout, RolloutScheduler):
+            data = rollout.tasks(data)
+        try:
+            state = trainer.fit(data, steps=args.steps, log_every=1, directory=args.directory,
+                                checkpoint_every=1 if args.directory else None, sinks=[LineLog()])
+        except RuntimeError as error:  # every process says what it raised before the job ends
+            print(recipe, "process", jax.process_index(), "raised:", " ".join(str(error).split()), flush=True)
+            time.sleep(1)
+            os._exit(3)
+        finally:
+            if isinstance(rollout, RolloutScheduler):
+                rollout.close()
+                rollout.source.close()
+                rollout.weights.close()
         if distributed.is_primary():
             np.savez(f"{args.out}-{recipe}.npz",
                      **{str(i): np.asarray(x) for i, x in enumerate(jax.tree.leaves(state))})

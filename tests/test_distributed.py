@@ -23,6 +23,7 @@ from dew_lib.train.launch import launch
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 ROUNDING = dict(rtol=1e-5, atol=1e-6)  # what the order of the cross-device sum moves
+RECIPES = ("sft", "dpo", "grpo", "flow", "async")
 
 
 def run_job(processes, local_devices, recipes, out, *extra, check=True):
@@ -50,24 +51,36 @@ def assert_close(a, b, exact=False):
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-    """Three steps of SFT, DPO, GRPO and Flow-GRPO, in one process on 4 devices and in 2
-    processes on 2 each."""
+    """Three steps of SFT, DPO, GRPO, Flow-GRPO and scheduled GRPO (one RolloutScheduler per
+    process), in one process on 4 devices and in 2 processes on 2 each."""
     where = tmp_path_factory.mktemp("jobs")
-    one = run_job(1, 4, "sft,dpo,grpo,flow", where / "one")
-    two = run_job(2, 2, "sft,dpo,grpo,flow", where / "two")
+    one = run_job(1, 4, ",".join(RECIPES), where / "one")
+    two = run_job(2, 2, ",".join(RECIPES), where / "two")
     return where, one.stdout, two.stdout
 
 
 @pytest.mark.slow
-def test_two_processes_train_sft_dpo_grpo_and_flow_grpo_like_one_process_on_the_same_four_devices(finished):
+def test_two_processes_train_every_recipe_like_one_process_on_the_same_four_devices(finished):
+    """Scheduled GRPO too: each process's scheduler draws its own tasks on its own server, under
+    the group ids (and so the seeds) one process gives the same tasks."""
     where, one, two = finished
-    for recipe in ("sft", "dpo", "grpo", "flow"):
+    for recipe in RECIPES:
         assert f"[0] {recipe} process 0 of 1 devices 4 step 3" in one
         assert f"[1] {recipe} process 1 of 2 devices 4 step 3" in two
         first, second = leaves(where / f"one-{recipe}.npz"), leaves(where / f"two-{recipe}.npz")
         assert_close(first, second)
     # Only process 0 writes metrics: each step's line comes once, from it.
-    assert two.count("step 3/3") == 4 and "[1] step" not in two
+    assert two.count("step 3/3") == len(RECIPES) and "[1] step" not in two
+
+
+@pytest.mark.slow
+def test_rollouts_that_fail_on_one_process_raise_on_every_process(tmp_path):
+    failed = run_job(2, 2, "async-fail", tmp_path / "failed", "--steps", "1", check=False)
+    assert failed.returncode == 3, failed.stdout[-3000:]
+    assert ("[1] async-fail process 1 raised: no group of the batch at position 0 could be admitted "
+            "(2 abandoned after max_attempts=2") in failed.stdout
+    assert ("[0] async-fail process 0 raised: the rollouts of the batch at position 0 failed on process 1 "
+            "of 2") in failed.stdout
 
 
 @pytest.mark.slow

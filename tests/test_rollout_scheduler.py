@@ -351,13 +351,6 @@ def test_construction_refuses_a_bound_below_ahead_plus_sync_every_minus_one():
         RolloutScheduler(objective(), source, source, width=WIDTH + 1, rows=4)
 
 
-def test_multi_process_trainers_are_refused(monkeypatch):
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    source = FakeSource(lambda *_: None)
-    with pytest.raises(ValueError, match="single-process"):
-        RolloutScheduler(objective(), source, source, width=WIDTH, rows=4)
-
-
 # ----- shape, failures, streams -----------------------------------------------------------------
 
 def test_a_group_whose_chains_do_not_fit_beside_the_admitted_ones_is_cut():

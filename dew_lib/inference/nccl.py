@@ -38,7 +38,10 @@ Tested here against stand-in replicas through the `communicator=` seam (a loopba
 for NCCL), plus the binding's refusals; the real broadcast (CudaCommunicator against a running
 vLLM) has not run in this repository's tests and is to be checked on a GPU machine.
 
-Not here: multi-process trainers (gather the policy to one process first), SGLang's NCCL route,
+In a multi-process trainer, `Publication` runs the push on process 0 only, from that process's
+copy of the replicated weights.
+
+Not here: SGLang's NCCL route,
 a replica that dies in the middle of a broadcast (the sender may then block inside NCCL until
 the CUDA default stream is released; the push checks for failed replicas between chunks only).
 """

@@ -29,8 +29,7 @@ POST /update_weights_from_disk {"model_path": directory, "flush_cache": true,
 ones while it loads, flushes its radix cache and answers; a failed load answers 400 (and SGLang
 re-reads the same directory as its rollback), and a 200 with `"success": false` fails too.
 
-Not here: NCCL pushes (`nccl`), the gateway's HTTP (`gateway`), starting engines, multi-process
-trainers (`Pretrained.save` refuses leaves spread over processes: gather them to one first).
+Not here: NCCL pushes (`nccl`), the gateway's HTTP (`gateway`), starting engines.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ import jax.numpy as jnp
 
 from dew_lib.inference.endpoints import call, on_every, root_urls
 from dew_lib.models.pretrained import Pretrained
+from dew_lib.train import distributed
 
 ENGINES = ("vllm", "sglang")
 
@@ -120,6 +120,10 @@ class Publication:
     leaves it where it was. The stamp comes after the push because a gateway labels each call
     with the version when the call arrives: a stamp ahead of a replica would claim weights the
     call was not drawn from, a stamp behind only overstates its lag.
+
+    In a multi-process trainer every process calls `load` with its own copy of the weights
+    (`distributed.local_copy`, as the RolloutScheduler passes them); process 0 pushes and stamps,
+    and every process raises when that failed, or moves `version` when it did not.
     """
 
     def __init__(self, push: Callable[[Any, int], None], version: int = 0,
@@ -137,9 +141,15 @@ class Publication:
 
     def load(self, variables: Any, version: int) -> None:
         version = operator.index(version)  # a numpy step count becomes a plain int for the JSON bodies
-        self.push(variables, version)
-        if self.stamp is not None:
-            self.stamp(version)
+        failure = None
+        if distributed.is_primary():  # in a multi-process trainer one process publishes
+            try:
+                self.push(variables, version)
+                if self.stamp is not None:
+                    self.stamp(version)
+            except Exception as error:  # noqa: BLE001 - raised below, on every process
+                failure = error
+        distributed.raise_together(failure, f"publishing version {version}")
         self.version = version
 
     def close(self) -> None:

@@ -156,6 +156,22 @@ def own_rows(array: np.ndarray, rows: int) -> np.ndarray:
     return array[start:start + rows]
 
 
+def local_copy(tree: Any) -> Any:
+    """`tree` with every array this process holds only part of the addressing for (a replicated
+    array over the job's mesh) replaced by its copy on this process's first device: what a
+    per-process engine serves, or a host write saves, without a collective."""
+
+    def local(leaf):
+        if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
+            return leaf
+        if not leaf.is_fully_replicated:
+            raise ValueError(f"an array of shape {leaf.shape} is split across processes; only replicated "
+                             "arrays (the Trainer's parameters) have a whole copy on every process")
+        return leaf.addressable_data(0)
+
+    return jax.tree.map(local, tree)
+
+
 def raise_together(error: BaseException | None, what: str) -> None:
     """Raise on every process when any process has an error: its own `error`, or a
     RuntimeError naming the processes that failed `what`. Every process must call it."""
@@ -167,5 +183,5 @@ def raise_together(error: BaseException | None, what: str) -> None:
                            f"{', '.join(map(str, failed))} of {jax.process_count()}; see that process's log")
 
 
-__all__ = ["Topology", "every_process", "gather_rows", "initialize", "is_primary", "own_rows",
-           "raise_together"]
+__all__ = ["Topology", "every_process", "gather_rows", "initialize", "is_primary", "local_copy",
+           "own_rows", "raise_together"]

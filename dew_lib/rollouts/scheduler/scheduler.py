@@ -36,8 +36,17 @@ Beside it: group states (states.py), the fit decision (admission.py), the task s
 (stream.py), what a finished attempt means (outcomes.py), what a call recorded (ledger.py) and
 the construction checks (validation.py).
 
+A multi-process trainer runs one scheduler per process, each on its own source over the task rows
+its own data partition reads, and each packs its own `rows`: the step's batch is every process's
+rows together, as the Trainer lays out any batch, so no rollout crosses a process. Every process
+pushes at the same updates (each gives its publisher its own copy of the weights: a per-process
+engine loads it, a shared one is published by process 0, see `Publication`), and every call ends
+in one agreement: a failure on any process raises on all of them, instead of leaving the others
+waiting in the update. Group ids count the job's whole batch (stream.py), so each task keeps the
+seeds it would have in one process.
+
 Not here: drawing sessions (`dew_lib.rollouts.sources`), packing and advantages (packing.py), the
-loss (`dew_lib.objectives.grpo`), multi-process trainers (refused at construction).
+loss (`dew_lib.objectives.grpo`).
 """
 
 from __future__ import annotations
@@ -67,6 +76,7 @@ from dew_lib.rollouts.scheduler.states import Attempt, Group, GroupState, Sample
 from dew_lib.rollouts.scheduler.stream import ScheduledDataset, TaskReader, TaskStream
 from dew_lib.rollouts.scheduler.tasks import task_ids
 from dew_lib.rollouts.scheduler.validation import check_options
+from dew_lib.train.distributed import local_copy, raise_together
 
 
 class RolloutScheduler:
@@ -88,8 +98,8 @@ class RolloutScheduler:
     for the run store.
 
     Construction refuses max_lag < ahead + sync_every - 1 (a first submission can be that stale
-    when consumed), a schedule that allows lag without the objective's behavior_importance, and
-    multi-process trainers.
+    when consumed) and a schedule that allows lag without the objective's behavior_importance.
+    In a multi-process job, `rows` and the source are this process's (see the module).
     """
 
     def __init__(self, objective, source: SessionSource, weights: Publisher, *, width: int,
@@ -213,14 +223,19 @@ class RolloutScheduler:
             packed = PackedBatch.of(packed, proximal="in_update")
             self._drain()  # what finished while packing counts in this record
         except BaseException as error:
-            self._broken = error
+            self._stop(error)
+            if jax.process_count() == 1:
+                raise
+            failure = error
+        else:
+            failure = None
+        if jax.process_count() > 1:  # every process reaches this once per call, failed or not
             try:
-                self._cancel_all()
-                self._drain()  # every attempt is cancelled now, so this only records them
-                self._ledger.flush(self._updates, self._reader.batches.values())
-            except Exception as later:  # noqa: BLE001 - the first failure is the one to raise
-                error.add_note(f"while cancelling the batch's work: {type(later).__name__}: {later}")
-            raise
+                raise_together(failure, f"the rollouts of the batch at position {current.position}")
+            except BaseException as error:
+                if failure is None:  # another process failed: this one stops its work too
+                    self._stop(error)
+                raise
         record = self._ledger.record(updates, sessions, packed, latencies, groups=len(admitted),
                                      waited=waited, truncation=self.truncation)
         self.last_record = record
@@ -258,6 +273,16 @@ class RolloutScheduler:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _stop(self, error: BaseException) -> None:
+        """After a failed call: cancel the batch's work and record it; a later call refuses."""
+        self._broken = error
+        try:
+            self._cancel_all()
+            self._drain()  # every attempt is cancelled now, so this only records them
+            self._ledger.flush(self._updates, self._reader.batches.values())
+        except Exception as later:  # noqa: BLE001 - the first failure is the one to raise
+            error.add_note(f"while cancelling the batch's work: {type(later).__name__}: {later}")
+
     def _check_open(self):
         if self._closed:
             raise RuntimeError("the RolloutScheduler is closed; build a new one")
@@ -266,7 +291,7 @@ class RolloutScheduler:
     def _push(self, params, updates: int) -> None:
         served = self._served
         if served is None or not 0 <= updates - served < self.sync_every:
-            push_weights(self.weights, params, updates)
+            push_weights(self.weights, local_copy(params), updates)
             self._served = updates
 
     # ----- submission --------------------------------------------------------------------------

@@ -13,6 +13,8 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
+
 from dew_lib.data.dataset import Batch, Dataset, Partition
 from dew_lib.records.sessions import Task
 from dew_lib.rollouts.scheduler.states import Group, TaskBatch
@@ -52,7 +54,10 @@ class ScheduledDataset(Dataset):
 def read_batch(inner: Iterator[Batch], position: int, task_fn: Callable[[Batch], Sequence[Task]],
                size: int, tasks_per_batch: int | None) -> TaskBatch:
     """The next batch of `inner` at `position` with a group of `size` samples per task; its
-    group ids are `position * tasks + index`, so a re-read task keeps its id after a resume.
+    group ids are `position * tasks + index`, so a re-read task keeps its id after a resume. In
+    a multi-process job `tasks` and `index` count the job's whole batch, each process's rows
+    after those of the processes before it: a task has the group id (and so the seeds) it would
+    have in one process reading the same global batches.
     Raises StopIteration at the end of `inner`, which ends the trainer's stream as usual."""
     state = getattr(inner, "state", None)
     stream_state = state() if state is not None else None
@@ -65,7 +70,8 @@ def read_batch(inner: Iterator[Batch], position: int, task_fn: Callable[[Batch],
             f"the batch at position {position} has {len(tasks)} tasks and earlier ones "
             f"{tasks_per_batch}; the scheduler's group ids need a fixed batch size")
     batch = TaskBatch(position, data, stream_state)
-    batch.groups = [Group(batch, i, position * len(tasks) + i, task, size) for i, task in enumerate(tasks)]
+    first = (position * jax.process_count() + jax.process_index()) * len(tasks)
+    batch.groups = [Group(batch, i, first + i, task, size) for i, task in enumerate(tasks)]
     return batch
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-
 from dew_lib.objectives import algorithms
 from dew_lib.objectives.grpo import GRPOObjective
 from dew_lib.options import choice, integer, number
@@ -16,11 +14,6 @@ def check_options(objective: Any, source: Any, weights: Any, *, width, rows, tas
                   oversample, admit, max_lag, ahead, sync_every, max_attempts, timeout, estimator,
                   truncation) -> None:
     """Refuse a schedule that cannot run: see RolloutScheduler's docstring."""
-    if jax.process_count() > 1:
-        raise ValueError(
-            f"RolloutScheduler runs in single-process trainers only; this is process "
-            f"{jax.process_index()} of {jax.process_count()}. Run the trainer in one process "
-            "(it may use every local device)")
     for name, value, low in (("width", width, 2), ("rows", rows, 1), ("groups", groups, 1),
                              ("oversample", oversample, 0), ("max_lag", max_lag, 0),
                              ("ahead", ahead, 0), ("sync_every", sync_every, 1),
