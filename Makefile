@@ -9,7 +9,7 @@ PYTEST_WORKERS ?= 2
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
 
-.PHONY: run test bench setup clean sandbox-tools browser-tools ui
+.PHONY: run test bench bench-gpu setup clean sandbox-tools browser-tools ui
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,20 @@ bench: $(STAMP) sandbox-tools
 	$(BIN)/python bench/store.py
 	$(BIN)/python bench/sandbox.py
 	$(BIN)/python bench/native_server.py
+
+# bench/gpu.py: Qwen3-0.6B-shaped SFT and GRPO tokens/s and MFU on one GPU, and the SFT as a
+# two-process job. Where nvidia-smi runs it first installs JAX's CUDA plugin matching the installed
+# jax (JAX_CUDA=cuda13 for a CUDA 13 driver); BENCH_GPU_ARGS passes flags (e.g. --remat). Without
+# a GPU the script stops and says so; `$(BIN)/python bench/gpu.py --dry-run` checks every part on
+# the CPU with a tiny model.
+JAX_CUDA ?= cuda12
+bench-gpu: $(STAMP)
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(BIN)/pip install --quiet "jax[$(JAX_CUDA)]==$$($(BIN)/python -c 'import jax; print(jax.__version__)')"; \
+	else \
+	  echo "note: no nvidia-smi on PATH; bench/gpu.py runs on whatever device JAX finds"; \
+	fi
+	$(BIN)/python bench/gpu.py $(BENCH_GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -56,13 +56,19 @@ def test_fused_attention_takes_bfloat16_and_returns_it():
     np.testing.assert_array_equal(out, want.astype(jnp.bfloat16))
 
 
+def heads_of(dim, heads=2, kv_heads=2):
+    """Queries and keys of one row of 8 as shapes: what `pick_kernel` reads."""
+    return (jax.ShapeDtypeStruct((1, 8, heads, dim), jnp.float32),
+            jax.ShapeDtypeStruct((1, 8, kv_heads, dim), jnp.float32))
+
+
 def test_fused_attention_refuses_a_head_dim_it_cannot_tile():
     q, k, v, _ = random_heads(2, 1, 8, 2, 2, 12)
     with pytest.raises(ValueError, match="multiple of 8.*head_dim=12.*blockwise"):
         causal_attention(q, k, v, jnp.ones((1, 8), jnp.int32))
     # "auto" picks the blockwise form for it instead
-    assert not decoder_attention._use_fused("auto", 12, 2, 2)
-    assert decoder_attention._use_fused("auto", 16, 2, 2)
+    assert decoder_attention.pick_kernel("auto", *heads_of(12)) == "blockwise"
+    assert decoder_attention.pick_kernel("auto", *heads_of(16)) == "fused"
 
 
 def test_the_kernel_builds_once_per_machine_into_the_cache(tmp_path, monkeypatch):
@@ -95,7 +101,7 @@ def test_no_compiler_is_a_clear_error_and_auto_warns_and_runs_blockwise(tmp_path
     monkeypatch.setattr(decoder_attention, "load_causal_attention", missing)
     decoder_attention._warn_blockwise.cache_clear()
     with pytest.warns(RuntimeWarning, match="blockwise attention: no C\\+\\+ compiler"):
-        assert not decoder_attention._use_fused("auto", 16, 2, 2)
+        assert decoder_attention.pick_kernel("auto", *heads_of(16)) == "blockwise"
 
 
 def test_a_sharded_batch_runs_on_each_device_without_gathering():

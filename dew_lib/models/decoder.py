@@ -137,7 +137,10 @@ class CausalTransformer(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     head_chunk: int | None = None  # tokens per chunk of the loss head; None: from the vocabulary
-    attention_kernel: str = "auto"  # causal attention: "auto", "fused" (XLA:CPU) or "blockwise"
+    # causal attention: "auto", "fused" (XLA:CPU), "dot_product" (jax.nn.dot_product_attention;
+    # cuDNN on a GPU) or "blockwise" (any backend); decoder_attention.attend_causal says which
+    # one "auto" runs where
+    attention_kernel: str = "auto"
     attention_block: int = 256  # queries per block of blockwise attention
     scan_layers: bool = True  # layers as one lax.scan (compiles once); False: a loop, same params
     remat: bool = False  # recompute each layer's activations in the backward pass
@@ -208,8 +211,8 @@ class CausalTransformer(nn.Module):
         stream = self.scope.rngs.get("params")
         keys = ([LazyRng.create(stream, f"layers_{i}") for i in range(self.num_layers)]
                 if stream is not None else list(jax.random.split(key, self.num_layers)))
-        layers = [block.init({"params": k}, x, rope, segments, self.attention_block)["params"]
-                  for k in keys]
+        layers = [block.init({"params": k}, x, rope, segments, self.attention_block,
+                             self.attention_kernel)["params"] for k in keys]
         return jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
 
     def _layer(self, i: int):

@@ -2,12 +2,14 @@
 values `[B, S, KV, D]`, grouped-query heads.
 
 `attend` is dense attention under any mask (the reference); `attend_causal` is causal attention
-within segments, through the compiled XLA:CPU kernel (`fused_attention`) or by blocks of queries
+within segments, through the compiled XLA:CPU kernel (`fused_attention`), through
+`jax.nn.dot_product_attention` (cuDNN's flash attention on NVIDIA GPUs), or by blocks of queries
 (`attention.causal_heads`), as `attention_kernel` picks; `attend_cached` is one decode step's
 query against a head-major KV cache.
 
 Not here: the softmax kernels (`attention`, `fused_attention`), the cache (`decoder.KVCache`),
-the projections around attention (`decoder_layer.Block`).
+the projections around attention (`decoder_layer.Block`), a TPU kernel (TPUs run the blockwise
+form).
 """
 
 from __future__ import annotations
@@ -41,7 +43,10 @@ def attend(q, k, v, mask):
         0, 3, 1, 2, 4).reshape(b, sq, h * d)
 
 
-ATTENTION_KERNELS = ("auto", "fused", "blockwise")
+ATTENTION_KERNELS = ("auto", "fused", "blockwise", "dot_product")
+# What `jax.default_backend()` calls a GPU: "gpu" with jaxlib's CUDA and ROCm plugins; "cuda" and
+# "rocm" where a platform is named for its vendor.
+GPU_BACKENDS = ("gpu", "cuda", "rocm")
 
 
 def attend_causal(q, k, v, segment_ids, block: int, kernel: str = "auto"):
@@ -49,23 +54,53 @@ def attend_causal(q, k, v, segment_ids, block: int, kernel: str = "auto"):
     segment_ids `[B, S]` (a query sees earlier keys of its own segment; padding, segment 0,
     sees padding). Returns `[B, S, H * D]`.
 
-    `kernel` picks the implementation: "fused", the compiled XLA:CPU kernel of
-    `fused_attention` (tiles kept in cache; about twice the blockwise form's speed on CPU);
+    `kernel` picks the implementation (`pick_kernel` says which "auto" runs):
+    "fused", the compiled XLA:CPU kernel of `fused_attention` (tiles kept in cache; about twice
+    the blockwise form's speed on CPU), CPU only;
+    "dot_product", `jax.nn.dot_product_attention` with `is_causal` and the segments as a
+    boolean mask: cuDNN's flash attention on an NVIDIA GPU when cuDNN takes the inputs
+    (bfloat16 or float16, head dim a multiple of 8 up to 128, 256 from Hopper on), else
+    JAX's XLA form, which holds every `[S, S]` score of every head;
     "blockwise", XLA operations by blocks of `block` queries, for any backend and head size;
-    "auto", the fused kernel when JAX's default backend is the CPU and the head dim is a
-    multiple of 8, else blockwise.
+    "auto", "fused" on the CPU when the head dim is a multiple of 8 (and the kernel builds),
+    "dot_product" on a GPU when cuDNN takes the inputs, else "blockwise" (TPUs included).
     """
     b, s, h, d = q.shape
-    if _use_fused(kernel, d, h, k.shape[2]):
+    picked = pick_kernel(kernel, q, k)
+    if picked == "fused":
         return fused_attention.causal_attention(q, k, v, segment_ids).reshape(b, s, h * d)
+    if picked == "dot_product":
+        return _attend_dot_product(q, k, v, segment_ids).reshape(b, s, h * d)
     return _attend_blockwise(q, k, v, segment_ids, block)
 
 
-def _use_fused(kernel: str, head_dim: int, heads: int, kv_heads: int) -> bool:
+def pick_kernel(kernel: str, q, k) -> str:
+    """The implementation `attend_causal(..., kernel=kernel)` runs for queries `q` and keys `k`
+    (arrays or shapes-and-dtypes) on JAX's default backend: "fused", "dot_product" or
+    "blockwise"."""
     choice("attention kernel", kernel, ATTENTION_KERNELS)
+    backend = jax.default_backend()
+    if kernel == "fused" and backend != "cpu":
+        raise ValueError(
+            f"attention_kernel='fused' is Dew's XLA:CPU kernel and JAX's default backend is "
+            f"{backend!r}; use 'auto' (on a GPU: 'dot_product', cuDNN's flash attention) or "
+            "'blockwise'")
     if kernel != "auto":
-        return kernel == "fused"
-    if jax.default_backend() != "cpu" or not fused_attention.supported(head_dim, heads, kv_heads):
+        return kernel
+    _, _, h, d = q.shape
+    if backend == "cpu":
+        return "fused" if _fused_builds(d, h, k.shape[2]) else "blockwise"
+    if backend in GPU_BACKENDS:
+        refusal = cudnn_refusal(q.shape, k.shape, q.dtype)
+        if refusal is None:
+            return "dot_product"
+        _warn_blockwise(f"cuDNN's attention does not take these inputs ({refusal}); "
+                        "bfloat16 compute (dtype=jnp.bfloat16) lets it")
+    return "blockwise"
+
+
+def _fused_builds(head_dim: int, heads: int, kv_heads: int) -> bool:
+    if not fused_attention.supported(head_dim, heads, kv_heads):
         return False
     try:
         load_causal_attention()
@@ -79,6 +114,68 @@ def _use_fused(kernel: str, head_dim: int, heads: int, kv_heads: int) -> bool:
 def _warn_blockwise(reason: str) -> None:
     warnings.warn(f"attention_kernel='auto' runs the slower blockwise attention: {reason}",
                   RuntimeWarning, stacklevel=4)
+
+
+def cudnn_refusal(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype) -> str | None:
+    """Why cuDNN's attention (`implementation="cudnn"`) would not take queries of `q_shape` and
+    keys and values of `kv_shape` in `dtype` under the causal segment mask, forward and
+    backward; None when it takes them.
+
+    Asked of JAX by tracing the call and its gradient on abstract values (no device work):
+    its checks (a GPU with cuDNN, bfloat16/float16, the head dim) run at trace time. A refusal
+    cuDNN itself gives only when the program compiles is not seen here.
+    """
+    return _cudnn_refusal(jax.default_backend(), tuple(q_shape), tuple(kv_shape), jnp.dtype(dtype))
+
+
+@functools.cache
+def _cudnn_refusal(backend, q_shape, kv_shape, dtype) -> str | None:
+    if backend not in GPU_BACKENDS:
+        return f"JAX's default backend is {backend!r}, not a GPU"
+    q = jax.ShapeDtypeStruct(q_shape, dtype)
+    kv = jax.ShapeDtypeStruct(kv_shape, dtype)
+    segments = jax.ShapeDtypeStruct(q_shape[:2], jnp.int32)
+
+    def loss(q, k, v, segment_ids):
+        return jnp.sum(_cudnn(q, k, v, segment_ids).astype(jnp.float32))
+
+    try:
+        jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, segments)
+    except (NotImplementedError, RuntimeError, ValueError, TypeError) as error:
+        first = str(error).splitlines()[0] if str(error) else ""
+        return f"{type(error).__name__}: {first}"
+    return None
+
+
+def _attend_dot_product(q, k, v, segment_ids):
+    """`jax.nn.dot_product_attention` under the causal segment mask: cuDNN's kernel where
+    `cudnn_refusal` finds none, else JAX's XLA form."""
+    if cudnn_refusal(q.shape, k.shape, q.dtype) is None:
+        return _cudnn(q, k, v, segment_ids)
+    return _dot_product(q, k, v, segment_ids, "xla")
+
+
+def _cudnn(q, k, v, segment_ids):
+    """cuDNN's attention, on a row one position longer when the length is odd: with a bias (the
+    segment mask) its backward pass takes even lengths only. The added position has a segment
+    of its own (-1), so no real query sees it, and its output is dropped."""
+    s = q.shape[1]
+    if s % 2 == 0:
+        return _dot_product(q, k, v, segment_ids, "cudnn")
+    q, k, v = (jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0))) for x in (q, k, v))
+    segment_ids = jnp.pad(segment_ids, ((0, 0), (0, 1)), constant_values=-1)
+    return _dot_product(q, k, v, segment_ids, "cudnn")[:, :s]
+
+
+def _dot_product(q, k, v, segment_ids, implementation):
+    # Packed rows as a boolean mask `[B, 1, S, S]` (same segment) beside `is_causal`: the
+    # public call takes no segment ids, and its `query_seq_lengths` describe one run of real
+    # tokens per row, not several documents. cuDNN turns the mask into an additive bias and
+    # still skips the tiles above the diagonal. Every query sees at least itself, so no row
+    # is fully masked.
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return jax.nn.dot_product_attention(q, k, v, mask=same[:, None], is_causal=True,
+                                        implementation=implementation)
 
 
 def _attend_blockwise(q, k, v, segment_ids, block: int):

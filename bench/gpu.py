@@ -1,0 +1,399 @@
+"""Qwen3-0.6B-shaped SFT and GRPO throughput on one GPU, and SFT as a two-process job.
+
+The model has Qwen3-0.6B's shape (vocabulary 151,936, hidden 1,024, 28 layers, 16 query and 8
+key heads of 128, MLP 3,072, tied embeddings, qk-norm; built from its Hugging Face config by
+`decoder_options`) and random weights: nothing is downloaded. It computes in bfloat16 and keeps
+float32 parameters and optimizer state (`dtype=bfloat16, param_dtype=float32`); attention is
+the decoder's `attention_kernel="auto"` (on a GPU, cuDNN's through `jax.nn.dot_product_attention`
+when cuDNN takes the shapes; the report names the kernel that ran). SFT and GRPO run on one GPU
+(the first visible one). Printed:
+
+  SFT     tokens/s of the LM step (AdamW) and its model FLOP utilization (MFU): model FLOPs per
+          token (6 x matmul parameters + 12 x layers x heads x head dim x sequence, the count
+          PaLM and torchtitan use) times tokens/s over the device's dense bfloat16 peak
+  GRPO    tokens/s of a whole step (sampling with `dew_lib.sampling.generate` inside
+          `SampledRollout`, reward, packing, then the GRPO update), prompt + completion tokens
+          per second, against prime-rl's 13.3k tokens/s for Qwen3-0.6B RL on one H100 (the
+          issue's anchor; that the two count tokens the same way is assumed, not checked)
+  2 proc  the same SFT as a job of two processes (`dew_lib.train.launch.launch`), one GPU
+          each, on the same global batch, against twice the one-process rate; skipped, saying
+          why, with fewer than two GPUs (on the CPU of a dry run: one host device each)
+
+The peak comes from a table of datasheet figures by `device_kind` (dense, no sparsity) and
+is measured with a large bfloat16 matmul on a device the table lacks. Every measurement runs in
+a fresh process (this one never initializes a GPU, so it holds none of its memory).
+`--dry-run` runs every part on the CPU with a tiny model and two steps: what a test checks.
+
+Run: `make bench-gpu` or `python bench/gpu.py [--batch 8 --seq 2048 --steps 10]`;
+`python bench/gpu.py --dry-run` anywhere.
+
+Not here: GRPO across processes, several hosts, real weights, the CPU benches (train_lm.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import itertools
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import numpy as np  # noqa: E402
+
+from common import in_subprocess, median_seconds, report  # noqa: E402
+
+# Qwen3-0.6B's config.json, the fields the decoder reads (Qwen/Qwen3-0.6B on the Hugging Face hub)
+QWEN3_06B_CONFIG = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151_936,
+                        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                        tie_word_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                        max_position_embeddings=40_960)
+# --dry-run: the same architecture, small enough to compile and step in seconds on a CPU
+TINY_CONFIG = dict(QWEN3_06B_CONFIG, vocab_size=512, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+PRIME_RL_TOKENS_PER_SECOND = 13_300  # Qwen3-0.6B RL on one H100, the issue's anchor
+
+# Dense bfloat16 peak FLOP/s from NVIDIA's datasheets (half the "with sparsity" figure), by a
+# substring of `jax.devices()[0].device_kind`, most specific first.
+PEAK_BF16 = (
+    ("h100 pcie", 756e12),
+    ("h100 nvl", 835e12),
+    ("h200 nvl", 835e12),
+    ("gh200", 989e12),
+    ("h200", 989e12),
+    ("h100", 989e12),  # SXM
+    ("h800", 989e12),
+    ("a100", 312e12),
+    ("a800", 312e12),
+    ("l40s", 362e12),
+    ("l4", 121e12),  # after l40s: "nvidia l4"
+    ("b200", 2250e12),
+)
+
+
+def table_peak(device_kind: str) -> float | None:
+    kind = device_kind.lower()
+    for name, flops in PEAK_BF16:
+        if name == "l4" and not kind.rstrip().endswith(" l4"):
+            continue
+        if name in kind:
+            return flops
+    return None
+
+
+def model_shape(dry_run: bool) -> dict:
+    """The decoder's options for the model's config, as a checkpoint's would be read."""
+    from dew_lib.models.pretrained.families import decoder_options
+
+    return decoder_options(TINY_CONFIG if dry_run else QWEN3_06B_CONFIG)[1]
+
+
+def model_options(dry_run: bool, kernel: str, remat: bool) -> dict:
+    """`model_shape` computing in bfloat16 with float32 parameters."""
+    import jax.numpy as jnp
+
+    return dict(model_shape(dry_run), dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                attention_kernel=kernel, remat=remat)
+
+
+def flops_per_token(options: dict, seq: int) -> float:
+    """Training FLOPs per token: 6 x matmul parameters (the tied head counted once, as a matmul)
+    plus 12 x layers x heads x head dim x sequence for the attention products."""
+    e, layers, mlp = options["emb_features"], options["num_layers"], options["mlp_features"]
+    h, kv, d = options["num_heads"], options["num_kv_heads"], options["head_dim"]
+    per_layer = e * h * d + 2 * e * kv * d + h * d * e + 3 * e * mlp
+    matmul_params = layers * per_layer + e * options["vocab_size"]
+    return 6 * matmul_params + 12 * layers * h * d * seq
+
+
+def matmul_peak(dtype_name: str, size: int) -> float:
+    """FLOP/s of a `size`-square matmul in `dtype_name`, as this device runs it now."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(dtype_name)
+    a = jax.random.normal(jax.random.key(0), (size, size), dtype)
+    b = jax.random.normal(jax.random.key(1), (size, size), dtype)
+    mm = jax.jit(lambda x, y: x @ y)
+    mm(a, b).block_until_ready()
+    return 2 * size**3 / median_seconds(lambda: mm(a, b).block_until_ready(), 7)
+
+
+def picked_kernel(options: dict, batch: int, seq: int) -> str:
+    """What `attention_kernel` runs for these shapes on this backend (decoder_attention)."""
+    import jax
+
+    from dew_lib.models.decoder_attention import pick_kernel
+
+    d, dtype = options["head_dim"], options["dtype"]
+    q = jax.ShapeDtypeStruct((batch, seq, options["num_heads"], d), dtype)
+    k = jax.ShapeDtypeStruct((batch, seq, options["num_kv_heads"], d), dtype)
+    return pick_kernel(options["attention_kernel"], q, k)
+
+
+# ----- children: each runs in its own process ------------------------------------------------
+def child_info(args) -> dict:
+    import jax
+
+    device = jax.devices()[0]
+    peak, source = table_peak(device.device_kind), "datasheet, dense bfloat16"
+    if peak is None:
+        cpu = jax.default_backend() == "cpu"  # bfloat16 matmuls are emulated slowly on most CPUs
+        dtype, size = ("float32", 256 if args.dry_run else 1024) if cpu else ("bfloat16", 8192)
+        peak, source = matmul_peak(dtype, size), f"measured, {dtype} {size}x{size} matmul"
+    return {"backend": jax.default_backend(), "kind": device.device_kind,
+            "devices": jax.device_count(), "peak": peak, "peak_source": source,
+            "jax": jax.__version__}
+
+
+def one_gpu() -> None:
+    """Show this process one GPU before JAX starts: the first alone, process i's i-th in a job
+    (every process of a one-host job would otherwise take every GPU). No effect on a CPU."""
+    from dew_lib.train import distributed
+
+    index = int(os.environ.get(distributed.PROCESS_ID) or 0)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
+
+
+def child_sft(args) -> dict:
+    from dew_lib.train import distributed
+
+    one_gpu()
+    distributed.initialize()  # a no-op alone; joins the job under launch()
+    import jax
+    import optax
+
+    from dew_lib import Dataset, LMObjective, Trainer, models
+    from dew_lib.train.sinks import MemorySink
+
+    options = model_options(args.dry_run, args.attention, args.remat)
+    model = models.build("causal_transformer", **options)
+    rows = np.random.default_rng(0).integers(
+        0, options["vocab_size"], size=(args.batch, args.seq + 1)).astype(np.int32)
+
+    def share(partition):  # this process's rows of the same global batch
+        per = args.batch // partition.count
+        return itertools.repeat({"text": rows[partition.index * per:(partition.index + 1) * per]})
+
+    trainer = Trainer(LMObjective(model, seq_len=args.seq, ema_decay=None), optax.adamw(1e-5),
+                      key=jax.random.key(0))
+    sink = MemorySink()
+    started = time.perf_counter()
+    state = trainer.fit(Dataset(train=share, batch=args.batch), steps=args.steps + 1, log_every=1,
+                        sinks=[sink])
+    seconds = time.perf_counter() - started
+    if not distributed.is_primary():
+        return {}
+    windows = [m for _, m in sink.history]
+    rates = [m["tokens_per_second"] for m in windows[1:]]  # the first window compiles
+    dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(state.params)})
+    return {"rate": float(np.median(rates)), "loss": float(windows[-1]["loss"]),
+            "kernel": picked_kernel(options, args.batch, args.seq),
+            "param_dtypes": dtypes, "devices": jax.device_count(),
+            "processes": jax.process_count(), "seconds": seconds,
+            "compilations": trainer.compilations["train_step"]}
+
+
+def child_grpo(args) -> dict:
+    one_gpu()
+    import jax
+    import optax
+
+    from dew_lib import Trainer, models
+    from dew_lib.objectives import GRPOObjective
+    from dew_lib.rollouts import SampledRollout
+    from dew_lib.sampling import Sampling
+
+    width = args.prompt_len + args.new
+    options = model_options(args.dry_run, args.attention, args.remat)
+    model = models.build("causal_transformer", **options)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, options["vocab_size"], (args.prompts, args.prompt_len)).astype(np.int32)
+    prompts = {"prompt": ids, "prompt_length": np.full(args.prompts, args.prompt_len, np.int32)}
+
+    def reward(data_source, completion, ground_truth, extra_info):
+        return float(completion.count("7")) / 10  # cheap, and varies within a group
+
+    objective = GRPOObjective(model, width - 1)
+    # no EOS: every completion runs to the budget, so each step trains rows x width tokens
+    rollout = SampledRollout(objective, reward=reward, groups=args.groups, max_new_tokens=args.new,
+                             sampling=Sampling(temperature=1.0))
+    trainer = Trainer(objective, optax.adamw(1e-6), key=jax.random.key(0), rollout=rollout)
+    state = trainer._init(trainer.init_key)  # as fit starts: replicated, so step 1 recompiles nothing
+    update = trainer._steps[True]  # the compiled update fit runs (as bench/grpo_step.py)
+    times = {"rollout": [], "update": []}
+    metrics = None
+    for i in range(args.steps + 1):  # step 0 compiles sampling and the update
+        started = time.perf_counter()
+        batch = rollout(state, prompts, jax.random.key(i))  # waits for the sampled ids
+        sampled = time.perf_counter()
+        state, metrics = update(state, trainer._shard(batch))
+        jax.block_until_ready(metrics)
+        times["rollout"].append(sampled - started)
+        times["update"].append(time.perf_counter() - sampled)
+    rollout_s, update_s = (float(np.median(times[k][1:])) for k in ("rollout", "update"))
+    rows = args.prompts * args.groups
+    finite = float(jax.device_get(metrics["finite"][0]))
+    return {"rate": rows * width / (rollout_s + update_s), "rollout_seconds": rollout_s,
+            "update_seconds": update_s, "generated_per_second": rows * args.new / rollout_s,
+            "update_tokens_per_second": rows * width / update_s, "rows": rows, "width": width,
+            "finite": finite, "kernel": picked_kernel(options, rows, width - 1)}
+
+
+CHILDREN = {"info": child_info, "sft": child_sft, "grpo": child_grpo}
+
+
+# ----- the parent ----------------------------------------------------------------------------
+def child_args(args, attention: str | None = None) -> list[str]:
+    """The flags a child needs to measure what this run measures."""
+    out = ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+           "--prompts", str(args.prompts), "--groups", str(args.groups),
+           "--prompt-len", str(args.prompt_len), "--new", str(args.new),
+           "--attention", attention or args.attention]
+    return out + (["--dry-run"] if args.dry_run else []) + (["--remat"] if args.remat else [])
+
+
+def measure(kind: str, args, notes: list[str]) -> dict | None:
+    """A child's result; when "auto" attention fails (a cuDNN refusal that shows only when the
+    program compiles), the note says why and the blockwise form is measured instead."""
+    try:
+        return in_subprocess(__file__, kind, *child_args(args))
+    except RuntimeError as error:
+        last = str(error).strip().splitlines()[-1]
+        if args.attention == "blockwise":
+            notes.append(f"{kind} failed: {last}")
+            return None
+        notes.append(f"{kind} with attention_kernel={args.attention!r} failed ({last}); "
+                     "measured with 'blockwise'")
+    try:
+        return in_subprocess(__file__, kind, *child_args(args, "blockwise"))
+    except RuntimeError as error:
+        notes.append(f"{kind} failed with 'blockwise' too: {str(error).strip().splitlines()[-1]}")
+        return None
+
+
+def two_processes(args, info: dict) -> tuple[dict | None, str | None]:
+    """SFT as a two-process job: `(result, None)`, or `(None, why it did not run)`."""
+    from dew_lib.train.launch import launch
+
+    if args.batch % 2:
+        return None, f"batch {args.batch} does not split over two processes"
+    cpu = info["backend"] == "cpu"
+    if not cpu and info["devices"] < 2:
+        return None, (f"{info['devices']} {info['kind']} device here; the job needs two, one per "
+                      "process")
+    command = [sys.executable, __file__, "--child", "sft", *child_args(args)]
+    out = io.StringIO()
+    # on the CPU each process gets one host device (gloo between them); on GPUs one GPU each
+    code = launch(command, 2, local_devices=1 if cpu else None, out=out)
+    if code != 0:
+        return None, f"the two-process job failed ({code}): {out.getvalue().strip()[-500:]}"
+    line = next((x for x in reversed(out.getvalue().splitlines()) if x.startswith("[0] {")), None)
+    if line is None:
+        return None, f"process 0 printed no result: {out.getvalue().strip()[-500:]}"
+    return json.loads(line[len("[0] "):]), None
+
+
+def sft_rows(sft: dict, args, options: dict, peak: float) -> list[tuple[str, str]]:
+    mfu = sft["rate"] * flops_per_token(options, args.seq) / peak
+    return [(f"SFT {args.batch}x{args.seq}: tokens/s", f"{sft['rate']:,.0f}"),
+            ("SFT: MFU (model FLOP/s / device peak)", f"{mfu:.3f}"),
+            ("SFT: attention kernel, parameter dtypes",
+             f"{sft['kernel']}, {'/'.join(sft['param_dtypes'])}")]
+
+
+def grpo_rows(grpo: dict, options: dict, peak: float) -> list[tuple[str, str]]:
+    update = grpo["update_tokens_per_second"]
+    mfu = update * flops_per_token(options, grpo["width"] - 1) / peak
+    return [(f"GRPO {grpo['rows']} rows x {grpo['width']}: tokens/s (prompt + completion, "
+             "whole step)", f"{grpo['rate']:,.0f}"),
+            ("GRPO / prime-rl 13.3k tokens/s (Qwen3-0.6B RL, one H100)",
+             f"{grpo['rate'] / PRIME_RL_TOKENS_PER_SECOND:.3f}x"),
+            ("GRPO: rollout s / update s per step",
+             f"{grpo['rollout_seconds']:.3f} / {grpo['update_seconds']:.3f}"),
+            ("GRPO: generated tokens/s in the rollout, update tokens/s",
+             f"{grpo['generated_per_second']:,.0f}, {update:,.0f}"),
+            ("GRPO: update MFU (model FLOP/s / device peak)", f"{mfu:.3f}"),
+            ("GRPO: attention kernel of the update", grpo["kernel"])]
+
+
+def process_rows(two: dict, sft: dict | None, args, options: dict, peak: float) -> list[tuple[str, str]]:
+    per_process = two["devices"] // two["processes"]
+    mfu = two["rate"] * flops_per_token(options, args.seq) / (two["devices"] * peak)
+    rows = [(f"SFT, 2 processes x {per_process} device: tokens/s", f"{two['rate']:,.0f}")]
+    if sft is not None:
+        rows.append(("SFT, 2 processes / (2 x one process)", f"{two['rate'] / (2 * sft['rate']):.2f}"))
+    return rows + [("SFT, 2 processes: MFU per device", f"{mfu:.3f}")]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="every part on the CPU with a tiny model and 2 steps")
+    parser.add_argument("--batch", type=int, help="SFT rows per step (default 8; dry run 4)")
+    parser.add_argument("--seq", type=int, help="SFT tokens per row (default 2048; dry run 32)")
+    parser.add_argument("--steps", type=int,
+                        help="timed steps after the compiling one (default 10; dry run 2)")
+    parser.add_argument("--prompts", type=int, help="GRPO prompts per step (default 8; dry run 2)")
+    parser.add_argument("--groups", type=int, help="GRPO completions per prompt (default 8; dry run 2)")
+    parser.add_argument("--prompt-len", type=int, help="GRPO prompt tokens (default 128; dry run 8)")
+    parser.add_argument("--new", type=int, help="GRPO completion tokens (default 512; dry run 8)")
+    parser.add_argument("--attention", default="auto", help="attention_kernel (default auto)")
+    parser.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="measure the full shape without an accelerator (hours on a CPU)")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: sft, grpo, processes")
+    parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    defaults = (dict(batch=4, seq=32, steps=2, prompts=2, groups=2, prompt_len=8, new=8) if args.dry_run
+                else dict(batch=8, seq=2048, steps=10, prompts=8, groups=8, prompt_len=128, new=512))
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.dry_run:
+        os.environ["JAX_PLATFORMS"] = "cpu"  # the children inherit it
+    if args.child:
+        result = CHILDREN[args.child](args)
+        if result:
+            print(json.dumps(result), flush=True)
+        return 0
+    skip = {part.strip() for part in args.skip.split(",") if part.strip()}
+    info = in_subprocess(__file__, "info", *child_args(args))
+    if info["backend"] == "cpu" and not (args.dry_run or args.allow_cpu):
+        print(f"bench/gpu.py: JAX finds no accelerator here (backend 'cpu', {info['kind']}); the "
+              "Qwen3-0.6B shape would take hours. `python bench/gpu.py --dry-run` checks every part "
+              "on the CPU with a tiny model; --allow-cpu measures the full shape anyway.")
+        return 2
+    peak = info["peak"]
+    options = model_shape(args.dry_run)
+    notes: list[str] = []
+    rows = [("device", f"{info['kind']} x {info['devices']} ({info['backend']}, jax {info['jax']})"),
+            ("device peak", f"{peak / 1e12:.1f} TFLOP/s ({info['peak_source']})"),
+            ("model", f"{'tiny Qwen3-shaped (dry run)' if args.dry_run else 'Qwen3-0.6B-shaped'}, "
+                      f"random weights, bfloat16 compute, float32 parameters")]
+    sft = None if "sft" in skip else measure("sft", args, notes)
+    if sft is not None:
+        rows += sft_rows(sft, args, options, peak)
+    grpo = None if "grpo" in skip else measure("grpo", args, notes)
+    if grpo is not None:
+        rows += grpo_rows(grpo, options, peak)
+    if "processes" in skip:
+        rows.append(("SFT, 2 processes", "skipped (--skip)"))
+    else:
+        two, why = two_processes(args, info)
+        rows += [("SFT, 2 processes", f"skipped: {why}")] if two is None else \
+            process_rows(two, sft, args, options, peak)
+    rows += [("note", note) for note in notes]
+    report(f"bench-gpu: {'DRY RUN on CPU, tiny model' if args.dry_run else 'Qwen3-0.6B shape'}, "
+           f"{args.steps} timed steps each", rows)
+    return 0 if sft is not None or "sft" in skip else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
