@@ -7,6 +7,7 @@ Not here: what the scheduler does about it (scheduler.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -96,3 +97,15 @@ class Offers:
 
     def take(self, task: str, group: int, sample: int) -> Session | None:
         return self._by_key.pop((task, group, sample), None)
+
+
+def check_reward(session: Session, task: str, sample: int) -> None:
+    """Refuse a settled session without a reward or with a non-finite one: a source reports an
+    unscored session as INFRA_ERROR, and a reward must be a finite number."""
+    if session.status in (Status.COMPLETED, Status.AGENT_ERROR) and session.reward is None:
+        raise ValueError(
+            f"the source reported a {session.status.value} session without a reward (task {task!r}, "
+            f"sample {sample}); a source reports an unscored session as INFRA_ERROR")
+    if session.reward is not None and not math.isfinite(float(session.reward)):
+        raise ValueError(f"the source reported reward {session.reward} for task {task!r}, sample "
+                         f"{sample}; rewards must be finite")

@@ -32,18 +32,12 @@ Everything runs on the trainer's thread. Sources resolve futures on their own th
 done-callback only queues the future, and the scheduler handles it while it waits or at the
 next call.
 
-Beside it: group states (states.py), the fit decision (admission.py), the task stream
-(stream.py), what a finished attempt means (outcomes.py), what a call recorded (ledger.py) and
-the construction checks (validation.py).
+Beside it: group states (states.py), the fit decision (admission.py), the task stream (stream.py),
+what a finished attempt means (outcomes.py), what a call recorded (ledger.py), the checks (validation.py).
 
-A multi-process trainer runs one scheduler per process, each on its own source over the task rows
-its own data partition reads, and each packs its own `rows`: the step's batch is every process's
-rows together, as the Trainer lays out any batch, so no rollout crosses a process. Every process
-pushes at the same updates (each gives its publisher its own copy of the weights: a per-process
-engine loads it, a shared one is published by process 0, see `Publication`), and every call ends
-in one agreement: a failure on any process raises on all of them, instead of leaving the others
-waiting in the update. Group ids count the job's whole batch (stream.py), so each task keeps the
-seeds it would have in one process.
+A multi-process trainer runs one scheduler per process on its own source and task rows, packing
+its own `rows` (docs/distributed.md). Every process pushes at the same updates with its own copy of
+the weights, and each call ends in one agreement: a failure on any process raises on all of them.
 
 Not here: drawing sessions (`dew_lib.rollouts.sources`), packing and advantages (packing.py), the
 loss (`dew_lib.objectives.grpo`).
@@ -53,7 +47,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import math
 import queue
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -71,7 +64,7 @@ from dew_lib.records.sessions import Session, SessionSource, Status, Task
 from dew_lib.rollouts.packing import pack, trains
 from dew_lib.rollouts.scheduler.admission import completed, placement, trained_sessions
 from dew_lib.rollouts.scheduler.ledger import Ledger
-from dew_lib.rollouts.scheduler.outcomes import Offers, noted_stale, outcome, reusable, stale
+from dew_lib.rollouts.scheduler.outcomes import Offers, check_reward, noted_stale, outcome, reusable, stale
 from dew_lib.rollouts.scheduler.states import Attempt, Group, GroupState, Sample, TaskBatch
 from dew_lib.rollouts.scheduler.stream import ScheduledDataset, TaskReader, TaskStream
 from dew_lib.rollouts.scheduler.tasks import task_ids
@@ -98,8 +91,8 @@ class RolloutScheduler:
     for the run store.
 
     Construction refuses max_lag < ahead + sync_every - 1 (a first submission can be that stale
-    when consumed) and a schedule that allows lag without the objective's behavior_importance.
-    In a multi-process job, `rows` and the source are this process's (see the module).
+    when consumed) and lag without the objective's behavior_importance. `rows` and the source
+    are this process's (see the module).
     """
 
     def __init__(self, objective, source: SessionSource, weights: Publisher, *, width: int,
@@ -161,14 +154,13 @@ class RolloutScheduler:
     # ----- resume ------------------------------------------------------------------------------
     def reuse(self, sessions: Iterable[Any]) -> int:
         """Offer sessions a previous run of this stage finished (Sessions, or the store's
-        StoredSession rows); returns how many distinct samples were offered.
-
-        When the resumed stream re-reads a task, a sample whose offered session has the same
-        task, group id and sample index is not drawn again if, at its submission, the session
-        is admissible (COMPLETED, AGENT_ERROR, or TRUNCATED with what the truncation policy
-        needs), every call's version is at most the trainer's updates (it was drawn from weights
-        the resumed state descends from) and its oldest call is within max_lag of them. Anything
-        else is drawn again. Admission then checks the lag again as for any rollout.
+        StoredSession rows); returns how many distinct samples were offered. When the resumed
+        stream re-reads a task, a sample with an offered session of the same task, group id and
+        sample index is not drawn again if the session is admissible (COMPLETED, AGENT_ERROR, or
+        TRUNCATED with what the truncation policy needs), every call's version is at most the
+        trainer's updates (drawn from weights the resumed state descends from) and its oldest
+        call is within max_lag of them; anything else is drawn again, and admission checks the
+        lag again as for any rollout.
         """
         return self._offers.add(sessions, self.truncation)
 
@@ -223,19 +215,16 @@ class RolloutScheduler:
             packed = PackedBatch.of(packed, proximal="in_update")
             self._drain()  # what finished while packing counts in this record
         except BaseException as error:
-            self._stop(error)
-            if jax.process_count() == 1:
-                raise
             failure = error
+            self._stop(error)
         else:
             failure = None
-        if jax.process_count() > 1:  # every process reaches this once per call, failed or not
-            try:
-                raise_together(failure, f"the rollouts of the batch at position {current.position}")
-            except BaseException as error:
-                if failure is None:  # another process failed: this one stops its work too
-                    self._stop(error)
-                raise
+        try:  # every process ends each call here, failed or not: a failure on one raises on all
+            raise_together(failure, f"the rollouts of the batch at position {current.position}")
+        except BaseException as error:
+            if failure is None:  # another process failed: this one stops its work too
+                self._stop(error)
+            raise
         record = self._ledger.record(updates, sessions, packed, latencies, groups=len(admitted),
                                      waited=waited, truncation=self.truncation)
         self.last_record = record
@@ -381,14 +370,7 @@ class RolloutScheduler:
         if status is Status.TRUNCATED and self.truncation == "score" and session.reward is None:
             self._fail(sample, "unscored", session, latency)
             return
-        if status in (Status.COMPLETED, Status.AGENT_ERROR) and session.reward is None:
-            raise ValueError(
-                f"the source reported a {status.value} session without a reward (task "
-                f"{group.task.id!r}, sample {sample.index}); a source reports an unscored session "
-                "as INFRA_ERROR")
-        if session.reward is not None and not math.isfinite(float(session.reward)):
-            raise ValueError(f"the source reported reward {session.reward} for task "
-                             f"{group.task.id!r}, sample {sample.index}; rewards must be finite")
+        check_reward(session, group.task.id, sample.index)
         if stale(session, self._updates, self.max_lag, attempt.version):
             self._fail(sample, "stale", session, latency, recorded_as="discarded")
             return
