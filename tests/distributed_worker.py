@@ -3,7 +3,10 @@
 python tests/distributed_worker.py RECIPES OUT [--directory D] [--steps N] [--pause S]
 RECIPES: comma-separated sft, dpo, grpo, flow (Flow-GRPO), async (GRPO through one RolloutScheduler
 per process, each on its own native server), async-fail (the same with a reward that fails on
-process 1 only); each trains a tiny model on a fixed sequence of global
+process 1 only), episodes (EpisodeRollout: process 0's episodes take one turn, process 1's three),
+episodes-fail (the same with a tool that fails on process 1; each process logs its environments'
+enters and exits to OUT-environments-<process>.log), episodes-mismatch (max_turns 2 on
+process 1); each trains a tiny model on a fixed sequence of global
 batches, of which each process reads its own rows, and process 0 writes the final state's
 leaves to OUT-<recipe>.npz. --directory checkpoints every step (one recipe); --pause sleeps
 before each step so a test can kill the job mid-run. Prints `pid <n>` first and one line per
@@ -31,8 +34,10 @@ from conftest import tiny_model  # noqa: E402
 from dew_lib import Dataset, Field, InputSpec, Trainer, models, presets  # noqa: E402
 from dew_lib.diffusion import FlowGRPOObjective, FlowRollout  # noqa: E402
 from dew_lib.objectives import DPOObjective, GRPOObjective, LMObjective  # noqa: E402
-from dew_lib.inference import NativeRolloutServer, Server, ServeTask  # noqa: E402
-from dew_lib.rollouts import PromptSource, RolloutScheduler, SampledRollout, prompt_tasks  # noqa: E402
+from dew_lib.inference import NativeRolloutServer, Server, ServeTask, TextGeneration  # noqa: E402
+from dew_lib.records import EpisodeStatus, Observation  # noqa: E402
+from dew_lib.rollouts import (EpisodeRollout, PromptSource, RolloutScheduler, SampledRollout,  # noqa: E402
+                              prompt_tasks)
 from dew_lib.sampling import Sampling  # noqa: E402
 from dew_lib.train.sinks import LineLog  # noqa: E402
 
@@ -96,9 +101,54 @@ def scheduled(model, fail: bool):
     return objective, scheduler
 
 
-def setup(recipe):
+def episodes_batch(rng):
+    """Four task rows; their ids give the first two (process 0's) one turn, the last two three."""
+    i = int(rng.integers(0, 1000))
+    return {"task_id": np.array([3 * i, 3 * i + 3, 3 * i + 2, 3 * i + 5])}
+
+
+class Tool:
+    """Answers each action with [10, 11] for `1 + task_id % 3` turns, then completes; with `fail`,
+    every answer on process 1 raises. Logs every enter and exit to `log`."""
+
+    def __init__(self, task, log, fail):
+        self.turns, self.log, self.fail, self.answered = 1 + int(task.id) % 3, log, fail, 0
+
+    def __enter__(self):
+        print("enter", file=self.log, flush=True)
+        return self
+
+    def __exit__(self, *exc):
+        print("exit", file=self.log, flush=True)
+
+    def reset(self):
+        return Observation([1, 3])
+
+    def step(self, action):
+        self.answered += 1
+        if self.fail and jax.process_index() == 1:
+            raise ConnectionError("the tool's sandbox went away on process 1")
+        if self.answered >= self.turns:
+            return Observation(status=EpisodeStatus.COMPLETED)
+        return Observation([*action.context, *action.tokens, 10, 11])
+
+
+def episodes(model, out, fail, turns=3):
+    objective = GRPOObjective(model, seq_len=19)
+    log = open(f"{out}-environments-{jax.process_index()}.log", "a")
+    rollout = EpisodeRollout(TextGeneration(model), lambda task, identity: Tool(task, log, fail),
+                             lambda task, episode: float(sum(episode.transitions[-1].action.tokens) % 3),
+                             max_prompt_tokens=16, max_new_tokens=4, max_turns=turns, groups=2,
+                             sampling=Sampling(temperature=1.0, eos_id=2), truncation="score")
+    return objective, episodes_batch, rollout
+
+
+def setup(recipe, out):
     """The objective, the global batch maker, and the rollout, for one recipe."""
     model = tiny_model()
+    if recipe.startswith("episodes"):
+        mismatched = recipe == "episodes-mismatch" and jax.process_index() == 1
+        return episodes(model, out, fail=recipe == "episodes-fail", turns=2 if mismatched else 3)
     if recipe.startswith("async"):
         objective, scheduler = scheduled(model, fail=recipe == "async-fail")
         return objective, grpo_batch, scheduler
@@ -137,7 +187,7 @@ def main():
     args = parser.parse_args()
     print("pid", os.getpid(), flush=True)
     for recipe in args.recipes.split(","):
-        objective, make, rollout = setup(recipe)
+        objective, make, rollout = setup(recipe, args.out)
 
         def step(state, batch, key, rollout=rollout):
             time.sleep(args.pause)
@@ -151,7 +201,7 @@ def main():
         try:
             state = trainer.fit(data, steps=args.steps, log_every=1, directory=args.directory,
                                 checkpoint_every=1 if args.directory else None, sinks=[LineLog()])
-        except RuntimeError as error:  # every process says what it raised before the job ends
+        except (RuntimeError, ConnectionError, ValueError) as error:  # every process says what it raised before the end
             print(recipe, "process", jax.process_index(), "raised:", " ".join(str(error).split()), flush=True)
             time.sleep(1)
             os._exit(3)

@@ -23,7 +23,7 @@ from dew_lib.train.launch import launch
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 ROUNDING = dict(rtol=1e-5, atol=1e-6)  # what the order of the cross-device sum moves
-RECIPES = ("sft", "dpo", "grpo", "flow", "async")
+RECIPES = ("sft", "dpo", "grpo", "flow", "async", "episodes")
 
 
 def run_job(processes, local_devices, recipes, out, *extra, check=True):
@@ -51,8 +51,8 @@ def assert_close(a, b, exact=False):
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-    """Three steps of SFT, DPO, GRPO, Flow-GRPO and scheduled GRPO (one RolloutScheduler per
-    process), in one process on 4 devices and in 2 processes on 2 each."""
+    """Three steps of SFT, DPO, GRPO, Flow-GRPO, scheduled GRPO (one RolloutScheduler per
+    process) and tool episodes, in one process on 4 devices and in 2 processes on 2 each."""
     where = tmp_path_factory.mktemp("jobs")
     one = run_job(1, 4, ",".join(RECIPES), where / "one")
     two = run_job(2, 2, ",".join(RECIPES), where / "two")
@@ -62,7 +62,8 @@ def finished(tmp_path_factory):
 @pytest.mark.slow
 def test_two_processes_train_every_recipe_like_one_process_on_the_same_four_devices(finished):
     """Scheduled GRPO too: each process's scheduler draws its own tasks on its own server, under
-    the group ids (and so the seeds) one process gives the same tasks."""
+    the group ids (and so the seeds) one process gives the same tasks. And episodes: process 0's
+    take one turn and process 1's three, and every turn draws the job's whole cohort."""
     where, one, two = finished
     for recipe in RECIPES:
         assert f"[0] {recipe} process 0 of 1 devices 4 step 3" in one
@@ -95,6 +96,27 @@ def test_a_checkpoint_written_by_two_processes_resumes_in_one_and_the_other_way(
     resumed = run_job(2, 2, "sft", tmp_path / "b", "--steps", "3", "--directory", str(tmp_path / "one-then-two"))
     assert "[0] resuming from the checkpoint" in resumed.stdout
     assert_close(leaves(tmp_path / "b-sft.npz"), leaves(where / "two-sft.npz"))
+
+
+@pytest.mark.slow
+def test_a_tool_that_fails_on_one_process_ends_every_process_and_releases_every_environment(tmp_path):
+    failed = run_job(2, 2, "episodes-fail", tmp_path / "failed", "--steps", "1", check=False)
+    assert failed.returncode == 3, failed.stdout[-3000:]
+    assert "[1] episodes-fail process 1 raised: the episode of task" in failed.stdout
+    assert "step raised ConnectionError: the tool's sandbox went away on process 1" in failed.stdout
+    assert "[0] episodes-fail process 0 raised: turn 0 of the episodes failed on process 1 of 2" in failed.stdout
+    for process in (0, 1):
+        log = (tmp_path / f"failed-environments-{process}.log").read_text().split()
+        assert log.count("enter") == log.count("exit") == 4  # 2 tasks x 2 samples, all released
+
+
+@pytest.mark.slow
+def test_processes_whose_episode_cohorts_differ_are_refused_on_every_process(tmp_path):
+    refused = run_job(2, 2, "episodes-mismatch", tmp_path / "refused", "--steps", "1", check=False)
+    assert refused.returncode == 3, refused.stdout[-3000:]
+    for process in (0, 1):
+        assert (f"[{process}] episodes-mismatch process {process} raised: the processes' EpisodeRollouts "
+                "differ in max_turns (3, 2), by process") in refused.stdout
 
 
 def _alive(pid):

@@ -35,6 +35,7 @@ round's draws are committed before its tool calls, each tool's answer with the e
 `get_state()` snapshot before that slot's next call, and a restarted `collect` at the same clocks
 rebuilds the collection from them (answered turns as recorded, environments reset then given
 their last snapshot, saved draws reused) and runs again only the tool calls left unanswered.
+In a multi-process job each process runs its own rows' episodes, drawn together (episode_pool.py).
 
 Not here: the records (`dew_lib.records.episodes`), subprocess environments
 (`subprocess_environment.py`), episodes on a rollout server (`sources.EnvironmentSource`).
@@ -63,6 +64,8 @@ from dew_lib.rollouts.journal import (EpisodeJournal, PendingDraw, Restored, Unj
                                      collection_identity)
 from dew_lib.rollouts.packing import pack
 from dew_lib.sampling import Sampling
+from dew_lib.rollouts.episode_pool import check_cohort, check_journal, cohort, together
+from dew_lib.train.distributed import every_process
 
 CANCELLATIONS = (asyncio.CancelledError, concurrent.futures.CancelledError)
 _SESSION_STATUS = {EpisodeStatus.COMPLETED: Status.COMPLETED, EpisodeStatus.TRUNCATED: Status.TRUNCATED,
@@ -177,10 +180,6 @@ class EpisodeRollout:
                  sampling: Sampling = Sampling(), record: Callable[[EpisodeResult], Any] | None = None,
                  workers: int = 8, estimator: str = "group", journal: EpisodeJournal | None = None,
                  truncation: str = "mask"):
-        if jax.process_count() > 1:
-            raise RuntimeError(f"EpisodeRollout runs in one process and this job has {jax.process_count()}; "
-                               "episode pools across processes are not built yet. Train episodes in one "
-                               "process (several local devices are fine)")
         if not callable(getattr(policy, "bind", None)):
             raise TypeError("EpisodeRollout.policy must have bind(snapshot), e.g. "
                             "dew_lib.inference.TextGeneration(model, variables)")
@@ -202,6 +201,7 @@ class EpisodeRollout:
             raise ValueError(f"EpisodeRollout.truncation must be one of {TRUNCATION}, got {truncation!r}")
         if journal is not None and not isinstance(journal, EpisodeJournal):
             raise TypeError(f"EpisodeRollout.journal must be an EpisodeJournal or None, got {type(journal).__name__}")
+        check_journal(journal)
         self.journal = journal
         self.policy, self.environment, self.verifier = policy, environment, verifier
         self.sampling, self.record, self.estimator = sampling, record, estimator
@@ -229,23 +229,28 @@ class EpisodeRollout:
         then sample order. step: the attempted-work clock (episode identities); policy_step: the
         committed update clock (each action's version)."""
         tasks = _tasks(batch)
+        check_cohort(self, len(tasks))
         log = self._log(snapshot, tasks, key, step, policy_step)
         restored = log.restored()
         policy = self.policy.bind(snapshot)
-        seeds = _seeds(key, len(tasks), self.groups)
-        slots = [_Slot(task, EpisodeId(task=task.id, group=b, sample=g, attempt=0,
-                                       seed=int(seeds[b, g]), step=step), index=b * self.groups + g)
+        first = jax.process_index() * len(tasks)  # this process's first task row of the job's batch
+        seeds = _seeds(key, len(tasks) * jax.process_count(), self.groups)[first:first + len(tasks)]
+        slots = [_Slot(task, EpisodeId(task=task.id, group=first + b, sample=g, attempt=0,
+                                       seed=int(seeds[b, g]), step=step), index=(first + b) * self.groups + g)
                  for b, task in enumerate(tasks) for g in range(self.groups)]
         opened: list[_Slot] = []
         try:
             with concurrent.futures.ThreadPoolExecutor(min(self.workers, len(slots))) as pool:
-                for slot in slots:  # on this thread: a worker process dies with the thread that started it
-                    slot.manager, slot.environment = _enter(slot, self.environment, log.journaled)
-                    opened.append(slot)
-                _each(pool, slots, "reset", self._reset)
-                snapshots = restored.snapshots()  # each restored slot resumes from its last answer
-                _each(pool, [s for s in slots if s.index in snapshots], "set_state",
-                      lambda s: s.environment.set_state(snapshots[s.index]))
+                def enter():
+                    for slot in slots:  # on this thread: a worker process dies with the thread that started it
+                        slot.manager, slot.environment = _enter(slot, self.environment, log.journaled)
+                        opened.append(slot)
+                    _each(pool, slots, "reset", self._reset)
+                    snapshots = restored.snapshots()  # each restored slot resumes from its last answer
+                    _each(pool, [s for s in slots if s.index in snapshots], "set_state",
+                          lambda s: s.environment.set_state(snapshots[s.index]))
+
+                together(enter, "entering the environments")
                 for turn in range(self.max_turns):
                     if not self._turn(pool, policy, slots, turn, jax.random.fold_in(key, turn), policy_step,
                                       log, restored):
@@ -253,8 +258,8 @@ class EpisodeRollout:
                 for slot in slots:
                     if slot.status is EpisodeStatus.RUNNING:
                         slot.end(EpisodeStatus.TRUNCATED, f"max_turns={self.max_turns} reached")
-                _each(pool, [s for s in slots if s.status in _SCORED], "verifier",
-                      lambda s: self._verify(s, policy.binding))
+                together(lambda: _each(pool, [s for s in slots if s.status in _SCORED], "verifier",
+                                        lambda s: self._verify(s, policy.binding)), "scoring the episodes")
         except BaseException as error:
             self._abort(opened, policy.binding, error)
             raise
@@ -305,41 +310,46 @@ class EpisodeRollout:
                 slot.end(EpisodeStatus.TRUNCATED, f"the context of {slot.context.size} ids exceeds "
                          f"max_prompt_tokens={self.max_prompt_tokens}")
         running = [s.status is EpisodeStatus.RUNNING for s in slots]
-        if not any(running):
+        if not any(every_process(any(running))):  # a process whose episodes ended draws on for the others
             return False
         draws = restored.round(turn, {s.index: s.context for s, live in zip(slots, running, strict=True) if live})
         if draws is None:
             draws = self._sample(policy, slots, running, key)
             log.pending(turn, draws)
-        sent = []
-        for n, slot in enumerate(slots):
-            if not running[n]:
-                continue
-            action = draws[slot.index].action(turn, policy_step)
-            check_action(action, self.sampling.eos_ids)
-            if action.terminated:
-                sent.append((slot, action))
-            else:
-                slot.transitions.append(Transition(action, None))
-                slot.end(EpisodeStatus.TRUNCATED, f"turn {turn} used its whole budget of "
-                         f"{self.max_new_tokens} ids without EOS")
-        _each(pool, sent, "step", lambda pair: self._step(*pair, log, restored))
+
+        def answer():
+            sent = []
+            for n, slot in enumerate(slots):
+                if not running[n]:
+                    continue
+                action = draws[slot.index].action(turn, policy_step)
+                check_action(action, self.sampling.eos_ids)
+                if action.terminated:
+                    sent.append((slot, action))
+                else:
+                    slot.transitions.append(Transition(action, None))
+                    slot.end(EpisodeStatus.TRUNCATED, f"turn {turn} used its whole budget of "
+                             f"{self.max_new_tokens} ids without EOS")
+            _each(pool, sent, "step", lambda pair: self._step(*pair, log, restored))
+
+        together(answer, f"turn {turn} of the episodes")
         return True
 
     def _sample(self, policy, slots: list[_Slot], running: list[bool], key) -> dict[int, PendingDraw]:
         """One policy call for the whole cohort (finished slots read an inert context and their
         draw is dropped): slot index -> its draw."""
         inert = np.zeros(1, np.int32)
-        contexts = [s.context if live else inert for s, live in zip(slots, running, strict=True)]
+        contexts = cohort([s.context if live else inert for s, live in zip(slots, running, strict=True)],
+                           self.max_prompt_tokens)
         try:
             drawn = policy(contexts, max_new_tokens=self.max_new_tokens, key=key, sampling=self.sampling,
                            width=self.max_prompt_tokens)
         except BaseException as error:
-            raise _SlotError(slots[running.index(True)], "policy", error, str(error)) from error
+            raise _SlotError(slots[running.index(True) if any(running) else 0], "policy", error, str(error)) from error
         draws = {}
-        for n, slot in enumerate(slots):
-            if running[n]:
-                count = int(drawn.lengths[n])
+        for live, slot in zip(running, slots, strict=True):
+            if live:
+                n, count = slot.index, int(drawn.lengths[slot.index])  # its row of the job's cohort
                 draws[slot.index] = PendingDraw(slot.context, drawn.tokens[n, :count], drawn.log_probs[n, :count],
                                                 drawn.behavior_log_probs[n, :count], bool(drawn.stopped[n]))
         return draws
