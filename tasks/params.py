@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tasks.params_file import command_line, read_params_file  # noqa: F401 - flows import them from here
+
 
 class Params(BaseModel):
     """Frozen, and unknown fields are refused, so a typo in the UI is an error, not a no-op."""
@@ -26,38 +28,6 @@ def _existing(value: str | None) -> str | None:
     return value
 
 
-def read_params_file(path: str) -> dict:
-    """A parameters file: JSON or YAML (by its extension; YAML otherwise), the fields of the
-    flow's parameters as the UI form shows them, or a deployment's `{"params": {...}}`."""
-    import json
-
-    import yaml
-
-    with open(path, encoding="utf-8") as handle:
-        text = handle.read()
-    try:
-        value = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as error:
-        raise ValueError(f"{path} is not {'JSON' if path.endswith('.json') else 'YAML'}: {error}") from None
-    if value is None:
-        value = {}
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a {type(value).__name__}; a parameters file is a mapping of "
-                         'fields, e.g. {"name": "gsm8k", "data": {"source": "files", ...}}')
-    if set(value) == {"params"} and isinstance(value["params"], dict):
-        value = value["params"]  # the deployment's shape: parameters={"params": {...}}
-    return value
-
-
-def _merged(base: dict, changes: dict) -> dict:
-    """`base` with `changes` written over it, mappings merged field by field."""
-    out = dict(base)
-    for key, value in changes.items():
-        out[key] = (_merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict)
-                    else value)
-    return out
-
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -65,30 +35,6 @@ def has_tokenizer(directory: str | None) -> bool:
     """Whether a checkpoint directory ships a tokenizer (the files Pretrained loads one from)."""
     return directory is not None and any(os.path.isfile(os.path.join(directory, name))
                                          for name in TOKENIZER_FILES)
-
-
-def command_line(argv: list[str], defaults: Params, *, prog: str, description: str) -> Params:
-    """`defaults`, or the parameters file `--params FILE` (JSON or YAML), with `--name`, `--root`
-    and `--seed` from the command line over either."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--params", metavar="FILE", help="a JSON or YAML file of parameters, the "
-                        "fields the UI form shows (or a deployment's {\"params\": {...}}); fields it "
-                        "leaves out keep their defaults")
-    parser.add_argument("--name", help=f"run name (default: {defaults.name})")
-    parser.add_argument("--root", help=f"project directory (default: {defaults.root})")
-    parser.add_argument("--seed", type=int, help=f"seed (default: {defaults.seed})")
-    args = parser.parse_args(argv)
-    given = dict(defaults)
-    if args.params is not None:
-        try:
-            given = _merged(defaults.model_dump(), read_params_file(args.params))
-        except (OSError, ValueError) as error:
-            parser.error(str(error))
-    given = {**given, **{field: getattr(args, field) for field in ("name", "root", "seed")
-                         if getattr(args, field) is not None}}
-    return type(defaults)(**given)
 
 
 # The names DataParams.columns maps to fields of the user's files (tasks/data.py reads them).
@@ -200,7 +146,24 @@ class StageParams(Params):
     max_minutes: float | None = Field(None, gt=0, description="stop the stage with an error after this long")
 
 
-class SFTParams(StageParams):
+class TextStageParams(StageParams):
+    """A language-model stage (SFT, DPO, GRPO), which can train as a job of several processes."""
+
+    processes: int = Field(1, ge=1, description="train as a job of this many processes on this host "
+                           "(tasks/stage_job.py), each reading its own share of every batch, so the "
+                           "data order differs from one process and this is part of the stage's "
+                           "inputs; 1: in the task's own process. GRPO: sync one-turn prompts only")
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> TextStageParams:
+        if self.batch % self.processes:
+            raise ValueError(f"batch={self.batch} does not divide across processes={self.processes} (each "
+                             f"process reads batch / processes rows a step); make batch a multiple of "
+                             f"{self.processes}, or change processes")
+        return self
+
+
+class SFTParams(TextStageParams):
     steps: int = Field(3200, ge=1, description="optimizer steps")
     learning_rate: float = Field(3e-3, gt=0, description="peak AdamW learning rate")
     weight_decay: float = Field(0.1, ge=0, description="AdamW's decoupled weight decay; 0.1 lets the "
@@ -208,7 +171,7 @@ class SFTParams(StageParams):
     seq_len: int = Field(96, ge=8, description="tokens per packed row, less one")
 
 
-class DPOParams(StageParams):
+class DPOParams(TextStageParams):
     steps: int = Field(120, ge=1, description="optimizer steps")
     learning_rate: float = Field(1e-5, gt=0, description="AdamW learning rate")
     beta: float = Field(1.0, gt=0, description="DPO beta: the scale of the log-ratio to the reference "
@@ -254,7 +217,7 @@ class RolloutServerParams(Params):
         return self
 
 
-class GRPOParams(StageParams):
+class GRPOParams(TextStageParams):
     steps: int = Field(60, ge=1, description="optimizer steps")
     learning_rate: float = Field(2e-5, gt=0, description="AdamW learning rate")
     batch: int = Field(8, ge=1, description="prompts per step")
@@ -284,6 +247,10 @@ class GRPOParams(StageParams):
 
     @model_validator(mode="after")
     def _schedule(self) -> GRPOParams:
+        if self.processes > 1 and self.mode != "sync":
+            raise ValueError(f"processes={self.processes} trains sync GRPO only: mode='async' draws on one "
+                             "rollout server (native or remote) beside one trainer process; set "
+                             "mode='sync', or processes=1")
         if self.rollout.remote and self.mode != "async":
             raise ValueError(f"rollout.server={self.rollout.server!r} is a remote engine, which draws ahead "
                              "of the trainer: set mode='async'")
@@ -383,6 +350,16 @@ class PipelineParams(Params):
             raise ValueError("rl='ppo' draws its episodes in step with the trainer (its critic values them "
                              "at the weights that sampled): set grpo.mode='sync', or use rl='grpo' for "
                              "asynchronous rollouts")
+        return self
+
+    @model_validator(mode="after")
+    def _episodes_in_one_process(self) -> PipelineParams:
+        if "grpo" in self.stages and self.grpo.processes > 1 and (self.rl == "ppo" or self.data.source == "tools"):
+            what = ("rl='ppo' trains episodes with a critic" if self.rl == "ppo" else
+                    "data.source='tools' trains tool episodes")
+            raise ValueError(f"grpo.processes={self.grpo.processes}, but {what}, which run in one process "
+                             "only; set grpo.processes=1 (several processes train one-turn prompts with "
+                             "rl='grpo' and mode='sync')")
         return self
 
     @model_validator(mode="after")

@@ -18,13 +18,19 @@ whose inputs differ from an earlier set only in `steps`: it continues a copy of 
 checkpoint, as one longer run would (`continue_shorter`). The log says which happened, and for
 a fresh start which input group changed since the stage's previous start.
 
+The task decides all that; `run_stage` trains, in the task's process or, with `processes > 1`,
+in each process of a job the task launches and waits for (tasks/stage_job.py). Both paths run
+that one function; Prefect (the run logger, artifacts) stays in the task.
+
 Not here: what a stage's options build (dew_lib/recipes), the image stages (tasks/flow_train.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Sequence
 
 import jax
 import optax
@@ -36,6 +42,7 @@ from dew_lib.recipes import (Built, DPOOptions, EpisodeOptions, GRPOOptions, One
                              SFTOptions, ScheduledRollout, build_dpo, build_episode_grpo, build_grpo, build_sft,
                              remote_server)
 from dew_lib.store import Store
+from dew_lib.train import distributed
 from dew_lib.train.checkpoint import Checkpoints
 from dew_lib.train.sinks import JsonlSink
 from dew_lib.train.trainer import Trainer
@@ -44,6 +51,7 @@ from tasks.params import DPOParams, GRPOParams, PPOParams, RewardParams, SFTPara
 from tasks.policy import load_policy, save_policy
 from tasks.records import open_stage, record_reused
 from tasks.rewards import TaskReward, verdicts
+from tasks.stage_job import GatheredWriter, StageJob, run_job
 from tasks.storage import (KEEP_VARIABLE, continue_shorter, keep_inputs, read_json, rebased,
                            stage_directory, write_json)
 from tasks.tool_task import EpisodeVerifier, calculator_environment
@@ -189,6 +197,121 @@ def final_metrics(history) -> dict[str, float]:
     return {**(train[-1] if train else {}), **(val[-1] if val else {})}
 
 
+def stage_inputs(kind: str, params: StageParams, data: DataManifest, start: PolicyRef, seed: int,
+                 reward: RewardParams | None = None, tools: ToolParams | None = None,
+                 ppo: PPOParams | None = None) -> tuple[str, dict]:
+    """The stage's fingerprint and the inputs it is computed from (inputs.json): its parameters
+    but `log_every` and `max_minutes`, the data, the starting policy, the seed and, for GRPO, the
+    reward, tool and PPO parameters. `processes` counts only above 1 (each process reads its own
+    share, so the data order changes), so a stage's key is what it was before the field existed."""
+    relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
+    if isinstance(relevant, GRPOParams) and relevant.rollout.remote:
+        # Native or remote, the wire format and the log-probabilities decide the rollouts; where
+        # the engine runs does not (a restarted engine elsewhere resumes the same stage).
+        relevant = relevant.model_copy(update={"rollout": relevant.rollout.model_copy(update={
+            "server": "remote", "directory": None, "model": None, "replicas": [], "timeout": 600.0})})
+    dumped = relevant.model_dump(mode="json", exclude={"processes"} if getattr(relevant, "processes", 1) == 1
+                                 else None)
+    graded = [reward or RewardParams()] if kind == "grpo" else []
+    if kind == "grpo" and data.tool is not None:
+        graded.append(tools or ToolParams())
+    if kind == "grpo" and ppo is not None:
+        graded.append(ppo)
+    key = fingerprint(kind, dumped, data.fingerprint, start.fingerprint, seed, *graded)
+    inputs = {"params": dumped, "data": data.fingerprint, "start": start.fingerprint, "seed": seed,
+              **({"reward": graded[0].model_dump(mode="json")} if graded else {}),
+              **({"tools": graded[1].model_dump(mode="json")} if len(graded) > 1 else {}),
+              **({"ppo": ppo.model_dump(mode="json")} if kind == "grpo" and ppo is not None else {})}
+    return key, inputs
+
+
+def _start_point(stage: str, kind: str, params: StageParams, place, inputs: dict, logger) -> tuple[int | None, str]:
+    """(the checkpoint step the stage continues from, or None for step 0; where that checkpoint
+    was written), and the log line that says which."""
+    checkpoints = os.path.join(place.directory, "checkpoints")
+    resumed, written = None, os.path.abspath(checkpoints)
+    if os.path.isdir(checkpoints):
+        existing = Checkpoints(checkpoints)
+        resumed = existing.latest()
+        existing.close()
+    if resumed is not None:
+        logger.info("%s resumes from its checkpoint at step %d (same inputs)", stage, resumed)
+    elif kind != "sft" and (shorter := continue_shorter(place, inputs, params.steps, checkpoints)):
+        # SFT's learning-rate schedule spans its steps; DPO's and GRPO's do not
+        written, resumed, before = shorter
+        logger.info("%s resumes from the checkpoint at step %d of the same inputs with steps=%d "
+                    "(only steps changed: %d -> %d, so it trains on from there)", stage, resumed,
+                    before, before, params.steps)
+    else:
+        logger.info("%s trains from scratch (%s)", stage, place.fresh_reason(inputs, _labels(stage)))
+    return resumed, written
+
+
+def _one_process_only(kind: str, params: StageParams, data: DataManifest, ppo: PPOParams | None) -> None:
+    """Refuse a job of several processes for what trains in one process only (PipelineParams
+    refuses it earlier; a flow called on its own reaches this)."""
+    processes = getattr(params, "processes", 1)
+    if processes > 1 and kind == "grpo" and (data.tool is not None or ppo is not None):
+        what = "PPO (ppo is given)" if ppo is not None else f"tool episodes (data.tool={data.tool!r})"
+        raise ValueError(f"grpo processes={processes}: {what} train in one process only; set "
+                         "processes=1, or train one-turn prompts with sync GRPO")
+
+
+def run_stage(job: StageJob, logger, sinks: Sequence = (), publish=None) -> StageResult | None:
+    """Train the stage `job` describes in this process, alone or as one process of a job
+    (tasks/stage_job.py): load the starting policy, build, fit from `job.resumed`, save.
+
+    Process 0 records the stage in the run store and writes its policy, metrics.jsonl,
+    curves.png and result.json (last), and returns its result; other processes only train and
+    return None. sinks: metric sinks before the store's (the caller's log and progress).
+    publish: `(stage, metrics, curves path)`, called before the store marks the stage completed.
+    """
+    stage, kind, directory, params = job.stage, job.kind, job.directory, job.stage_params()
+    primary = distributed.is_primary()
+    recording = (open_stage(job.store_root, job.run, stage, kind, params.model_dump(mode="json")) if primary
+                 else contextlib.nullcontext())
+    with recording as writer, TaskReward(job.reward or RewardParams()) as grader:
+        recorder = writer if jax.process_count() == 1 else GatheredWriter(writer)
+        pretrained, variables = load_policy(job.start, job.data.tokenizer)
+        tokenizer_dir = job.data.tokenizer or job.start.path
+        built = _build(kind, params, pretrained, variables, job.data, tokenizer_dir, job.seed, recorder, grader,
+                       job.tools, job.ppo)
+        optimizer = optimizer_for(kind, params, job.ppo if kind == "grpo" else None)
+        trainer = Trainer(built.objective, optimizer, key=jax.random.key(job.seed), rollout=built.rollout)
+        if job.resumed is not None:
+            if isinstance(built.rollout, ScheduledRollout):  # before the killed attempt's rows go
+                earlier, offered = built.rollout.reuse_from(
+                    Store(job.store_root), job.run, stage, job.resumed, os.path.join(job.written, str(job.resumed)))
+                logger.info("%s reuses up to %d finished rollouts that run %s did not train on",
+                            stage, offered, earlier)
+            if writer is not None:
+                writer.discard_after(job.resumed)
+        log_path = os.path.join(directory, "metrics.jsonl")
+        recorded = [writer.sink(), JsonlSink(log_path)] if primary else []
+        try:
+            state = trainer.fit(built.dataset, steps=params.steps, log_every=params.log_every,
+                                eval_every=built.eval_every, directory=os.path.join(directory, "checkpoints"),
+                                checkpoint_every=params.checkpoint_every,
+                                sinks=[*sinks, *recorded, Deadline(stage, params.max_minutes)])  # last: a
+            # window is recorded everywhere before a deadline stops the stage
+        finally:
+            built.close()
+        if not primary:
+            return None
+        trained = state.params["policy"] if isinstance(built.objective, PPOObjective) else state.params
+        policy = save_policy(pretrained, distributed.local_copy(trained), os.path.join(directory, "policy"), job.key)
+        history = _history(log_path)
+        metrics = final_metrics(history)
+        plot = plot_curves(history, os.path.join(directory, "curves.png"), f"{stage} ({kind})")
+        if publish is not None:
+            publish(stage, metrics, plot)
+        writer.checkpoint(params.steps, policy.path, kind="policy")
+        writer.finish("completed", metrics)
+    result = StageResult(stage=stage, kind=kind, policy=policy, metrics=metrics, directory=directory)
+    write_json(os.path.join(directory, "result.json"), {"fingerprint": job.key, "result": result.model_dump()})
+    return result
+
+
 @task(retries=2, retry_delay_seconds=1, task_run_name="train-{stage}")
 def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, start: PolicyRef,
                 directory: str, store_root: str, run: str, seed: int,
@@ -200,25 +323,13 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
     reward: how GRPO grades its completions (tasks/rewards.py); part of a GRPO stage's fingerprint.
     tools: the episodes of a GRPO stage on a tool task (data.tool); part of its fingerprint.
     ppo: train the tool task's episodes with PPO and a critic instead; part of its fingerprint.
+    With `params.processes > 1` the training runs as a job of that many processes
+    (tasks/stage_job.py) that this task launches and waits for; a failed job raises, so a retry
+    relaunches it and it resumes from the same checkpoints.
     """
     logger = get_run_logger()
-    relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
-    if isinstance(relevant, GRPOParams) and relevant.rollout.remote:
-        # Native or remote, the wire format and the log-probabilities decide the rollouts; where
-        # the engine runs does not (a restarted engine elsewhere resumes the same stage).
-        relevant = relevant.model_copy(update={"rollout": relevant.rollout.model_copy(update={
-            "server": "remote", "directory": None, "model": None, "replicas": [], "timeout": 600.0})})
-    graded = [reward or RewardParams()] if kind == "grpo" else []
-    if kind == "grpo" and data.tool is not None:
-        graded.append(tools or ToolParams())
-    if kind == "grpo" and ppo is not None:
-        graded.append(ppo)
-    key = fingerprint(kind, relevant, data.fingerprint, start.fingerprint, seed, *graded)
-    inputs = {"params": relevant.model_dump(mode="json"), "data": data.fingerprint,
-              "start": start.fingerprint, "seed": seed,
-              **({"reward": graded[0].model_dump(mode="json")} if graded else {}),
-              **({"tools": graded[1].model_dump(mode="json")} if len(graded) > 1 else {}),
-              **({"ppo": ppo.model_dump(mode="json")} if kind == "grpo" and ppo is not None else {})}
+    _one_process_only(kind, params, data, ppo)
+    key, inputs = stage_inputs(kind, params, data, start, seed, reward, tools, ppo)
     place = stage_directory(directory, key, inputs, LINKS)
     directory = place.directory
     for gone in place.pruned:
@@ -230,56 +341,18 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
         logger.info("%s reused: it finished with these inputs before (%s)", stage, result.policy.path)
         record_reused(store_root, run, stage, kind, params.model_dump(mode="json"), result.metrics)
         return result
-    with (open_stage(store_root, run, stage, kind, params.model_dump(mode="json")) as writer,
-          TaskReward(reward or RewardParams()) as grader):
-        pretrained, variables = load_policy(start, data.tokenizer)
-        tokenizer_dir = data.tokenizer or start.path
-        built = _build(kind, params, pretrained, variables, data, tokenizer_dir, seed, writer, grader, tools, ppo)
-        optimizer = optimizer_for(kind, params, ppo if kind == "grpo" else None)
-        trainer = Trainer(built.objective, optimizer, key=jax.random.key(seed), rollout=built.rollout)
-        checkpoints = os.path.join(directory, "checkpoints")
-        resumed, written = None, os.path.abspath(checkpoints)  # the step it resumes at; where written
-        if os.path.isdir(checkpoints):
-            existing = Checkpoints(checkpoints)
-            resumed = existing.latest()
-            existing.close()
-        if resumed is not None:
-            logger.info("%s resumes from its checkpoint at step %d (same inputs)", stage, resumed)
-        elif kind != "sft" and (shorter := continue_shorter(place, inputs, params.steps, checkpoints)):
-            # SFT's learning-rate schedule spans its steps; DPO's and GRPO's do not
-            written, resumed, before = shorter
-            logger.info("%s resumes from the checkpoint at step %d of the same inputs with steps=%d "
-                        "(only steps changed: %d -> %d, so it trains on from there)", stage, resumed,
-                        before, before, params.steps)
-        else:
-            logger.info("%s trains from scratch (%s)", stage, place.fresh_reason(inputs, _labels(stage)))
-        if resumed is not None:
-            if isinstance(built.rollout, ScheduledRollout):  # before the killed attempt's rows go
-                earlier, offered = built.rollout.reuse_from(
-                    Store(store_root), run, stage, resumed, os.path.join(written, str(resumed)))
-                logger.info("%s reuses up to %d finished rollouts that run %s did not train on",
-                            stage, offered, earlier)
-            writer.discard_after(resumed)
-        log_path = os.path.join(directory, "metrics.jsonl")
-        sinks = [LogSink(stage, SHOWN), ProgressSink(stage, params.steps), writer.sink(),
-                 JsonlSink(log_path), Deadline(stage, params.max_minutes)]  # last: a window is
-        # recorded everywhere before a deadline stops the stage
-        try:
-            state = trainer.fit(built.dataset, steps=params.steps, log_every=params.log_every,
-                                eval_every=built.eval_every, directory=checkpoints,
-                                checkpoint_every=params.checkpoint_every, sinks=sinks)
-            logger.info("%s: %s", stage, keep_last_checkpoint(checkpoints))
-        finally:
-            built.close()
-        trained = state.params["policy"] if isinstance(built.objective, PPOObjective) else state.params
-        policy = save_policy(pretrained, trained, os.path.join(directory, "policy"), key)
-        history = _history(log_path)
-        metrics = final_metrics(history)
-        plot = plot_curves(history, os.path.join(directory, "curves.png"), f"{stage} ({kind})")
-        publish_stage(stage, metrics, plot)
-        writer.checkpoint(params.steps, policy.path, kind="policy")
-        writer.finish("completed", metrics)
-    result = StageResult(stage=stage, kind=kind, policy=policy, metrics=metrics, directory=directory)
-    write_json(os.path.join(directory, "result.json"), {"fingerprint": key, "result": result.model_dump()})
-    logger.info("%s done: %s", stage, {k: round(v, 4) for k, v in metrics.items() if k in SHOWN})
+    resumed, written = _start_point(stage, kind, params, place, inputs, logger)
+    job = StageJob(stage=stage, kind=kind, params=params.model_dump(mode="json"), data=data, start=start,
+                   directory=directory, key=key, store_root=store_root, run=run, seed=seed, reward=reward,
+                   tools=tools, ppo=ppo, resumed=resumed, written=written)
+    processes = getattr(params, "processes", 1)
+    if processes == 1:
+        result = run_stage(job, logger, [LogSink(stage, SHOWN), ProgressSink(stage, params.steps)],
+                           publish=publish_stage)
+    else:
+        result = run_job(job, processes, logger, ProgressSink(stage, params.steps))
+        curves = os.path.join(directory, "curves.png")
+        publish_stage(stage, result.metrics, curves if os.path.exists(curves) else None)
+    logger.info("%s: %s", stage, keep_last_checkpoint(os.path.join(directory, "checkpoints")))
+    logger.info("%s done: %s", stage, {k: round(v, 4) for k, v in result.metrics.items() if k in SHOWN})
     return result

@@ -78,11 +78,12 @@ def keep_last_checkpoint(directory: str) -> str:
 
 
 class LogSink:
-    """Each metric window as one line through the run logger."""
+    """Each metric window as one line through the run logger (or `logger`, outside a task: the
+    processes of a stage's job print theirs)."""
 
-    def __init__(self, stage: str, keys: tuple[str, ...] = ()):
+    def __init__(self, stage: str, keys: tuple[str, ...] = (), logger=None):
         self.stage, self.keys = stage, keys
-        self.logger = get_run_logger()
+        self.logger = get_run_logger() if logger is None else logger
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         names = self.keys or tuple(sorted(metrics))

@@ -25,8 +25,8 @@ Not here: starting the processes (launch.py), what each component does under sev
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
+import pickle
 from collections.abc import Mapping
 from typing import Any
 
@@ -126,17 +126,19 @@ def is_primary() -> bool:
 
 
 def every_process(value: Any) -> list:
-    """A JSON-able value from every process, in process order (the same list on each)."""
+    """A picklable value from every process, in process order (the same list on each); every
+    process must call it. Pickle, not JSON: sessions hold numpy arrays, and the processes are
+    one job of the same code."""
     if jax.process_count() == 1:
         return [value]
     from jax.experimental import multihost_utils
 
-    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    data = np.frombuffer(pickle.dumps(value), np.uint8)
     sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size]))).reshape(-1)
     padded = np.zeros(int(sizes.max()), np.uint8)
     padded[:data.size] = data
     rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
-    return [json.loads(bytes(row[:size]).decode()) for row, size in zip(rows, sizes, strict=True)]
+    return [pickle.loads(bytes(row[:size])) for row, size in zip(rows, sizes, strict=True)]
 
 
 def gather_rows(array: np.ndarray) -> np.ndarray:

@@ -1,0 +1,181 @@
+"""A pipeline stage as a job of several processes (`processes`, tasks/stage_job.py): SFT, DPO and
+sync GRPO each train as two processes that the task launches and waits for; process 0 records the
+stage, its metrics and every process's GRPO sessions in the store and saves the policy; a job
+whose process is killed is retried by the task and resumes from its checkpoint; a rerun reuses
+the stages; what trains in one process only is refused before anything runs.
+
+One TINY pipeline (tests/test_pipeline.py), one host device per process, serves the slow tests:
+each job launch costs about 20 s of imports and compilation on two cores, so the kill happens in
+its SFT stage rather than in a pipeline of its own.
+"""
+
+import json
+import os
+import re
+import signal
+
+import pytest
+
+pytest.importorskip("prefect")
+
+from pydantic import ValidationError  # noqa: E402
+
+from tasks.manifests import DataManifest, PolicyRef  # noqa: E402
+from tasks.params import DPOParams, GRPOParams, PipelineParams, SFTParams, command_line  # noqa: E402
+from test_pipeline import query, tiny  # noqa: E402
+from test_retrain_rules import run_log, said  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(__file__), "stage_job_worker.py")
+STAGES = ("sft", "dpo", "grpo")
+TWO = dict(sft=dict(steps=4, batch=4, log_every=1, checkpoint_every=2, processes=2),
+           dpo=dict(steps=2, batch=4, log_every=1, checkpoint_every=1, processes=2),
+           grpo=dict(steps=2, batch=2, groups=4, log_every=1, checkpoint_every=1, max_new_tokens=8, processes=2))
+
+
+@pytest.fixture(scope="module")
+def finished(prefect_harness, tmp_path_factory):
+    """The TINY pipeline with every stage a job of two processes; process 1 of the SFT job is
+    killed (SIGKILL) as it reads the batch of step 4, after the checkpoint of step 2, once
+    (tests/stage_job_worker.py)."""
+    from flows.pipeline import pipeline
+    from tasks import stage_job
+
+    root = tmp_path_factory.mktemp("runs")
+    marker = root / "crashed"
+    with pytest.MonkeyPatch.context() as patch, run_log() as lines:
+        patch.setattr(stage_job, "ENTRY", (WORKER,))
+        patch.setenv("DEW_TEST_CRASH", f"{marker}:1:4")
+        outcome = pipeline(tiny(root, **TWO))
+    assert marker.exists()
+    return root, outcome, lines
+
+
+@pytest.mark.slow
+def test_each_stage_trains_as_a_job_of_two_processes_and_process_0_records_it(finished):
+    root, outcome, lines = finished
+    run = outcome["run"]
+    assert outcome["reused"] == {"start": False, "sft": False, "dpo": False, "grpo": False}
+    stages = dict(query(root, f"SELECT stage, status FROM stages WHERE run = '{run}'"))
+    assert {stages[s] for s in STAGES} == {"completed"}
+    # Each logged window once (process 0 writes, the other writes nothing), at every step.
+    rows = query(root, f"SELECT stage, step, count(*) FROM metrics WHERE run = '{run}' AND name = 'loss' "
+                       "GROUP BY ALL ORDER BY ALL")
+    assert rows == [("dpo", 1, 1), ("dpo", 2, 1), ("grpo", 1, 1), ("grpo", 2, 1),
+                    *(("sft", step, 1) for step in range(1, 5))]
+    # Every session of the global batch, from both processes: steps x prompts x groups, each
+    # prompt row of the batch (group_id) once per update, with its prompt recorded.
+    sessions = query(root, f"SELECT update, group_id, count(*) FROM sessions WHERE run = '{run}' "
+                           "GROUP BY ALL ORDER BY ALL")
+    assert sessions == [(update, group, 4) for update in (0, 1) for group in (0, 1)]
+    missing = query(root, f"SELECT count(*) FROM sessions s ANTI JOIN prompts p ON s.run = p.run AND "
+                          f"s.stage = p.stage AND s.task = p.task WHERE s.run = '{run}'")
+    assert missing == [(0,)]
+    policies = query(root, f"SELECT stage, path FROM checkpoints WHERE run = '{run}' AND kind = 'policy'")
+    assert sorted(s for s, _ in policies) == sorted(STAGES)
+    from dew_lib.models import load_pretrained
+
+    for stage, path in policies:
+        directory = os.path.dirname(path)
+        assert load_pretrained(path).model.num_layers == 1
+        result = json.load(open(os.path.join(directory, "result.json")))
+        assert result["result"]["policy"]["path"] == path
+        assert json.load(open(os.path.join(directory, "inputs.json")))["inputs"]["params"]["processes"] == 2
+        log = open(os.path.join(directory, "job.log")).read()
+        assert f"[0] {stage} step {TWO[stage]['steps']}:" in log and "[1] " in log
+        assert f"[1] {stage} step" not in log  # only process 0 logs metric windows
+        assert os.path.getsize(os.path.join(directory, "curves.png")) > 1000
+    # The task logged the job's lines through its logger.
+    assert said(lines, "grpo", "trains as a job of 2 processes")
+    assert any(line.startswith("[0] grpo step 2:") for line in lines)
+
+
+@pytest.mark.slow
+def test_a_job_whose_process_was_killed_was_retried_and_resumed_from_its_checkpoint(finished):
+    root, outcome, lines = finished
+    assert said(lines, "sft", "trains from scratch") and said(lines, "sft", "resumes from its checkpoint at step 2")
+    assert any(f"process 1 exited with signal {signal.SIGKILL.name}; ended the other 1" in line for line in lines)
+    run = outcome["run"]
+    attempts = dict(query(root, f"SELECT stage, attempt FROM stages WHERE run = '{run}'"))
+    assert (attempts["sft"], attempts["dpo"], attempts["grpo"]) == (2, 1, 1)
+    log = open(os.path.join(root, "demo", "sft", "latest", "job.log")).read()
+    starts = [line for line in log.splitlines() if line.startswith("--- ")]
+    assert [line.split(": ", 1)[1] for line in starts] == ["2 processes, from step 0",
+                                                          "2 processes, resuming at step 2"]
+    retried = log.split("resuming at step 2")[1]
+    assert "[0] sft step 3:" in retried and "[0] sft step 1:" not in retried
+    # The steps the killed attempt logged after its checkpoint were replaced, not counted twice
+    # (the metrics query of the test above).
+
+
+@pytest.mark.slow
+def test_a_rerun_with_the_same_inputs_reuses_the_stages_the_jobs_trained(finished):
+    from flows.pipeline import pipeline
+
+    root, first, _ = finished
+    with run_log() as lines:
+        again = pipeline(tiny(root, **TWO))
+    assert again["reused"] == {"start": True, "sft": True, "dpo": True, "grpo": True}
+    assert again["accuracy"] == first["accuracy"] and again["policy"] == first["policy"]
+    assert not any("trains as a job" in line for line in lines)
+    assert query(root, f"SELECT count(*) FROM metrics WHERE run = '{again['run']}'") == [(0,)]
+
+
+def test_processes_is_checked_and_what_trains_in_one_process_is_refused():
+    with pytest.raises(ValidationError, match="processes\n  Input should be greater than or equal to 1"):
+        SFTParams(processes=0)
+    with pytest.raises(ValidationError, match="batch=6 does not divide across processes=4"):
+        DPOParams(batch=6, processes=4)
+    with pytest.raises(ValidationError, match="processes=2 trains sync GRPO only: mode='async'"):
+        GRPOParams(processes=2, mode="async")
+    with pytest.raises(ValidationError, match="grpo.processes=2, but rl='ppo' trains episodes with a critic"):
+        PipelineParams(rl="ppo", grpo=dict(processes=2))
+    with pytest.raises(ValidationError, match="grpo.processes=2, but data.source='tools' trains tool episodes"):
+        PipelineParams(data=dict(source="tools"), stages=("sft", "grpo"), grpo=dict(processes=2),
+                       tools=dict(max_context=40), model=dict(max_seq_len=128))
+    PipelineParams(data=dict(source="tools"), stages=("sft",), grpo=dict(processes=2),
+                   tools=dict(max_context=40))  # no GRPO stage: nothing to refuse
+    assert GRPOParams(processes=2).processes == 2 and SFTParams().processes == 1
+
+
+def test_processes_enters_the_fingerprint_only_above_one():
+    from tasks.train import stage_inputs
+
+    data = DataManifest(directory="d", tokenizer=None, chat_path=None, chat_val_path=None, pairs_path=None,
+                        prompts_path=None, eval_path="e", fingerprint="data")
+    start = PolicyRef(path="p", fingerprint="start")
+    one, inputs = stage_inputs("sft", SFTParams(steps=4, batch=4), data, start, 0)
+    # What the key was before the field existed (computed by the code before it), so the stages of
+    # earlier runs are still reused.
+    assert one == "88151340d460851c" and "processes" not in inputs["params"]
+    assert stage_inputs("grpo", GRPOParams(steps=2, batch=2, groups=4), data, start, 0)[0] == "430d7c8acd6c3d49"
+    two, inputs = stage_inputs("sft", SFTParams(steps=4, batch=4, processes=2), data, start, 0)
+    assert two != one and inputs["params"]["processes"] == 2
+
+
+def test_a_flow_called_on_its_own_refuses_episodes_in_a_job():
+    from tasks.train import _one_process_only
+
+    data = DataManifest(directory="d", tokenizer=None, chat_path=None, chat_val_path=None, pairs_path=None,
+                        prompts_path="p", eval_path="e", fingerprint="data", tool="calculator")
+    with pytest.raises(ValueError, match="tool episodes .* train in one process only; set processes=1"):
+        _one_process_only("grpo", GRPOParams(processes=2), data, None)
+    _one_process_only("grpo", GRPOParams(processes=1), data, None)
+
+
+def test_the_parameters_file_in_the_docs_sets_processes(tmp_path):
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "pipeline.md")).read()
+    block = re.search(r"```yaml\n(# python -m flows --params processes.yaml\n.*?)```", text, re.S)[1]
+    (tmp_path / "processes.yaml").write_text(block)
+    params = command_line(["--params", str(tmp_path / "processes.yaml")], PipelineParams(), prog="python -m flows",
+                          description="")
+    assert (params.sft.processes, params.dpo.processes, params.grpo.processes) == (2, 2, 2)
+
+
+def test_each_process_s_session_arguments_join_into_one_per_session():
+    from tasks.stage_job import _joined
+
+    assert _joined([None, None], [2, 1]) is None
+    assert _joined(["admitted", "admitted"], [2, 1]) == "admitted"
+    assert _joined([[0.5, 0.25], [0.125]], [2, 1]) == [0.5, 0.25, 0.125]
+    assert _joined([True, [False]], [2, 1]) == [True, True, False]
+    assert _joined(["admitted", "cut"], [1, 2]) == ["admitted", "cut", "cut"]
