@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +31,14 @@ from dew_lib.children import die_with_parent, free_port
 from dew_lib.train import distributed
 
 GRACE_SECONDS = 10.0  # from SIGTERM to SIGKILL when the job ends early
+# util-linux's setpriv arms the parent-death signal before it runs the command. Without a
+# preexec function the child is started without fork(), which a parent that has JAX's threads
+# running (a pipeline task) must avoid; where setpriv is missing, a preexec function arms it.
+SETPRIV = shutil.which("setpriv")
+
+
+def _bound(command: Sequence[str]) -> list[str]:
+    return [SETPRIV, "--pdeathsig", "TERM", "--", *command] if SETPRIV else list(command)
 
 
 def process_env(index: int, processes: int, coordinator: str, local_devices: int | None,
@@ -97,9 +106,10 @@ def launch(command: Sequence[str], processes: int, *, local_devices: int | None 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         for index in range(processes):
-            child = subprocess.Popen(list(command), env=process_env(index, processes, coordinator, local_devices, env),
-                                     cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=die_with_parent())
+            environment = process_env(index, processes, coordinator, local_devices, env)
+            armed = None if SETPRIV else die_with_parent()
+            child = subprocess.Popen(_bound(command), env=environment, cwd=cwd, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=armed)
             children.append(child)
             relay = threading.Thread(target=_relay, args=(child.stdout, index, out, lock), daemon=True)
             relay.start()
