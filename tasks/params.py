@@ -357,9 +357,9 @@ class PipelineParams(Params):
         if "grpo" in self.stages and self.grpo.processes > 1 and (self.rl == "ppo" or self.data.source == "tools"):
             what = ("rl='ppo' trains episodes with a critic" if self.rl == "ppo" else
                     "data.source='tools' trains tool episodes")
-            raise ValueError(f"grpo.processes={self.grpo.processes}, but {what}, which run in one process "
-                             "only; set grpo.processes=1 (several processes train one-turn prompts with "
-                             "rl='grpo' and mode='sync')")
+            raise ValueError(f"grpo.processes={self.grpo.processes}, but {what}, which the pipeline "
+                             "trains in one process only; set grpo.processes=1 (several processes train "
+                             "one-turn prompts with rl='grpo' and mode='sync')")
         return self
 
     @model_validator(mode="after")
