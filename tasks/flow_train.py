@@ -39,15 +39,13 @@ from prefect import get_run_logger, task
 from dew_lib.diffusion import FlowRollout, encode_png, presets
 from dew_lib.diffusion.preview import to_uint8
 from dew_lib.recipes.flow import FlowGRPOOptions, FlowPretrainOptions, build_flow_grpo, build_flow_pretrain
-from dew_lib.train.checkpoint import Checkpoints
 from dew_lib.train.sinks import JsonlSink
 from dew_lib.train.trainer import Trainer
 from tasks.images import build_dit, load_dit, load_images, reward_named, save_dit
 from tasks.manifests import DiTRef, ImageManifest, ImageStageResult, fingerprint
 from tasks.params import DiTParams, FlowGRPOParams, FlowPretrainParams, StageParams
 from tasks.records import open_stage, record_reused
-from tasks.storage import (KEEP_VARIABLE, continue_shorter, keep_inputs, read_json, rebased,
-                           stage_directory, write_json)
+from tasks.storage import enter_stage, start_point, write_json
 from tasks.train import _history, final_metrics
 from tasks.ui import (Deadline, LogSink, ProgressSink, keep_last_checkpoint, plot_curves, publish_images,
                       publish_stage)
@@ -141,16 +139,6 @@ class RecordedFlowRollout:
         return packed
 
 
-def _checkpoint_position(checkpoints: str) -> int | None:
-    if not os.path.isdir(checkpoints):
-        return None
-    existing = Checkpoints(checkpoints)
-    try:
-        return existing.latest()
-    finally:
-        existing.close()
-
-
 def _labels(stage: str) -> dict[str, str]:
     """How the log names each group of an image stage's inputs when they changed."""
     return {"params": f"{stage} parameters", "model": "model parameters", "data": "the images",
@@ -167,30 +155,17 @@ def _fit(stage: str, kind: str, params: StageParams, key: str, inputs: dict, dir
     continues from, or None, and directory the one of these inputs.
     """
     logger = get_run_logger()
-    place = stage_directory(directory, key, inputs, LINKS)
+    place, finished = enter_stage(directory, key, inputs, LINKS, stage, logger)
     directory = place.directory
-    for gone in place.pruned:
-        logger.info("%s: removed %s, an older input set (%s keeps %d)", stage, gone, KEEP_VARIABLE,
-                    keep_inputs())
-    done = read_json(os.path.join(directory, "result.json"))
-    if done is not None and done.get("fingerprint") == key:
-        result = ImageStageResult(**rebased(done["result"], directory)).model_copy(
-            update={"cached": True})
+    if finished is not None:
+        result = ImageStageResult(**finished).model_copy(update={"cached": True})
         logger.info("%s reused: it finished with these inputs before (%s)", stage, result.model.path)
         record_reused(store_root, run, stage, kind, params.model_dump(mode="json"), result.metrics)
         return result
     with open_stage(store_root, run, stage, kind, params.model_dump(mode="json")) as writer:
+        # Adam at a constant rate: a longer run trains on from a shorter one
+        resumed, _ = start_point(place, inputs, params.steps, stage=stage, labels=_labels(stage), logger=logger)
         checkpoints = os.path.join(directory, "checkpoints")
-        resumed = _checkpoint_position(checkpoints)
-        if resumed is not None:
-            logger.info("%s resumes from its checkpoint at step %d (same inputs)", stage, resumed)
-        elif shorter := continue_shorter(place, inputs, params.steps, checkpoints):  # Adam at a
-            _, resumed, before = shorter  # constant rate: a longer run trains on from a shorter one
-            logger.info("%s resumes from the checkpoint at step %d of the same inputs with steps=%d "
-                        "(only steps changed: %d -> %d, so it trains on from there)", stage, resumed,
-                        before, before, params.steps)
-        else:
-            logger.info("%s trains from scratch (%s)", stage, place.fresh_reason(inputs, _labels(stage)))
         if resumed is not None:
             writer.discard_after(resumed)
         trainer, dataset, previews, extra_sinks, save, extra = build(writer, resumed, directory)

@@ -180,8 +180,9 @@ class GatheredWriter:
                  truncation: str = "mask", verdicts=None, episodes=None) -> None:
         if episodes is not None:
             raise ValueError("tool episodes run in one process; a job records sessions without them")
-        parts = distributed.every_process((list(sessions), *(list(x) if isinstance(x, (list, tuple)) else x
-                                                  for x in (latencies, causes, trained, verdicts))))
+        given = (latencies, causes, trained, verdicts)
+        parts = distributed.every_process(
+            (list(sessions), *(list(x) if isinstance(x, (list, tuple)) else x for x in given)))
         if self.writer is None:
             return
         counts = [len(part[0]) for part in parts]

@@ -122,6 +122,49 @@ def stage_directory(root: str, key: str, inputs: dict, links: tuple[str, ...]) -
                           pruned=_prune(root, name))
 
 
+def enter_stage(root: str, key: str, inputs: dict, links: tuple[str, ...], stage: str,
+                logger) -> tuple[StageDirectory, dict | None]:
+    """The directory of these inputs (`stage_directory`; each older input set it prunes is
+    logged) and, when its result.json says it finished with exactly these inputs, that result
+    rebased to where it lies now; None when the stage has to train."""
+    place = stage_directory(root, key, inputs, links)
+    for gone in place.pruned:
+        logger.info("%s: removed %s, an older input set (%s keeps %d)", stage, gone, KEEP_VARIABLE,
+                    keep_inputs())
+    done = read_json(os.path.join(place.directory, "result.json"))
+    if done is None or done.get("fingerprint") != key:
+        return place, None
+    return place, rebased(done["result"], place.directory)
+
+
+def start_point(place: StageDirectory, inputs: dict, steps: int, *, stage: str, labels: dict[str, str],
+                logger, shorter: bool = True) -> tuple[int | None, str]:
+    """Where a stage's training starts, logged: (the checkpoint step it continues from, None for
+    step 0; the checkpoints directory that step was first written in). A retry continues its own
+    last checkpoint; with `shorter`, a run whose inputs differ from another set's only in steps
+    continues that set's checkpoint (`continue_shorter`; not for a schedule that spans the steps)."""
+    from dew_lib.train.checkpoint import Checkpoints
+
+    checkpoints = os.path.join(place.directory, "checkpoints")
+    resumed, written = None, os.path.abspath(checkpoints)
+    if os.path.isdir(checkpoints):
+        existing = Checkpoints(checkpoints)
+        try:
+            resumed = existing.latest()
+        finally:
+            existing.close()
+    if resumed is not None:
+        logger.info("%s resumes from its checkpoint at step %d (same inputs)", stage, resumed)
+    elif shorter and (found := continue_shorter(place, inputs, steps, checkpoints)):
+        written, resumed, before = found
+        logger.info("%s resumes from the checkpoint at step %d of the same inputs with steps=%d "
+                    "(only steps changed: %d -> %d, so it trains on from there)", stage, resumed,
+                    before, before, steps)
+    else:
+        logger.info("%s trains from scratch (%s)", stage, place.fresh_reason(inputs, labels))
+    return resumed, written
+
+
 def continue_shorter(place: StageDirectory, inputs: dict, steps: int,
                      checkpoints: str) -> tuple[str, int, int] | None:
     """Copy in the newest checkpoint of the same training stopped earlier, when there is one.

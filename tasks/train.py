@@ -43,7 +43,6 @@ from dew_lib.recipes import (Built, DPOOptions, EpisodeOptions, GRPOOptions, One
                              remote_server)
 from dew_lib.store import Store
 from dew_lib.train import distributed
-from dew_lib.train.checkpoint import Checkpoints
 from dew_lib.train.sinks import JsonlSink
 from dew_lib.train.trainer import Trainer
 from tasks.manifests import DataManifest, PolicyRef, StageResult, fingerprint
@@ -52,8 +51,7 @@ from tasks.policy import load_policy, save_policy
 from tasks.records import open_stage, record_reused
 from tasks.rewards import TaskReward, verdicts
 from tasks.stage_job import GatheredWriter, StageJob, run_job
-from tasks.storage import (KEEP_VARIABLE, continue_shorter, keep_inputs, read_json, rebased,
-                           stage_directory, write_json)
+from tasks.storage import enter_stage, start_point, write_json
 from tasks.tool_task import EpisodeVerifier, calculator_environment
 from tasks.ui import Deadline, LogSink, ProgressSink, keep_last_checkpoint, plot_curves, publish_stage
 
@@ -225,28 +223,6 @@ def stage_inputs(kind: str, params: StageParams, data: DataManifest, start: Poli
     return key, inputs
 
 
-def _start_point(stage: str, kind: str, params: StageParams, place, inputs: dict, logger) -> tuple[int | None, str]:
-    """(the checkpoint step the stage continues from, or None for step 0; where that checkpoint
-    was written), and the log line that says which."""
-    checkpoints = os.path.join(place.directory, "checkpoints")
-    resumed, written = None, os.path.abspath(checkpoints)
-    if os.path.isdir(checkpoints):
-        existing = Checkpoints(checkpoints)
-        resumed = existing.latest()
-        existing.close()
-    if resumed is not None:
-        logger.info("%s resumes from its checkpoint at step %d (same inputs)", stage, resumed)
-    elif kind != "sft" and (shorter := continue_shorter(place, inputs, params.steps, checkpoints)):
-        # SFT's learning-rate schedule spans its steps; DPO's and GRPO's do not
-        written, resumed, before = shorter
-        logger.info("%s resumes from the checkpoint at step %d of the same inputs with steps=%d "
-                    "(only steps changed: %d -> %d, so it trains on from there)", stage, resumed,
-                    before, before, params.steps)
-    else:
-        logger.info("%s trains from scratch (%s)", stage, place.fresh_reason(inputs, _labels(stage)))
-    return resumed, written
-
-
 def _one_process_only(kind: str, params: StageParams, data: DataManifest, ppo: PPOParams | None) -> None:
     """Refuse a job of several processes for what trains in one process only (PipelineParams
     refuses it earlier; a flow called on its own reaches this)."""
@@ -330,18 +306,16 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
     logger = get_run_logger()
     _one_process_only(kind, params, data, ppo)
     key, inputs = stage_inputs(kind, params, data, start, seed, reward, tools, ppo)
-    place = stage_directory(directory, key, inputs, LINKS)
+    place, finished = enter_stage(directory, key, inputs, LINKS, stage, logger)
     directory = place.directory
-    for gone in place.pruned:
-        logger.info("%s: removed %s, an older input set (%s keeps %d)", stage, gone, KEEP_VARIABLE,
-                    keep_inputs())
-    done = read_json(os.path.join(directory, "result.json"))
-    if done is not None and done.get("fingerprint") == key:
-        result = StageResult(**rebased(done["result"], directory)).model_copy(update={"cached": True})
+    if finished is not None:
+        result = StageResult(**finished).model_copy(update={"cached": True})
         logger.info("%s reused: it finished with these inputs before (%s)", stage, result.policy.path)
         record_reused(store_root, run, stage, kind, params.model_dump(mode="json"), result.metrics)
         return result
-    resumed, written = _start_point(stage, kind, params, place, inputs, logger)
+    # SFT's learning-rate schedule spans its steps; DPO's and GRPO's do not
+    resumed, written = start_point(place, inputs, params.steps, stage=stage, labels=_labels(stage), logger=logger,
+                                   shorter=kind != "sft")
     job = StageJob(stage=stage, kind=kind, params=params.model_dump(mode="json"), data=data, start=start,
                    directory=directory, key=key, store_root=store_root, run=run, seed=seed, reward=reward,
                    tools=tools, ppo=ppo, resumed=resumed, written=written)
