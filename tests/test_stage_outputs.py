@@ -50,6 +50,9 @@ def test_a_finished_stage_keeps_only_its_last_checkpoint_and_says_so(finished):
     assert len(directories) == 1, directories
     checkpoints, = directories
     assert sorted(os.listdir(checkpoints)) == ["4"]  # saved at steps 1-4, training kept 3 and 4
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30)  # logs reach the server from a background worker
     with get_client(sync_client=True) as client:
         logs = client.read_logs(
             log_filter=LogFilter(text=LogFilterTextSearch(query="kept the last checkpoint")))
