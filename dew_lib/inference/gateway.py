@@ -10,13 +10,16 @@ none is healthy every proxied call gets a plain-text 500.
 `Gateway.stamp` is the stamp a `Publication` runs after every replica serves a version.
 `Gateway.ready` waits until the gateway has a healthy worker and answers GET /v1/models through
 it, so the first rollouts do not fail on a worker the gateway has not yet seen healthy.
+`open_session`, `session_url`, `traces` and `close_session` are what `HarborSource` uses to give
+each trial its own recorded session and read its calls back (POST /sessions, /sessions/<id>/v1,
+POST /admin/flush then GET /sessions/<id>/traces, DELETE /sessions/<id>).
 
 The gateway has no authentication, and the port that proxies model calls also serves every
 session's traces and these admin routes: keep `url` on an interface only the trainer reaches, and
 give sandboxes `sandbox_url`, a reverse proxy that forwards only
 POST /sessions/<session>/v1/chat/completions (see docs/publishing.md).
 
-Not here: starting the gateway or its engines, sessions and traces (HarborSource).
+Not here: starting the gateway or its engines, turning traces into calls (rollouts/harbor.py).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import time
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 
@@ -72,6 +75,38 @@ class Gateway:
         if echoed != version:
             raise EndpointFailed(self.url, "POST /admin/weight_version",
                                  f"answered {answer!r}; expected weight_version {version}")
+
+    def open_session(self, session: str, metadata: dict | None = None) -> None:
+        """Create `session` on the gateway with `metadata`; raises `EndpointFailed` unless it echoes the id."""
+        with httpx.Client(timeout=self.timeout) as client:
+            answer = call(client, self.url, "POST", "/sessions",
+                          body={"session_id": session, "metadata": metadata or {}})
+        if not isinstance(answer, dict) or answer.get("session_id") != session:
+            raise EndpointFailed(self.url, "POST /sessions", f"answered {answer!r}; expected session_id {session!r}")
+
+    def session_url(self, session: str) -> str:
+        """The OpenAI base URL a harness calls for `session`: through `sandbox_url` when there is one."""
+        return f"{self.sandbox_url or self.url}/sessions/{quote(session, safe='')}/v1"
+
+    def traces(self, session: str) -> list[dict]:
+        """Every call recorded for `session`, in the order the gateway stored them.
+
+        Flushes the gateway first, so a trace stored in the background after the harness's last
+        call is not missed. Raises `EndpointFailed` when either call fails or the answer is not a
+        list of objects.
+        """
+        path = f"/sessions/{quote(session, safe='')}/traces"
+        with httpx.Client(timeout=self.timeout) as client:
+            call(client, self.url, "POST", "/admin/flush")
+            answer = call(client, self.url, "GET", path)
+        if not isinstance(answer, list) or not all(isinstance(trace, dict) for trace in answer):
+            raise EndpointFailed(self.url, f"GET {path}", f"answered {str(answer)[:400]}; expected a list of traces")
+        return answer
+
+    def close_session(self, session: str) -> None:
+        """Delete `session` and its traces from the gateway."""
+        with httpx.Client(timeout=self.timeout) as client:
+            call(client, self.url, "DELETE", f"/sessions/{quote(session, safe='')}")
 
     def ready(self) -> None:
         """Wait up to `ready_timeout` s for a healthy worker and GET /v1/models through the gateway.

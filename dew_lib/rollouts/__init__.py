@@ -4,7 +4,8 @@
 the policy in-process (sampled.py); `EpisodeRollout` runs multi-turn tool episodes in lock step
 (episodes.py), and `PPORollout` adds a critic's GAE targets to them (ppo.py); `to_verl` and
 `from_verl` write sessions as verl's agent-loop rows and read them back (verl.py); `PromptSource` and `EnvironmentSource` draw sessions from a
-rollout server (sources.py); `RolloutScheduler` trains on them asynchronously (scheduler/).
+rollout server (sources.py), and `HarborSource` runs Harbor trials behind a recording gateway
+(harbor.py); `RolloutScheduler` trains on them asynchronously (scheduler/).
 
 Not here: the losses (`dew_lib.objectives`), the records themselves (`dew_lib.records`), the
 servers that sample (`dew_lib.inference`).
@@ -12,6 +13,7 @@ servers that sample (`dew_lib.inference`).
 
 from dew_lib.rollouts.episodes import (EpisodeCancelled, EpisodeFailure, EpisodeResult, EpisodeRollout,
                                       project, session_of)
+from dew_lib.rollouts.harbor import Harbor, HarborSource
 from dew_lib.rollouts.journal import EpisodeJournal, JournalBusy, JournalMismatch
 from dew_lib.rollouts.packing import pack, session_metrics
 from dew_lib.rollouts.ppo import PPORollout
@@ -23,7 +25,7 @@ from dew_lib.rollouts.verl import VerlTrajectory, from_verl, to_verl
 from dew_lib.tool_worker import serve as serve_tool
 
 __all__ = ["EnvironmentSource", "EpisodeCancelled", "EpisodeFailure", "EpisodeJournal", "EpisodeResult",
-           "EpisodeRollout", "GroupState", "JournalBusy", "JournalMismatch", "PPORollout", "PromptSource", "RewardFailed",
+           "EpisodeRollout", "GroupState", "Harbor", "HarborSource", "JournalBusy", "JournalMismatch", "PPORollout", "PromptSource", "RewardFailed",
            "RolloutScheduler", "SampledRollout", "SubprocessEnvironment", "ToolFailure", "VerlTrajectory", "WorkerEnvironment",
            "from_verl", "pack", "project", "prompt_tasks", "serve_tool", "session_metrics", "session_of",
            "task_ids", "to_verl"]
