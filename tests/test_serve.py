@@ -272,7 +272,7 @@ def test_chat_goes_through_the_chat_template_and_back(served):
     ("completions", {"top_p": 0.9}, "top_p", "served top_p=1.0"),
     ("completions", {"min_p": 0.1}, "min_p", "served min_p=0.0"),
     ("completions", {"n": 2}, "n", "one completion per prompt"),
-    ("completions", {"stream": True}, "stream", "does not stream"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "only be defined when"),
     ("completions", {"logprobs": 2}, "logprobs", "logprobs=0"),
     ("completions", {"stop": ["x"]}, "stop", "does not support stop"),
     ("completions", {"presence_penalty": 0.5}, "presence_penalty", "does not support"),

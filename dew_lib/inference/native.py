@@ -5,10 +5,13 @@ drives the server: each turn of its loop swaps in weights a `load` handed over, 
 requests into free slots (first come, first served), frees the slots of cancelled futures, and
 runs one decode call; the draws that call finishes resolve their futures. A future stays pending
 until its draw is done, so `future.cancel()` succeeds any time before that and the request's slot
-is free by the next call.
+is free by the next call. A request submitted with `on_ids` also hears of its ids as they come:
+after each call that sampled ids for it without finishing it, the loop hands the new ones to
+`on_ids`. The engine reads every call's ids back anyway, so this adds no device sync; a request
+without `on_ids` costs nothing more.
 
-Futures resolve on the server's thread, so their done-callbacks run there: keep them short and
-hand long work such as scoring to a pool.
+Futures resolve on the server's thread, so their done-callbacks (and `on_ids`) run there: keep
+them short and hand long work such as scoring to a pool.
 
 `load` prepares the copy on the calling thread (checked, cast to the served dtypes, placed on
 the served devices) and hands it over without waiting for the decode call in flight; the loop
@@ -24,6 +27,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -32,6 +36,8 @@ import numpy as np
 from dew_lib.inference.base import ServerClosed
 from dew_lib.inference.server import Server
 from dew_lib.records.draw import Draw
+
+OnIds = Callable[[list[int], list[float], list[float]], Any]  # (ids, raw log-probs, behavior log-probs)
 
 
 class NativeRolloutServer:
@@ -48,8 +54,9 @@ class NativeRolloutServer:
         self._seeds = np.random.default_rng(seed)
         self._names = itertools.count()
         self._lock = threading.Condition()
-        self._queue: deque[tuple[int, np.ndarray, int, int, Future]] = deque()
+        self._queue: deque[tuple[int, np.ndarray, int, int, OnIds | None, Future]] = deque()
         self._running: dict[int, Future] = {}  # requests in a slot, by name
+        self._watched: dict[int, list] = {}  # [on_ids, ids reported] of running requests that have one
         self._load: tuple[Any, int] | None = None  # handed over, not yet swapped in
         self._closing = False
         self._error: BaseException | None = None
@@ -66,12 +73,17 @@ class NativeRolloutServer:
     def sampling(self):
         return self.server.sampling
 
-    def submit(self, prompt_ids, max_new_tokens: int, *, seed: int | None = None) -> Future[Draw]:
+    def submit(self, prompt_ids, max_new_tokens: int, *, seed: int | None = None,
+               on_ids: OnIds | None = None) -> Future[Draw]:
         """Queue one request; the future resolves to its `Draw`.
 
         Refuses (ValueError, here and now) a prompt that does not fit the server's capacity with
         its budget, ids outside the vocabulary, and bad budgets or seeds. seed None draws one
-        from this server's own generator.
+        from this server's own generator. on_ids(ids, raw_log_probs, behavior_log_probs), three
+        lists, is called on the server's thread after each engine call that sampled ids for this
+        request and did not finish it, with those new ids only; the call that finishes it
+        resolves the future instead, whose `Draw` holds every id. An exception in on_ids fails
+        this request with it.
         """
         prompt = self.server.check(prompt_ids, max_new_tokens, seed)
         future: Future[Draw] = Future()
@@ -79,7 +91,7 @@ class NativeRolloutServer:
             self._raise_if_closed()
             if seed is None:
                 seed = int(self._seeds.integers(0, 2**32))
-            self._queue.append((next(self._names), prompt, int(max_new_tokens), int(seed), future))
+            self._queue.append((next(self._names), prompt, int(max_new_tokens), int(seed), on_ids, future))
             self._lock.notify()
         return future
 
@@ -142,15 +154,21 @@ class NativeRolloutServer:
                             self._running[request[0]] = request[-1]  # a failure reaches it
                 if load is not None:
                     server.reload(*load, prepared=True)
-                for name, prompt, budget, seed, _ in joining:
+                for name, prompt, budget, seed, on_ids, _ in joining:
                     server.add(name, prompt, budget, seed=seed)
+                    if on_ids is not None:
+                        self._watched[name] = [on_ids, 0]
                 for name in [n for n, f in self._running.items() if f.cancelled()]:
                     server.cancel(name)
                     del self._running[name]
+                    self._watched.pop(name, None)
                 for name, draw in server.step():
                     future = self._running.pop(name)
+                    self._watched.pop(name, None)
                     if future.set_running_or_notify_cancel():
                         future.set_result(draw)
+                if self._watched:
+                    self._report()
         except BaseException as error:  # noqa: BLE001 - every failure goes to the futures
             with self._lock:
                 self._error = error
@@ -161,11 +179,28 @@ class NativeRolloutServer:
         with self._lock:
             self._fail(ServerClosed("the rollout server was closed before this draw finished"))
 
+    def _report(self):
+        """Hand each watched request the ids the last call sampled for it."""
+        for name, watch in list(self._watched.items()):
+            ids, raw, behavior = self.server.sampled(name, watch[1])
+            if not ids:
+                continue
+            watch[1] += len(ids)
+            try:
+                watch[0](ids, raw, behavior)
+            except Exception as error:  # noqa: BLE001 - it belongs to that request
+                self.server.cancel(name)
+                del self._watched[name]
+                future = self._running.pop(name)
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(error)
+
     def _fail(self, error: BaseException):
         """Fail every request not yet finished (called with the lock held)."""
         pending = [f for *_, f in self._queue] + list(self._running.values())
         self._queue.clear()
         self._running.clear()
+        self._watched.clear()
         for future in pending:
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)

@@ -352,6 +352,15 @@ class Server:
         self._state = _release(self._state, np.int32(request.slot))
         return True
 
+    def sampled(self, key: Hashable, start: int = 0) -> tuple[list[int], list[float], list[float]]:
+        """The ids the request named `key` has sampled from index `start` on, with their raw and
+        behavior log-probs: what the last `step` read back, so no device work. Empty lists for a
+        request that is not in a slot (finished, cancelled or never added)."""
+        request = self._by_key.get(key)
+        if request is None:
+            return [], [], []
+        return request.ids[start:], request.raw[start:], request.behavior[start:]
+
     def step(self) -> list[tuple[Hashable, Draw]]:
         """Prefill the requests added since the last step, decode every slot until a request
         finishes (at most `steps` ids each), and return the draws that finished.

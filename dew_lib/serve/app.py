@@ -3,7 +3,8 @@
 `create_app(policy, dev_endpoints=...)` returns a FastAPI app with
 
 - GET /health, GET /v1/models, POST /v1/completions (prompts as ids or text), POST
-  /v1/chat/completions (messages through the tokenizer's chat template);
+  /v1/chat/completions (messages through the tokenizer's chat template), both whole or, with
+  stream=true, as server-sent events while the engine samples (`stream`);
 - with dev_endpoints, the calls a weight push makes on a vLLM launched with
   VLLM_SERVER_DEV_MODE=1: POST /pause?mode=wait, POST /collective_rpc {"method":
   "reload_weights"}, POST /reset_prefix_cache, POST /update_weight_version, POST /resume, and GET
@@ -12,11 +13,13 @@
 
 Every request is checked before it is drawn: sampling controls must equal the served ones (the
 engine has one `Sampling`), fields vLLM knows but Dew cannot honour are refused by name, and
-prompt plus max_tokens must fit the server's capacity. The draw is awaited against the client's
-connection: a client that goes away cancels its request, and its slot frees at the next call.
+prompt plus max_tokens must fit the server's capacity. A refused request gets a plain JSON 400,
+streamed or not: a stream starts only once every check passed. The draw is awaited against the
+client's connection: a client that goes away cancels its request, and its slot frees at the next
+call.
 
-Not here: request and response models (`protocol`), rendering a draw (`render`), the engine
-(`policy`), launching (`launch`).
+Not here: request and response models (`protocol`), rendering a draw (`render`), streaming it
+(`stream`), the engine (`policy`), launching (`launch`).
 """
 
 from __future__ import annotations
@@ -29,13 +32,12 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from dew_lib.inference import ServerClosed
 from dew_lib.records.draw import Draw
 from dew_lib.sampling import Sampling
-from dew_lib.serve import render
+from dew_lib.serve import render, stream
 from dew_lib.serve.policy import ReloadError, ServedPolicy
 from dew_lib.serve.protocol import (
     ChatChoice,
@@ -50,6 +52,7 @@ from dew_lib.serve.protocol import (
     ServeError,
     UsageInfo,
     error_response,
+    failure,
     unsupported,
 )
 
@@ -100,9 +103,7 @@ def _check_request(request: CompletionRequest | ChatCompletionRequest, policy: S
     if request.model and request.model != policy.name:
         raise ServeError(f"The model `{request.model}` does not exist; this server serves `{policy.name}`.",
                          param="model", status=404, kind="NotFoundError")
-    if request.stream:
-        raise ServeError("dew serve does not stream; send stream=false (the whole completion comes in "
-                         "one response)", param="stream")
+    _check_stream_options(request)
     if request.n not in (None, 1):
         raise ServeError(f"n={request.n}: dew serve draws one completion per prompt; send n=1, or n "
                          "requests with different seeds", param="n")
@@ -116,6 +117,18 @@ def _check_request(request: CompletionRequest | ChatCompletionRequest, policy: S
     if request.seed is not None and not 0 <= request.seed < SEEDS:
         raise ServeError(f"seed={request.seed} is outside [0, 2**32), the seeds Dew's sampler takes; "
                          "send a seed in that range", param="seed")
+
+
+def _check_stream_options(request: CompletionRequest | ChatCompletionRequest) -> None:
+    options = request.stream_options
+    if options and not request.stream:  # vLLM's validate_stream_options
+        raise ServeError("Stream options can only be defined when `stream=True`.", param="stream_options")
+    for name, value in (options or {}).items():
+        if name not in stream.STREAM_OPTIONS:
+            raise ServeError(f"dew serve does not support stream_options.{name}={value!r}; leave it out (it "
+                             f"understands {' and '.join(stream.STREAM_OPTIONS)})", param=f"stream_options.{name}")
+        if value is not None and not isinstance(value, bool):
+            raise ServeError(f"stream_options.{name} must be a boolean, got {value!r}", param=f"stream_options.{name}")
 
 
 def _check_prompt(policy: ServedPolicy, prompt: Sequence[int], max_tokens: int, seed: int | None) -> None:
@@ -143,19 +156,9 @@ async def _draw_all(policy: ServedPolicy, prompts: list[list[int]], max_tokens: 
             tasks = [group.create_task(policy.draw(p, max_tokens, seed)) for p in prompts]
         return [task.result() for task in tasks]
     except BaseExceptionGroup as errors:
-        raise _failure(errors.exceptions[0]) from None
+        raise failure(errors.exceptions[0]) from None
     except Exception as error:  # noqa: BLE001 - every failure becomes an error response
-        raise _failure(error) from None
-
-
-def _failure(error: BaseException) -> BaseException:
-    if isinstance(error, ServerClosed):
-        return ServeError(f"the engine stopped: {error}", status=503, kind="ServiceUnavailableError")
-    if isinstance(error, ValueError):  # the engine refused the request itself
-        return ServeError(str(error), param="prompt")
-    if isinstance(error, ServeError | asyncio.CancelledError):
-        return error
-    return ServeError(f"drawing failed: {error!r}", status=500, kind="InternalServerError")
+        raise failure(error) from None
 
 
 async def _disconnected(raw: Request) -> None:
@@ -274,9 +277,16 @@ def _chat_choice(policy: ServedPolicy, request: ChatCompletionRequest, draw: Dra
         logprobs = render.chat_logprobs(names, decoded, render.log_probs(draw, policy.logprobs_mode))
     content = render.visible_text(tokenizer, draw, include_stop=request.include_stop_str_in_output,
                                   skip_special=request.skip_special_tokens)
-    return ChatChoice(index=0, message=ChatMessage(role="assistant", content=content), logprobs=logprobs,
+    return ChatChoice(index=0, message=ChatMessage(role=_chat_role(request), content=content), logprobs=logprobs,
                       finish_reason=finish_reason, stop_reason=stop_reason,
                       token_ids=draw.ids.tolist() if request.return_token_ids else None)
+
+
+def _chat_role(request: ChatCompletionRequest) -> str:
+    """vLLM's get_chat_request_role: the assistant's, unless the last message is being continued."""
+    if request.add_generation_prompt or not request.messages:
+        return "assistant"
+    return str(request.messages[-1].get("role"))
 
 
 def _check_chat(request: ChatCompletionRequest, policy: ServedPolicy) -> None:
@@ -328,6 +338,8 @@ def _openai_routes(policy: ServedPolicy) -> APIRouter:
         prompts = await _completion_prompts(policy, request)
         for prompt in prompts:
             _check_prompt(policy, prompt, max_tokens, request.seed)
+        if request.stream:
+            return _events(stream.CompletionStream(policy, request, prompts).events(max_tokens))
         draws = await _unless_disconnected(raw, _draw_all(policy, prompts, max_tokens, request.seed))
         if draws is None:
             return _gone()
@@ -344,6 +356,8 @@ def _openai_routes(policy: ServedPolicy) -> APIRouter:
         if max_tokens is None:  # vLLM's default: whatever the context has left
             max_tokens = max(policy.capacity - len(prompt), 1)
         _check_prompt(policy, prompt, max_tokens, request.seed)
+        if request.stream:
+            return _events(stream.ChatStream(policy, request, prompt, _chat_role(request)).events(max_tokens))
         draws = await _unless_disconnected(raw, _draw_all(policy, [prompt], max_tokens, request.seed))
         if draws is None:
             return _gone()
@@ -411,6 +425,10 @@ def _dev_routes(policy: ServedPolicy) -> APIRouter:
         return JSONResponse({"weight_version": policy.weight_version})
 
     return router
+
+
+def _events(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream")
 
 
 def _json(model: BaseModel) -> Response:

@@ -7,7 +7,8 @@ generation_config.json (config.json when there is none).
 
 `draw` is what a route awaits: it submits the prompt and awaits the future without blocking the
 event loop; a cancelled await (a client that went away) cancels the future, and the native
-server frees the request's slot at its next call. A request that finds the engine idle waits up
+server frees the request's slot at its next call. A streaming route passes `on_ids`, which the
+native server calls on its own thread with each engine call's new ids. A request that finds the engine idle waits up
 to `window` seconds (until `quiet` seconds pass with no other arrival) for the rest of its burst:
 HTTP requests sent together arrive a fraction of a millisecond apart, and a request that joins
 after the engine started decoding waits for that whole call (`steps` ids), so without the wait a
@@ -171,9 +172,10 @@ class ServedPolicy:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    async def draw(self, prompt_ids, max_tokens: int, seed: int | None) -> Draw:
+    async def draw(self, prompt_ids, max_tokens: int, seed: int | None, on_ids=None) -> Draw:
         """Sample one completion; waits while paused. Raises ValueError for a request the engine
-        refuses and ServerClosed once the engine stopped."""
+        refuses and ServerClosed once the engine stopped. on_ids: `NativeRolloutServer.submit`'s,
+        called on the engine's thread with the ids of each call that did not finish the draw."""
         while self._paused:
             await self._resumed.wait()
         self.in_flight += 1  # admitted: a pause from now on waits for this request
@@ -184,10 +186,10 @@ class ServedPolicy:
                 self._burst.task = asyncio.ensure_future(self._gather(self._burst))  # held: tasks are weak
             if self._burst is not None:
                 submitted = asyncio.get_running_loop().create_future()
-                self._burst.join((prompt_ids, max_tokens, seed, submitted))
+                self._burst.join((prompt_ids, max_tokens, seed, on_ids, submitted))
                 future = await submitted
             else:
-                future = self._submit(prompt_ids, max_tokens, seed)
+                future = self._submit(prompt_ids, max_tokens, seed, on_ids)
             return await asyncio.wrap_future(future)  # cancelling this await cancels the future
         except ServerClosed as error:
             self.failure = error
@@ -197,8 +199,8 @@ class ServedPolicy:
             if not self.in_flight and self._drained is not None:
                 self._drained.set()
 
-    def _submit(self, prompt_ids, max_tokens, seed):
-        return self.native.submit(prompt_ids, max_tokens, seed=seed)
+    def _submit(self, prompt_ids, max_tokens, seed, on_ids=None):
+        return self.native.submit(prompt_ids, max_tokens, seed=seed, on_ids=on_ids)
 
     async def _gather(self, burst: _Burst) -> None:
         """Wait for `burst` to fill the free slots, go quiet or outlast the window; submit it."""
@@ -214,11 +216,11 @@ class ServedPolicy:
                     break
         finally:
             self._burst = None
-            for prompt_ids, max_tokens, seed, submitted in burst.requests:  # in arrival order, at once
+            for prompt_ids, max_tokens, seed, on_ids, submitted in burst.requests:  # in arrival order, at once
                 if submitted.done():  # its client went away while it waited
                     continue
                 try:
-                    submitted.set_result(self._submit(prompt_ids, max_tokens, seed))
+                    submitted.set_result(self._submit(prompt_ids, max_tokens, seed, on_ids))
                 except Exception as error:  # noqa: BLE001 - it belongs to that request
                     submitted.set_exception(error)
 

@@ -9,17 +9,25 @@ Fields vLLM understands but Dew's engine cannot honour (stop strings, penalties,
 echo, structured output, ...) are declared with their neutral values in `NEUTRAL`, so a request
 that sets one is refused by name instead of being silently served without it.
 
-Not here: turning requests into draws (`app`), turning draws into choices (`render`).
+The streamed chunks (`CompletionStreamResponse`, `ChatStreamResponse`) are written the way vLLM
+writes them, `model_dump_json(exclude_unset=True)`: a chunk holds the fields its builder set,
+null ones included, and no others. `failure` maps an engine error to the error a client gets.
+
+Not here: turning requests into draws (`app`), turning draws into choices (`render`), the
+streams themselves (`stream`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+
+from dew_lib.inference.base import ServerClosed
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -38,8 +46,22 @@ class ServeError(Exception):
 
 
 def error_response(message: str, *, param: str | None, status: int, kind: str) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(message, param=param, status=status, kind=kind), status_code=status)
+
+
+def error_body(message: str, *, param: str | None, status: int, kind: str) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def failure(error: BaseException) -> BaseException:
+    """The ServeError a failed draw answers with (a cancellation passes through)."""
+    if isinstance(error, ServerClosed):
+        return ServeError(f"the engine stopped: {error}", status=503, kind="ServiceUnavailableError")
+    if isinstance(error, ValueError):  # the engine refused the request itself
+        return ServeError(str(error), param="prompt")
+    if isinstance(error, ServeError | asyncio.CancelledError):
+        return error
+    return ServeError(f"drawing failed: {error!r}", status=500, kind="InternalServerError")
 
 
 # ---- requests --------------------------------------------------------------------------------
@@ -122,7 +144,7 @@ NEUTRAL: dict[str, tuple] = {
     "use_beam_search": (None, False), "bad_words": (None, []), "allowed_token_ids": (None,),
     "prompt_logprobs": (None,), "logprob_token_ids": (None,),
     "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
-    "truncate_prompt_tokens": (None,), "stream_options": (None,),
+    "truncate_prompt_tokens": (None,),
     "spaces_between_special_tokens": (None, True), "priority": (None, 0), "echo": (None, False),
     "suffix": (None, ""), "best_of": (None, 1), "chat_template": (None,), "documents": (None, []),
     "reasoning_effort": (None,),
@@ -141,11 +163,11 @@ def unsupported(request: _Request) -> None:
 
 # ---- responses -------------------------------------------------------------------------------
 
-def _id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _now() -> int:
+def now() -> int:
     return int(time.time())
 
 
@@ -175,9 +197,9 @@ class CompletionChoice(BaseModel):
 
 
 class CompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: _id("cmpl"))
+    id: str = Field(default_factory=lambda: new_id("cmpl"))
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=now)
     model: str
     choices: list[CompletionChoice]
     service_tier: None = None
@@ -219,9 +241,9 @@ class ChatChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: _id("chatcmpl"))
+    id: str = Field(default_factory=lambda: new_id("chatcmpl"))
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=now)
     model: str
     choices: list[ChatChoice]
     service_tier: None = None
@@ -231,10 +253,53 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = None
 
 
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatDelta(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
 class ModelCard(BaseModel):
     id: str
     object: str = "model"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=now)
     owned_by: str = "dew"
     root: str | None = None
     parent: str | None = None
@@ -247,7 +312,8 @@ class ModelList(BaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-__all__ = ["NEUTRAL", "ChatChoice", "ChatCompletionRequest", "ChatCompletionResponse", "ChatLogProb",
-           "ChatLogProbs", "ChatLogProbsContent", "ChatMessage", "CompletionChoice", "CompletionLogProbs",
-           "CompletionRequest", "CompletionResponse", "ModelCard", "ModelList", "ServeError", "UsageInfo",
-           "error_response", "unsupported"]
+__all__ = ["NEUTRAL", "ChatChoice", "ChatCompletionRequest", "ChatCompletionResponse", "ChatDelta",
+           "ChatLogProb", "ChatLogProbs", "ChatLogProbsContent", "ChatMessage", "ChatStreamChoice",
+           "ChatStreamResponse", "CompletionChoice", "CompletionLogProbs", "CompletionRequest",
+           "CompletionResponse", "CompletionStreamChoice", "CompletionStreamResponse", "ModelCard", "ModelList",
+           "ServeError", "UsageInfo", "error_body", "error_response", "failure", "new_id", "now", "unsupported"]

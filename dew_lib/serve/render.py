@@ -77,9 +77,12 @@ def token_names(tokenizer: Any, ids: Sequence[int], *, as_ids: bool, known: dict
     return decoded_tokens(tokenizer, ids, known)
 
 
-def completion_logprobs(names: Sequence[str], values: Sequence[float]) -> CompletionLogProbs:
-    """/v1/completions log-probs for logprobs=0: each sampled token and nothing else in its top."""
-    offsets, at = [], 0
+def completion_logprobs(names: Sequence[str], values: Sequence[float], start: int = 0) -> CompletionLogProbs:
+    """/v1/completions log-probs for logprobs=0: each sampled token and nothing else in its top.
+
+    start: the first text_offset (a stream's chunk starts at the length of the text sent before it).
+    """
+    offsets, at = [], start
     for name in names:
         offsets.append(at)
         at += len(name)
@@ -91,7 +94,8 @@ def chat_logprobs(names: Sequence[str], decoded: Sequence[str], values: Sequence
     """/v1/chat/completions log-probs for top_logprobs=0: bytes are those of the decoded token
     even when the token is named by its id."""
     return ChatLogProbs(content=[
-        ChatLogProbsContent(token=name, logprob=value, bytes=list(text.encode("utf-8", errors="replace")))
+        ChatLogProbsContent(token=name, logprob=value, bytes=list(text.encode("utf-8", errors="replace")),
+                            top_logprobs=[])
         for name, text, value in zip(names, decoded, values, strict=True)])
 
 
