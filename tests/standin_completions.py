@@ -19,11 +19,15 @@ faults queued for its next requests:
     "missing"    HTTP 200 whose choice lacks its logprobs
     "drop"       sends the headers and a few bytes, then closes the connection
     "abort"      a complete answer whose finish_reason is "abort"
+    "cut"        SGLang's sglext.routed_experts loses its last int32 (valid base64, not whole tokens)
+    "garbled"    SGLang's sglext.routed_experts is not base64
 
 The answers follow the engines' own code (field names, where EOS goes, how ids are rendered,
-routed_experts as base64 .npy of [prompt + sampled - 1, layers, top_k], error bodies); the
-files and commits are cited in tests/test_rollout_servers.py. `serve(app)` runs an app with
-uvicorn on 127.0.0.1 and an ephemeral port in a background thread.
+error bodies; vLLM's routed_experts per choice as base64 .npy of [prompt + sampled - 1, layers,
+top_k], SGLang's once per response, asked for with return_routed_experts, as
+sglext.routed_experts: base64 of the same rows' raw int32 bytes); the files and commits are
+cited in tests/test_rollout_servers.py and tests/test_sglang_routing.py. `serve(app)` runs an
+app with uvicorn on 127.0.0.1 and an ephemeral port in a background thread.
 
 A completions prompt may be one row of ids or a list of rows (one choice each).
 
@@ -48,7 +52,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-FAULTS = ("error", "slow", "malformed", "missing", "drop", "abort")
+FAULTS = ("error", "slow", "malformed", "missing", "drop", "abort", "cut", "garbled")
 
 
 @dataclasses.dataclass
@@ -57,7 +61,7 @@ class Engine:
     model's EOS. eos_at: the step at which the model all but certainly draws EOS (elsewhere it
     all but never does); None: never. max_model_len: prompt + max_tokens allowed.
     logprobs_mode: vLLM's --logprobs-mode ("raw_logprobs" or "processed_logprobs").
-    routing: (layers, top_k) when vLLM runs with --enable-return-routed-experts.
+    routing: (layers, top_k) when the engine runs with --enable-return-routed-experts.
     sampling_mask: vLLM runs with --return-sampling-mask. generate_logprobs: "ids" answers the
     token route's logprobs as current vLLM does ({"token_id": n}), "tokens" as older releases
     ({"token": "token_id:n"}). renders_ids: False plays an engine that ignores the request's
@@ -145,14 +149,27 @@ def _generate(engine: Engine, prompt: list[int], params: dict[str, Any]) -> tupl
     return steps, "length", None
 
 
-def _routing(engine: Engine, prompt: list[int], steps: list[_Step]) -> str:
-    """base64 .npy routing of every id but the last sampled one (never forwarded), as vLLM sends."""
+def _routed(engine: Engine, prompt: list[int], steps: list[_Step]) -> np.ndarray:
+    """The routing of every id but the last sampled one (never forwarded): [rows, layers, top_k]."""
     layers, top_k = engine.routing
     rng = np.random.default_rng([len(prompt), len(steps), *prompt])
-    routed = rng.integers(0, 8, (len(prompt) + len(steps) - 1, layers, top_k)).astype(np.uint8)
+    return rng.integers(0, 8, (len(prompt) + len(steps) - 1, layers, top_k))
+
+
+def _routing(engine: Engine, prompt: list[int], steps: list[_Step]) -> str:
+    """base64 .npy routing, as vLLM sends it (its dtype here: uint8)."""
     buffer = io.BytesIO()
-    np.save(buffer, routed)
+    np.save(buffer, _routed(engine, prompt, steps).astype(np.uint8))
     return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _sglang_routing(engine: Engine, prompt: list[int], steps: list[_Step], fault: str | None) -> str:
+    """base64 of the routing's raw int32 bytes, flat, as SGLang's detokenizer encodes it."""
+    raw = _routed(engine, prompt, steps).astype(np.int32).tobytes()
+    if fault == "cut":
+        raw = raw[:-4]
+    text = base64.b64encode(raw).decode("ascii")
+    return "not base64!" + text if fault == "garbled" else text
 
 
 def _text(steps: list[_Step], stop: Any) -> str:
@@ -187,14 +204,19 @@ def _sglang_error(status: int, message: str, kind: str) -> JSONResponse:
 
 
 async def _take_fault(engine: Engine, path: str, body: Any) -> str | None:
-    engine.received.append((path, body))
+    received = engine.received
+    received.append((path, body))
     fault = engine.faults.popleft() if engine.faults else None
     if fault == "slow":
         await asyncio.sleep(engine.delay)
+        if engine.received is not received:  # the engine was reset for a later test meanwhile:
+            fault = "stale"                  # answer nothing that test would record as its own
     return fault
 
 
 def _answer(engine: Engine, path: str, answer: dict, fault: str | None) -> Response:
+    if fault == "stale":
+        return Response(status_code=503)
     for choice in answer["choices"]:
         if fault == "missing":
             choice.pop("logprobs", None)
@@ -391,6 +413,9 @@ def sglang_router(engine: Engine) -> APIRouter:
                   "model": body.get("model", "default"), "choices": choices,
                   "usage": _usage([(p, r[0]) for p, r in rows], reasoning_tokens=0),
                   "metadata": {"weight_version": "default"}}
+        if body.get("return_routed_experts") and engine.routing:  # the first choice's, per response
+            prompt, (steps, _, _) = rows[0]
+            answer["sglext"] = {"routed_experts": _sglang_routing(engine, prompt, steps, fault)}
         return _answer(engine, "/v1/completions", answer, fault)
 
     return router

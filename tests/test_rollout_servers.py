@@ -205,7 +205,8 @@ def test_stop_on_an_id_sampling_does_not_list(urls):
     ("sglang", Sampling(temperature=0.5, top_p=0.9), {}, "top_p=0.9"),
     ("sglang", Sampling(min_p=0.05), {}, "drop the filters"),
     ("sglang", Sampling(), {"processed_logprobs": True}, "leave it False"),
-    ("sglang", Sampling(), {"routing": True}, "routing=False"),
+    ("sglang", Sampling(), {"routing": True}, "routing_shape=(layers, top_k)"),
+    ("vllm", Sampling(), {"routing_shape": (3, 2)}, "pass routing=True"),
 ])
 def test_openai_refusals(urls, provider, sampling, options, words):
     with pytest.raises(ValueError, match=re.escape(words)):

@@ -4,12 +4,25 @@
 pointed at the engine's /v1. `create` posts token-id prompts (one row of ids, or several rows,
 one choice each) with the Sampling controls, a seed, logprobs=0 and the field that makes the
 engine report the ids it sampled, and reads each choice into a `CompletionChoice`: the sampled
-ids, one log-probability per id, the finish reason and, from vLLM, the routing. The ids come
-from the engine, so nothing is detokenized or retokenized.
+ids, one log-probability per id, the finish reason and the routing. The ids come from the
+engine, so nothing is detokenized or retokenized.
 
     provider  ids requested by                  where the ids come back
     vllm      return_tokens_as_token_ids: true  logprobs.tokens, rendered "token_id:<id>"
     sglang    return_token_ids: true            the choice's token_ids
+
+Routing (the experts an MoE model sent each token to) comes back in two shapes, both covering the
+prompt and every sampled id but the last, which the engines never run through the model:
+
+    provider  launched with, requested by           where it comes back
+    vllm      --enable-return-routed-experts         each choice's routed_experts: base64 .npy
+              (nothing in the request)               of [prompt + sampled - 1, layers, top_k]
+    sglang    --enable-return-routed-experts,        the response's sglext.routed_experts, once
+              return_routed_experts: true            per response (its first choice): base64 of
+                                                     raw int32 bytes, flat, so the caller gives
+                                                     (layers, top_k) to read it
+
+SGLang leaves sglext out, without an error, when it was launched without the flag.
 
 Both engines keep the EOS id they stopped on in those ids and report its log-probability (vLLM
 appends each sampled id before its stop check and leaves it out of the text only; SGLang trims
@@ -31,6 +44,8 @@ Not here: the engines' token route (`vllm_generate`), chat completions, weight p
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import json
 import re
@@ -60,8 +75,8 @@ _TOKEN_ID = re.compile(r"token_id:(\d+)")
 class CompletionChoice:
     """One choice as Dew reads it. tokens: the sampled ids (EOS included on a natural stop).
     log_probs: one engine-reported log-probability per id. finish_reason: the engine's own
-    ("stop", "length", "abort", ...). routed_experts: vLLM's `[prompt + sampled - 1, layers,
-    top_k]` routing, when it sent one."""
+    ("stop", "length", "abort", ...). routed_experts: the engine's `[prompt + sampled - 1, layers,
+    top_k]` routing, when it sent one (vLLM per choice; SGLang for its first choice only)."""
 
     tokens: np.ndarray
     log_probs: np.ndarray
@@ -101,9 +116,11 @@ class OpenAICompletion:
         label = {"vllm": "vLLM", "sglang": "SGLang"}[self.provider]
         return f"{label} at {getattr(self.client, 'base_url', '?')}"
 
-    def request(self, prompt_ids, *, max_tokens: int, sampling: Sampling,
-                seed: int | None) -> dict[str, Any]:
-        """The JSON fields of one request (the body `create` posts, model and prompt included)."""
+    def request(self, prompt_ids, *, max_tokens: int, sampling: Sampling, seed: int | None,
+                routing: tuple[int, int] | None = None) -> dict[str, Any]:
+        """The JSON fields of one request (the body `create` posts, model and prompt included).
+        routing: (layers, top_k) when the routing is wanted; SGLang is asked for it
+        (return_routed_experts), vLLM sends it whenever it runs with the flag."""
         body: dict[str, Any] = {
             "model": self.name, "prompt": _prompt(prompt_ids), "max_tokens": int(max_tokens),
             "temperature": float(sampling.temperature), "top_p": float(sampling.top_p),
@@ -114,13 +131,20 @@ class OpenAICompletion:
         if sampling.eos_ids:
             body["stop_token_ids"] = list(sampling.eos_ids)
         body["return_tokens_as_token_ids" if self.provider == "vllm" else "return_token_ids"] = True
+        if routing is not None and self.provider == "sglang":
+            body["return_routed_experts"] = True
         return body
 
     def create(self, prompt_ids, *, max_tokens: int, sampling: Sampling,
-               seed: int | None = None) -> Completion:
+               seed: int | None = None, routing: tuple[int, int] | None = None) -> Completion:
         """Post a token-id prompt (one row of ids, or a list of rows: one choice each) and read the
-        answer; `EngineError` on any failure."""
-        body = self.request(prompt_ids, max_tokens=max_tokens, sampling=sampling, seed=seed)
+        answer; `EngineError` on any failure. routing: (layers, top_k) to ask for the routing
+        and read it in that shape (SGLang needs it; a vLLM routing of another shape is refused).
+        Without it vLLM's routing is still read when sent, SGLang's is not asked for."""
+        if routing is not None:
+            routing = _routing_shape(routing)
+        body = self.request(prompt_ids, max_tokens=max_tokens, sampling=sampling, seed=seed,
+                            routing=routing)
         named = {key: body.pop(key) for key in ("model", "prompt", "max_tokens", "temperature",
                                                  "top_p", "logprobs", "seed") if key in body}
         answer = _post(self, named, body)
@@ -128,8 +152,50 @@ class OpenAICompletion:
         if not choices:
             raise EngineError(f"{self.engine} answered with no choices")
         read = _read_vllm if self.provider == "vllm" else _read_sglang
-        return Completion(tuple(read(self.engine, item, f"choices.{n}")
-                                for n, item in enumerate(choices)), answer)
+        read_choices = [read(self.engine, item, f"choices.{n}") for n, item in enumerate(choices)]
+        if routing is not None:
+            if self.provider == "sglang":
+                routed = _sglang_routing(self.engine, answer, routing)
+                read_choices[0] = dataclasses.replace(read_choices[0], routed_experts=routed)
+            for n, item in enumerate(read_choices):
+                routed = item.routed_experts
+                if routed is not None and (routed.ndim != 3 or routed.shape[1:] != routing):
+                    raise EngineError(f"{self.engine} sent choices.{n}.routed_experts of shape "
+                                      f"{routed.shape}; expected [tokens, {routing[0]}, {routing[1]}]")
+        return Completion(tuple(read_choices), answer)
+
+
+def _routing_shape(value: Any) -> tuple[int, int]:
+    """(layers, top_k) as two positive ints, or ValueError."""
+    if (not isinstance(value, tuple | list) or len(value) != 2
+            or any(isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1 for n in value)):
+        raise ValueError(f"routing_shape must be (layers, top_k), two positive ints, got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def _sglang_routing(engine: str, answer: dict, shape: tuple[int, int]) -> np.ndarray | None:
+    """SGLang's sglext.routed_experts (base64 of flat int32 bytes) as [tokens, layers, top_k];
+    None when SGLang sent none (it was launched without --enable-return-routed-experts)."""
+    ext = answer.get("sglext")
+    if ext is None:
+        return None
+    if not isinstance(ext, dict):
+        raise EngineError(f"{engine} answered sglext as {type(ext).__name__}, not an object")
+    value = ext.get("routed_experts")
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise EngineError(f"{engine} sent sglext.routed_experts as {type(value).__name__}, not base64 text")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except binascii.Error as error:
+        raise EngineError(f"{engine} sent a sglext.routed_experts that is not base64: {error}") from error
+    row = 4 * shape[0] * shape[1]  # int32 bytes of one token's [layers, top_k]
+    if not raw or len(raw) % row:
+        raise EngineError(f"{engine} sent sglext.routed_experts of {len(raw)} bytes, not whole tokens of "
+                          f"[{shape[0]} layers, top_k {shape[1]}] int32; is routing_shape the served "
+                          "model's (num_hidden_layers, num_experts_per_tok)?")
+    return np.frombuffer(raw, "<i4").reshape(-1, *shape)
 
 
 def _prompt(prompt_ids) -> list:
@@ -213,24 +279,30 @@ class OpenAIRolloutServer(RemoteRolloutServer):
     """A `RolloutServer` drawing from `completion`'s engine (see the module docstring).
 
     sampling: the policy's Sampling; the refusals above are raised here. weights: the publisher
-    `load` hands weights to, or None for fixed weights. routing: read vLLM's per-choice
-    routed_experts into each draw (start vLLM with --enable-return-routed-experts).
-    processed_logprobs: vLLM runs with --logprobs-mode processed_logprobs, so a temperature
-    other than 1 is reported truthfully. options: threads and timeouts (RemoteOptions() when
-    None); the client is copied with them and with retries off (the scheduler retries failed
-    sessions).
+    `load` hands weights to, or None for fixed weights. routing: read the engine's routing into
+    each draw (start the engine with --enable-return-routed-experts); a draw without one fails
+    with `EngineError`. routing_shape: (layers, top_k) of that routing, the served model's
+    (num_hidden_layers, num_experts_per_tok): required for SGLang, whose routing is flat int32;
+    for vLLM, optional, and a routing of another shape fails the draw. processed_logprobs: vLLM
+    runs with --logprobs-mode processed_logprobs, so a temperature other than 1 is reported
+    truthfully. options: threads and timeouts (RemoteOptions() when None); the client is copied
+    with them and with retries off (the scheduler retries failed sessions).
     """
 
     def __init__(self, completion: OpenAICompletion, sampling: Sampling, weights: Publisher | None,
                  routing: bool = False, processed_logprobs: bool = False, *,
-                 options: RemoteOptions | None = None, seed: int = 0):
+                 options: RemoteOptions | None = None, seed: int = 0,
+                 routing_shape: tuple[int, int] | None = None):
         import openai
 
         if not isinstance(completion, OpenAICompletion):
             raise TypeError("OpenAIRolloutServer.completion must be an OpenAICompletion(name, client, "
                             f"provider), got {type(completion).__name__}")
+        if routing_shape is not None:
+            routing_shape = _routing_shape(routing_shape)
         if isinstance(sampling, Sampling):
-            _refuse(completion.provider, sampling, bool(routing), bool(processed_logprobs))
+            _refuse(completion.provider, sampling, bool(processed_logprobs))
+        _refuse_routing(completion.provider, bool(routing), routing_shape)
         options = RemoteOptions() if options is None else options
         if not isinstance(options, RemoteOptions):
             raise TypeError(f"OpenAIRolloutServer.options must be a RemoteOptions, got {type(options).__name__}")
@@ -238,17 +310,19 @@ class OpenAIRolloutServer(RemoteRolloutServer):
             timeout=openai.Timeout(options.timeout, connect=options.connect_timeout), max_retries=0)
         super().__init__(sampling, weights, options=options, seed=seed)
         self.routing, self.processed_logprobs = bool(routing), bool(processed_logprobs)
+        self.routing_shape = routing_shape
         self.completion = dataclasses.replace(completion, client=client)
         self.engine = completion.engine
 
     def _draw(self, prompt: np.ndarray, max_new_tokens: int, seed: int, version: int) -> Draw:
         answer = self.completion.create(prompt, max_tokens=max_new_tokens, sampling=self.sampling,
-                                        seed=seed)
+                                        seed=seed, routing=self.routing_shape if self.routing else None)
         if len(answer.choices) != 1:
             raise EngineError(f"{self.engine} answered {len(answer.choices)} choices to a request for one")
         (drawn,) = answer.choices
         if self.routing and drawn.routed_experts is None:
-            raise EngineError(f"{self.engine} sent no routed_experts; start vLLM with "
+            where = "routed_experts" if self.completion.provider == "vllm" else "sglext.routed_experts"
+            raise EngineError(f"{self.engine} sent no {where}; start it with "
                               "--enable-return-routed-experts, or build the server with routing=False")
         return remote_draw(self.engine, self.sampling, ids=drawn.tokens, log_probs=drawn.log_probs,
                            finish_reason=drawn.finish_reason, version=version,
@@ -256,7 +330,7 @@ class OpenAIRolloutServer(RemoteRolloutServer):
                            routed_experts=drawn.routed_experts if self.routing else None)
 
 
-def _refuse(provider: str, sampling: Sampling, routing: bool, processed_logprobs: bool) -> None:
+def _refuse(provider: str, sampling: Sampling, processed_logprobs: bool) -> None:
     """Raise ValueError for a Sampling or option the provider's completions route cannot serve."""
     filters = [text for text, on in (
         (f"top_k={sampling.top_k}", sampling.top_k is not None),
@@ -284,9 +358,16 @@ def _refuse(provider: str, sampling: Sampling, routing: bool, processed_logprobs
     if processed_logprobs:
         raise ValueError("processed_logprobs=True describes vLLM's --logprobs-mode; SGLang always "
                          "reports tempered log-probabilities, so leave it False for provider='sglang'")
-    if routing:
-        raise ValueError("routing=True reads vLLM's per-choice routed_experts; SGLang's completions "
-                         "route does not send them per choice, so build this server with routing=False")
+
+
+def _refuse_routing(provider: str, routing: bool, shape: tuple[int, int] | None) -> None:
+    if shape is not None and not routing:
+        raise ValueError(f"routing_shape={shape} describes a routing this server does not read; "
+                         "pass routing=True with it, or drop it")
+    if routing and shape is None and provider == "sglang":
+        raise ValueError("routing=True for SGLang needs routing_shape=(layers, top_k), the served "
+                         "model's (num_hidden_layers, num_experts_per_tok): SGLang sends "
+                         "sglext.routed_experts as flat int32 without its shape")
 
 
 __all__ = ["PROVIDERS", "Completion", "CompletionChoice", "OpenAICompletion", "OpenAIRolloutServer"]
