@@ -35,6 +35,7 @@ Not here: checking requests (they are refused with a plain 400 before a stream s
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
@@ -126,7 +127,7 @@ def stream_options(request: CompletionRequest | ChatCompletionRequest) -> tuple[
     return usage, usage and bool(options.get("continuous_usage_stats"))
 
 
-class _Stream:
+class _Stream(abc.ABC):
     """What the two routes' streams share: the draws, their events, the deltas and the usage."""
 
     prefix = ""
@@ -206,11 +207,13 @@ class _Stream:
         usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
         return _sse(self.chunk(choices=[], usage=usage), exclude_none=True)
 
+    @abc.abstractmethod
     def chunks(self, choice, ids, values, text, finish_reason, stop_reason) -> str:
-        raise NotImplementedError
+        """The events carrying one choice's new ids (its text delta, log-probs and finish)."""
 
+    @abc.abstractmethod
     def chunk(self, **fields):
-        raise NotImplementedError
+        """One chunk of this route's stream model, with the stream's id, created and model."""
 
 
 class CompletionStream(_Stream):
