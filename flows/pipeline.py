@@ -70,8 +70,8 @@ def _stages(params: PipelineParams, directory: str, store_root: str, run: str):
         result = STAGES[stage](getattr(params, stage), data, policy, os.path.join(directory, stage),
                                store_root, run, params.seed, **(rl if stage == "grpo" else {}))
         policy = result.policy
-        accuracy = evaluate(stage, policy, data, params.evaluation, directory, store_root, run,
-                            getattr(params, stage).steps, **graded)
+        steps = getattr(params, stage).steps if result.steps is None else result.steps
+        accuracy = evaluate(stage, policy, data, params.evaluation, directory, store_root, run, steps, **graded)
         table.append(_row(stage, accuracy, result.cached))  # the stage reused, not its evaluation
     return table, policy
 

@@ -42,6 +42,7 @@ class StageResult(Manifest):
     policy: PolicyRef
     metrics: dict[str, float]
     directory: str
+    steps: int | None = None  # optimizer steps trained (DPO may cut its own); None: a result.json from before
     cached: bool = False
 
 

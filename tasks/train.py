@@ -283,7 +283,8 @@ def run_stage(job: StageJob, logger, sinks: Sequence = (), publish=None) -> Stag
             publish(stage, metrics, plot)
         writer.checkpoint(params.steps, policy.path, kind="policy")
         writer.finish("completed", metrics)
-    result = StageResult(stage=stage, kind=kind, policy=policy, metrics=metrics, directory=directory)
+    result = StageResult(stage=stage, kind=kind, policy=policy, metrics=metrics, directory=directory,
+                         steps=params.steps)
     write_json(os.path.join(directory, "result.json"), {"fingerprint": job.key, "result": result.model_dump()})
     return result
 

@@ -49,7 +49,8 @@ def finished(harness, tmp_path_factory):
     from flows.pipeline import pipeline
 
     root = tmp_path_factory.mktemp("runs")
-    params = tiny(root)
+    # DPO cuts its 3 steps to 1: a fraction of one pass over its pairs (dpo.max_epochs)
+    params = tiny(root, dpo=dict(TINY["dpo"], steps=3, max_epochs=0.001))
     return root, params, pipeline(params)
 
 
@@ -70,7 +71,10 @@ def test_the_pipeline_trains_every_stage_and_records_it(finished):
     calls = query(root, f"SELECT len(sampled_ids), len(behavior_log_probs) FROM calls WHERE run = '{run}'")
     assert len(calls) == sessions[0] and all(a == b and a > 0 for a, b in calls)
     steps = dict(query(root, f"SELECT stage, max(step) FROM metrics WHERE run = '{run}' GROUP BY stage"))
-    assert steps == {"sft": 4, "dpo": 2, "grpo": 2}
+    assert steps == {"sft": 4, "dpo": 1, "grpo": 2}
+    # Each evaluation is labelled with the step its stage ended at, the steps DPO cut included.
+    evaluated = dict(query(root, f"SELECT stage, max(step) FROM evaluations WHERE run = '{run}' GROUP BY stage"))
+    assert evaluated == {"eval-start": 0, "eval-sft": 4, "eval-dpo": 1, "eval-grpo": 2}
     # Each held-out prompt's greedy answer (sample 0) and two drawn at temperature 1 landed; the
     # stage's accuracies are their means.
     answers = query(root, f"SELECT stage, sample, temperature, count(*), avg(correct::INT) FROM evaluations "
@@ -102,6 +106,8 @@ def test_a_rerun_with_the_same_inputs_reuses_every_finished_stage(finished):
     again = pipeline(params)
     assert again["run"] != first["run"]
     assert again["accuracy"] == first["accuracy"]
+    evaluated = query(root, f"SELECT step FROM evaluations WHERE run = '{again['run']}' AND stage = 'eval-dpo'")
+    assert {step for step, in evaluated} == {1}  # the reused stage's own step count
     stages = query(root, f"SELECT stage, status FROM stages WHERE run = '{again['run']}'")
     assert {status for _, status in stages} == {"completed"}
     # Nothing trained: no metrics or sessions under the second run.
