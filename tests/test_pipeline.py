@@ -317,3 +317,29 @@ def test_a_bad_parameters_file_is_refused_naming_the_file_or_the_field(tmp_path,
     typo.write_text(json.dumps({"data": {"colums": {"prompt": "question"}}}))
     with pytest.raises(ValidationError, match=r"data.colums\n  Extra inputs are not permitted"):
         command_line(["--params", str(typo)], PipelineParams(), prog="python -m flows", description="")
+
+
+@pytest.mark.slow
+def test_sampled_keys_repeats_the_runs_own_draws_under_its_key(finished, capsys):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import sampled_keys
+
+    from dew_lib.models.pretrained import load_pretrained
+    from tasks.data import read_eval
+
+    root, params, outcome = finished
+    data, policy = root / "demo" / "data", root / "demo" / "sft" / "latest" / "policy"
+    rows = read_eval(str(data / "eval.jsonl"))
+    # Key 0 is the run's own evaluation.seed: the same draws, answer for answer.
+    drawn = sampled_keys.drawn_answers(*load_pretrained(policy), rows, params.evaluation, key=0)
+    stored = query(root, f"SELECT answer FROM evaluations WHERE run = '{outcome['run']}' AND stage = 'eval-sft' "
+                         "AND sample > 0 ORDER BY sample, item")
+    assert drawn == [answer for answer, in stored]
+    assert drawn != sampled_keys.drawn_answers(*load_pretrained(policy), rows, params.evaluation, key=1)
+    evaluation = params.evaluation
+    assert sampled_keys.main([str(data), str(policy), "--keys", "2", "--samples", str(evaluation.samples),
+                              "--batch", str(evaluation.batch), "--max-new-tokens", str(evaluation.max_new_tokens)]) == 0
+    header, line = capsys.readouterr().out.splitlines()
+    assert header == "right draws of 20 prompts x 2 under keys 1..2"
+    first, second = (int(n) for n in line.removeprefix(f"{policy}: ").split()[:2])
+    assert line.endswith(f"total {first + second} of 80 ({100 * (first + second) / 80:.2f}%)")
