@@ -220,7 +220,7 @@ class RolloutServerParams(Params):
 class GRPOParams(TextStageParams):
     steps: int = Field(60, ge=1, description="optimizer steps")
     learning_rate: float = Field(5e-6, gt=0, description="AdamW learning rate (the demo's policy is near "
-                                 "99% after SFT; 2e-5 lowered it at some seeds, docs/pipeline.md)")
+                                 "99% after SFT, and 2e-5 lowered it at seed 0; docs/pipeline.md)")
     batch: int = Field(8, ge=1, description="prompts per step")
     groups: int = Field(8, ge=2, description="completions drawn per prompt")
     max_new_tokens: int = Field(16, ge=1, description="response budget per completion")

@@ -147,7 +147,8 @@ def test_processes_enters_the_fingerprint_only_above_one():
     # What the key was before the field existed (computed by the code before it), so the stages of
     # earlier runs are still reused.
     assert one == "88151340d460851c" and "processes" not in inputs["params"]
-    assert stage_inputs("grpo", GRPOParams(steps=2, batch=2, groups=4), data, start, 0)[0] == "430d7c8acd6c3d49"
+    grpo = GRPOParams(steps=2, batch=2, groups=4, learning_rate=2e-5)  # the default rate then
+    assert stage_inputs("grpo", grpo, data, start, 0)[0] == "430d7c8acd6c3d49"
     two, inputs = stage_inputs("sft", SFTParams(steps=4, batch=4, processes=2), data, start, 0)
     assert two != one and inputs["params"]["processes"] == 2
 
