@@ -20,14 +20,19 @@ def threads() -> int:
     return int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1))
 
 
-def median_seconds(run, repeats: int) -> float:
-    """Median wall time of `repeats` calls of `run` (which must block until done)."""
+def wall_times(run, repeats: int) -> list[float]:
+    """Wall time of each of `repeats` calls of `run` (which must block until done)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(run, repeats: int) -> float:
+    """Median wall time of `repeats` calls of `run` (which must block until done)."""
+    return statistics.median(wall_times(run, repeats))
 
 
 def jax_matmul_peak(size: int = 1024, repeats: int = 7) -> float:

@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
 
-from common import in_subprocess, median_seconds, report  # noqa: E402
+from common import in_subprocess, report, wall_times  # noqa: E402
 
 # Qwen3-0.6B's config.json, the fields the decoder reads (Qwen/Qwen3-0.6B on the Hugging Face hub)
 QWEN3_06B_CONFIG = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151_936,
@@ -122,12 +122,7 @@ def matmul_peak(dtype_name: str, size: int) -> float:
     b = jax.random.normal(jax.random.key(1), (size, size), dtype)
     mm = jax.jit(lambda x, y: x @ y)
     mm(a, b).block_until_ready()
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        mm(a, b).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / min(times)
+    return 2 * size**3 / min(wall_times(lambda: mm(a, b).block_until_ready(), 7))
 
 
 def picked_kernel(options: dict, batch: int, seq: int) -> str:
