@@ -252,7 +252,10 @@ def test_bench_gpu_dry_run_runs_every_part_on_the_cpu():
     values = dict(re.findall(r"^(.+?)\s{2,}(.+)$", out, re.MULTILINE))
     assert values["device"].startswith("cpu x 1 (cpu")
     assert float(values["SFT 4x32: tokens/s"].replace(",", "")) > 0
-    assert 0 < float(values["SFT: MFU (model FLOP/s / device peak)"]) < 1
+    # On a CPU the "peak" is a matmul rate measured in another process at another moment; on a
+    # shared machine the step can run while that matmul ran crowded, so only a datasheet peak
+    # bounds this ratio by 1. Here it must be a number the formula produced, nothing more.
+    assert float(values["SFT: MFU (model FLOP/s / device peak)"]) > 0
     assert values["SFT: attention kernel, parameter dtypes"] == "fused, float32"
     grpo = values["GRPO 4 rows x 16: tokens/s (prompt + completion, whole step)"]
     assert float(grpo.replace(",", "")) > 0
