@@ -36,14 +36,24 @@ GENERATOR_VERSION = 2  # bump when the files below would come out differently
 FILES_ONLY = {"columns", "ground_truth_after", "max_truncated"}  # fields no generated file depends on
 
 
-def _generator_params(params: DataParams) -> dict:
-    """What the arithmetic and code files depend on (a new files-only field keeps their fingerprints)."""
-    return params.model_dump(mode="json", exclude=FILES_ONLY)
+def _generator_params(params: DataParams, teacher: bool = True) -> dict:
+    """What the arithmetic (`teacher`) or code files depend on. A new files-only field keeps their
+    fingerprints, and so does `teacher_errors` where it is 0 or unused, as before it existed."""
+    unused = {"teacher_errors"} if not teacher or params.teacher_errors == 0 else set()
+    return params.model_dump(mode="json", exclude=FILES_ONLY | unused)
 
 
 def _prompt_record(problem: Problem) -> dict:
     return {"prompt": problem.messages(False), "ground_truth": str(problem.answer),
             "data_source": "arithmetic", "extra_info": json.dumps({"solution": solution(problem)})}
+
+
+def _taught(problem: Problem, rng: random.Random, errors: float) -> list[dict]:
+    """The SFT conversation, its answer a near miss with probability `errors`."""
+    if errors == 0 or rng.random() >= errors:
+        return problem.messages()
+    wrong = near_misses(problem, rng)[0]
+    return problem.messages(False) + [{"role": "assistant", "content": solution(problem, wrong)}]
 
 
 def _pair(tokenizer, problem: Problem, wrong: int) -> dict:
@@ -78,7 +88,7 @@ def generate_arithmetic(params: DataParams, directory: str, seed: int) -> DataMa
     tokenizer = train_byte_bpe(corpus, vocab_size=params.vocab_size, directory=tokenizer_dir)
     paths = {name: os.path.join(directory, f"{name}.jsonl")
              for name in ("chat", "chat_val", "pairs", "prompts", "eval")}
-    write_lines(paths["chat"], ({"messages": p.messages()} for p in sft))
+    write_lines(paths["chat"], ({"messages": _taught(p, rng, params.teacher_errors)} for p in sft))
     write_lines(paths["chat_val"], ({"messages": p.messages()} for p in held_out[:50]))
     write_lines(paths["pairs"], (_pair(tokenizer, p, near_misses(p, rng)[0]) for p in rest))
     write_lines(paths["prompts"], (_prompt_record(p) for p in rest))
@@ -345,7 +355,7 @@ def code_splits(rows: list[dict], layout: str, params: DataParams) -> tuple[list
 def prepare_code(params: DataParams, directory: str, seed: int) -> DataManifest:
     """Write code-task prompts, evaluation rows, SFT conversations and (unless given) a tokenizer."""
     path = os.path.abspath(params.code_path)
-    key = fingerprint("code", CODE_VERSION, _generator_params(params), seed, (path, os.path.getsize(path),
+    key = fingerprint("code", CODE_VERSION, _generator_params(params, teacher=False), seed, (path, os.path.getsize(path),
                                                            os.path.getmtime(path)))
     manifest_path = os.path.join(directory, "manifest.json")
     existing = read_json(manifest_path)

@@ -62,7 +62,8 @@ def _prompt_record(problem: Problem) -> dict:
 
 def generate_tools(params: DataParams, directory: str, seed: int) -> DataManifest:
     """Write the tool task's files under `directory` (or reuse an identical earlier set)."""
-    key = fingerprint("tools", TOOLS_VERSION, params.model_dump(mode="json", exclude={"max_truncated"}), seed)
+    unused = {"max_truncated", "teacher_errors"}  # the tool task's answers all come from its calculator
+    key = fingerprint("tools", TOOLS_VERSION, params.model_dump(mode="json", exclude=unused), seed)
     manifest_path = os.path.join(directory, "manifest.json")
     existing = read_json(manifest_path)
     if existing is not None and existing.get("fingerprint") == key:

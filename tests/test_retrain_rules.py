@@ -199,7 +199,7 @@ def test_a_changed_grpo_parameter_retrains_grpo_only(base):
     root, params, _ = base
     outcome, lines = rerun(root, grpo={**params.grpo.model_dump(), "learning_rate": 1e-5})
     check_retrained(root, outcome, lines, retrained=("grpo",))
-    assert said(lines, "grpo", "grpo parameters (learning_rate 5e-06 -> 1e-05)")
+    assert said(lines, "grpo", "grpo parameters (learning_rate 5e-05 -> 1e-05)")
 
 
 @pytest.mark.slow
