@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
 
-from common import in_subprocess, report, wall_times  # noqa: E402
+from common import in_subprocess, jax_matmul_peak, report  # noqa: E402
 
 # Qwen3-0.6B's config.json, the fields the decoder reads (Qwen/Qwen3-0.6B on the Hugging Face hub)
 QWEN3_06B_CONFIG = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151_936,
@@ -111,20 +111,6 @@ def flops_per_token(options: dict, seq: int) -> float:
     return 6 * matmul_params + 12 * layers * h * d * seq
 
 
-def matmul_peak(dtype_name: str, size: int) -> float:
-    """FLOP/s of a `size`-square matmul in `dtype_name` on this device: the fastest of several
-    runs, since a peak is the best the device reaches (a median would count a busy moment)."""
-    import jax
-    import jax.numpy as jnp
-
-    dtype = jnp.dtype(dtype_name)
-    a = jax.random.normal(jax.random.key(0), (size, size), dtype)
-    b = jax.random.normal(jax.random.key(1), (size, size), dtype)
-    mm = jax.jit(lambda x, y: x @ y)
-    mm(a, b).block_until_ready()
-    return 2 * size**3 / min(wall_times(lambda: mm(a, b).block_until_ready(), 7))
-
-
 def picked_kernel(options: dict, batch: int, seq: int) -> str:
     """What `attention_kernel` runs for these shapes on this backend (decoder_attention)."""
     import jax
@@ -148,7 +134,7 @@ def child_info(args) -> dict:
         # measure dispatch overhead, and the model's own step could then beat its "peak"
         cpu = jax.default_backend() == "cpu"
         dtype, size = ("float32", 1024) if cpu else ("bfloat16", 8192)
-        peak, source = matmul_peak(dtype, size), f"measured, {dtype} {size}x{size} matmul"
+        peak, source = jax_matmul_peak(size, 7, dtype, fastest=True), f"measured, {dtype} {size}x{size} matmul"
     return {"backend": jax.default_backend(), "kind": device.device_kind,
             "devices": jax.device_count(), "peak": peak, "peak_source": source,
             "jax": jax.__version__}
