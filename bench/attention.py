@@ -20,7 +20,6 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
-
 from common import check_one_core, in_subprocess, median_seconds, per_round, report, threads  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK = 4, 64, 256

@@ -39,8 +39,8 @@ from dew_lib import Dataset, Trainer, models  # noqa: E402
 from dew_lib.inference import TextGeneration  # noqa: E402
 from dew_lib.objectives import LMObjective  # noqa: E402
 from dew_lib.rollouts import EpisodeJournal, EpisodeRollout, SubprocessEnvironment  # noqa: E402
-from dew_lib.sandbox import SandboxLimits  # noqa: E402
 from dew_lib.sampling import Sampling  # noqa: E402
+from dew_lib.sandbox import SandboxLimits  # noqa: E402
 
 PAD, EOS, CALL, ANSWER, RESULT, QUERY = 0, 1, 2, 3, 4, 15
 WORKER = ROOT / "tests" / "tool_workers" / "journal_square.py"

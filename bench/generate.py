@@ -17,7 +17,6 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
-
 from common import LLAMA_8M, in_subprocess, median_seconds, report, threads, torch_llama  # noqa: E402
 
 

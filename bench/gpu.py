@@ -44,7 +44,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
-
 from common import in_subprocess, jax_matmul_peak, report  # noqa: E402
 
 # Qwen3-0.6B's config.json, the fields the decoder reads (Qwen/Qwen3-0.6B on the Hugging Face hub)

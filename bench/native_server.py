@@ -25,9 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
-
 from common import LLAMA_8M, in_subprocess, median_seconds, report  # noqa: E402
-
 
 CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".pytest_cache", "jax")
 
@@ -48,7 +46,7 @@ def setup(config, requests, prompt_len):
 
 
 def server_rate(config, requests, slots, prompt_len, new_tokens, repeats):
-    from dew_lib.inference import NativeRolloutServer, ServeTask, Server
+    from dew_lib.inference import NativeRolloutServer, Server, ServeTask
     from dew_lib.sampling import Sampling
 
     model, variables, prompts = setup(config, requests, prompt_len)

@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
-
 from common import LLAMA_8M, in_subprocess, per_round, report, threads  # noqa: E402
 
 

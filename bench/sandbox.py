@@ -39,9 +39,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import report  # noqa: E402
 from dew_lib.rewards.code import HARNESS, parse_tests  # noqa: E402
+from dew_lib.sandbox import (  # noqa: E402
+    ContainerRunner,
+    NamespaceRunner,
+    ProcessRunner,
+    Program,
+    SandboxFleet,
+    SandboxLimits,
+    SandboxUnavailable,
+    Verdict,
+)
 from dew_lib.sandbox.launcher import PATH  # noqa: E402
-from dew_lib.sandbox import (ContainerRunner, NamespaceRunner, ProcessRunner, Program,  # noqa: E402
-                             SandboxFleet, SandboxLimits, SandboxUnavailable, Verdict)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 LIMITS = SandboxLimits(wall_seconds=30, memory_bytes=512 << 20)

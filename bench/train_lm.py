@@ -24,9 +24,17 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
-
-from common import (LLAMA_8M, check_one_core, in_subprocess, jax_matmul_peak, median_seconds,  # noqa: E402
-                    per_round, report, threads, torch_train_step)
+from common import (  # noqa: E402
+    LLAMA_8M,
+    check_one_core,
+    in_subprocess,
+    jax_matmul_peak,
+    median_seconds,
+    per_round,
+    report,
+    threads,
+    torch_train_step,
+)
 
 
 def model_flops_per_token(config: dict, seq: int) -> float:

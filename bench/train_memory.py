@@ -27,7 +27,6 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
-
 from common import LLAMA_8M, in_subprocess, report, torch_train_step  # noqa: E402
 
 VOCABS = (8192, 151_936)

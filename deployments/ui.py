@@ -16,8 +16,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tasks.lifetimes import (bound_child, children_exit_with_me, quiet_prefect, stop,  # noqa: E402
-                             terminate_raises, wait_until_healthy)
+from tasks.lifetimes import (  # noqa: E402
+    bound_child,
+    children_exit_with_me,
+    quiet_prefect,
+    stop,
+    terminate_raises,
+    wait_until_healthy,
+)
 
 
 def main() -> int:

@@ -47,8 +47,7 @@ from tasks.params import DiTParams, FlowGRPOParams, FlowPretrainParams, StagePar
 from tasks.records import open_stage, record_reused
 from tasks.storage import enter_stage, start_point, write_json
 from tasks.train import _history, final_metrics
-from tasks.ui import (Deadline, LogSink, ProgressSink, keep_last_checkpoint, plot_curves, publish_images,
-                      publish_stage)
+from tasks.ui import Deadline, LogSink, ProgressSink, keep_last_checkpoint, plot_curves, publish_images, publish_stage
 
 LINKS = ("model", "checkpoints", "previews", "metrics.jsonl", "curves.png")  # also under runs/<name>/<stage>/
 SHOWN = ("loss", "reward", "policy_loss", "transition_kl", "clip_fraction", "grad_norm",

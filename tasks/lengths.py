@@ -26,7 +26,6 @@ from tasks.manifests import DataManifest, fingerprint
 from tasks.params import PipelineParams
 from tasks.storage import read_json, write_json
 
-
 LENGTHS_VERSION = 1  # bump when the measured lengths would come out differently
 
 

@@ -24,8 +24,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from dew_lib.rewards import CodeReward, MathReward, ProgramRun
-from dew_lib.sandbox import (ContainerRunner, NamespaceRunner, ProcessRunner, SandboxFleet,
-                             SandboxLimits, SandboxUnavailable)
+from dew_lib.sandbox import (
+    ContainerRunner,
+    NamespaceRunner,
+    ProcessRunner,
+    SandboxFleet,
+    SandboxLimits,
+    SandboxUnavailable,
+)
 from dew_lib.store import Verdict
 from tasks.params import RewardParams
 

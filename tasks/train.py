@@ -38,9 +38,22 @@ from prefect import get_run_logger, task
 
 from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts
 from dew_lib.objectives import PPOObjective, split_optimizer
-from dew_lib.recipes import (Built, DPOOptions, EpisodeOptions, GRPOOptions, OneTurn, PPOOptions, RemoteEngine,
-                             SFTOptions, ScheduledRollout, build_dpo, build_episode_grpo, build_grpo, build_sft,
-                             remote_server)
+from dew_lib.recipes import (
+    Built,
+    DPOOptions,
+    EpisodeOptions,
+    GRPOOptions,
+    OneTurn,
+    PPOOptions,
+    RemoteEngine,
+    ScheduledRollout,
+    SFTOptions,
+    build_dpo,
+    build_episode_grpo,
+    build_grpo,
+    build_sft,
+    remote_server,
+)
 from dew_lib.store import Store
 from dew_lib.train import distributed
 from dew_lib.train.sinks import JsonlSink

@@ -16,8 +16,12 @@ import time
 from collections.abc import Mapping
 
 from prefect import get_run_logger
-from prefect.artifacts import (create_markdown_artifact, create_progress_artifact,
-                               create_table_artifact, update_progress_artifact)
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 
 EMBEDDED_BYTES = 256 * 1024  # a larger PNG is linked by its path, not embedded
 

@@ -29,15 +29,14 @@ import itertools  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-
 from conftest import tiny_model  # noqa: E402
+
 from dew_lib import Dataset, Field, InputSpec, Trainer, models, presets  # noqa: E402
 from dew_lib.diffusion import FlowGRPOObjective, FlowRollout  # noqa: E402
-from dew_lib.objectives import DPOObjective, GRPOObjective, LMObjective  # noqa: E402
 from dew_lib.inference import NativeRolloutServer, Server, ServeTask, TextGeneration  # noqa: E402
+from dew_lib.objectives import DPOObjective, GRPOObjective, LMObjective  # noqa: E402
 from dew_lib.records import EpisodeStatus, Observation  # noqa: E402
-from dew_lib.rollouts import (EpisodeRollout, PromptSource, RolloutScheduler, SampledRollout,  # noqa: E402
-                              prompt_tasks)
+from dew_lib.rollouts import EpisodeRollout, PromptSource, RolloutScheduler, SampledRollout, prompt_tasks  # noqa: E402
 from dew_lib.sampling import Sampling  # noqa: E402
 from dew_lib.train.sinks import LineLog  # noqa: E402
 

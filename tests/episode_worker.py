@@ -36,8 +36,8 @@ from dew_lib import Dataset, Trainer, models  # noqa: E402
 from dew_lib.inference import TextGeneration  # noqa: E402
 from dew_lib.objectives import GRPOObjective  # noqa: E402
 from dew_lib.rollouts import EpisodeJournal, EpisodeRollout, SubprocessEnvironment  # noqa: E402
-from dew_lib.sandbox import SandboxLimits  # noqa: E402
 from dew_lib.sampling import Sampling  # noqa: E402
+from dew_lib.sandbox import SandboxLimits  # noqa: E402
 
 # The model and protocol of tests/test_tool_episodes.py (not imported: that module needs pytest).
 P, R, T, EOS = 12, 3, 3, 1

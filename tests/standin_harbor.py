@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
          "agent_kwargs": kwargs, "agent_env": env}))
     mode_file = args.path / "mode"
     mode = mode_file.read_text().strip() if mode_file.exists() else ""
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    started = datetime.datetime.now(datetime.UTC).isoformat()
 
     import openai
 
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
         "agent_info": {"name": args.agent, "model_info": {"name": args.model}},
         "agent_result": {"n_input_tokens": None, "n_output_tokens": None},
         "verifier_result": verifier, "exception_info": exception,
-        "started_at": started, "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "started_at": started, "finished_at": datetime.datetime.now(datetime.UTC).isoformat(),
     }
     (directory / "result.json").write_text(json.dumps(result, indent=2))
     print(f"trial {args.trial_name} finished in {os.getpid()}")

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import dense_mask, tiny_model
+
 from dew_lib.models import attention
 from dew_lib.models.decoder_attention import attend, attend_causal
 from dew_lib.objectives.lm import score_targets

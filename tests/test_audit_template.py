@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import SHARED_DATA
 
 QWEN3 = os.path.join(SHARED_DATA, "tokenizers", "qwen3")

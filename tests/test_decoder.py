@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import tiny_model
+
 from dew_lib.models import rotary
 from dew_lib.models.decoder_layer import Block, Linear
 

@@ -12,8 +12,16 @@ import pytest
 
 from dew_lib import DiffusionObjective, Field, InputSpec, Trainer, models, presets
 from dew_lib.data import Dataset
-from dew_lib.diffusion import (CFG, BagOfTokens, FlowSDE, Process, WordTokenizer,
-                               gaussian_log_density, grid_png, sample_trajectory)
+from dew_lib.diffusion import (
+    CFG,
+    BagOfTokens,
+    FlowSDE,
+    Process,
+    WordTokenizer,
+    gaussian_log_density,
+    grid_png,
+    sample_trajectory,
+)
 from dew_lib.train.sinks import MemorySink
 
 

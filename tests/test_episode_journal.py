@@ -19,16 +19,23 @@ import jax
 import numpy as np
 import optax
 import pytest
+from test_tool_episodes import MODEL, SAMPLING, P, R, Square, T, tasks, trained_policy, verify
 
 from dew_lib import Dataset, Trainer
 from dew_lib.inference import TextGeneration
 from dew_lib.objectives import GRPOObjective
 from dew_lib.records.episodes import Observation
-from dew_lib.rollouts import (EpisodeFailure, EpisodeJournal, EpisodeRollout, JournalBusy, JournalMismatch,
-                              SubprocessEnvironment, project)
-from dew_lib.sandbox import SandboxLimits
+from dew_lib.rollouts import (
+    EpisodeFailure,
+    EpisodeJournal,
+    EpisodeRollout,
+    JournalBusy,
+    JournalMismatch,
+    SubprocessEnvironment,
+    project,
+)
 from dew_lib.sampling import Sampling
-from test_tool_episodes import MODEL, P, R, SAMPLING, T, Square, tasks, trained_policy, verify
+from dew_lib.sandbox import SandboxLimits
 
 WORKER = Path(__file__).resolve().parent / "tool_workers" / "journal_square.py"
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,7 +21,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from test_tool_episodes import trained_policy
 
 HERE = Path(__file__).resolve().parent

@@ -15,9 +15,17 @@ import uuid
 
 import pytest
 
-from dew_lib.sandbox import (NamespaceRunner, ProcessRunner, Program, SandboxFleet, SandboxLimits,
-                             SandboxUnavailable, Verdict)
-from dew_lib.sandbox import launcher, namespace
+from dew_lib.sandbox import (
+    NamespaceRunner,
+    ProcessRunner,
+    Program,
+    SandboxFleet,
+    SandboxLimits,
+    SandboxUnavailable,
+    Verdict,
+    launcher,
+    namespace,
+)
 
 PARENT = os.path.join(os.path.dirname(__file__), "sandbox_parent.py")
 FAST = SandboxLimits(wall_seconds=5, cpu_seconds=5, memory_bytes=256 << 20, max_output_bytes=4096,

@@ -13,8 +13,7 @@ import pytest
 
 from dew_lib import Field, InputSpec, Trainer, models, presets
 from dew_lib.data import Dataset
-from dew_lib.diffusion import (CFG, BagOfTokens, FlowGRPOObjective, FlowRollout, FlowSDE,
-                               WordTokenizer, group_statistics)
+from dew_lib.diffusion import CFG, BagOfTokens, FlowGRPOObjective, FlowRollout, FlowSDE, WordTokenizer, group_statistics
 from dew_lib.train.sinks import MemorySink
 
 SPEC_EXAMPLE = '''

@@ -16,8 +16,8 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
-
 from conftest import SHARED_DATA  # noqa: E402
+
 from dew_lib.data import ChatMessages, DataError, Loading, Partition, PreferencePairs, Role  # noqa: E402
 from dew_lib.data.tokenizer import load_tokenizer  # noqa: E402
 

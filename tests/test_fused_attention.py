@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import dense_mask, run_on_host_devices
+
 from dew_lib.kernels import KernelBuildError, build
 from dew_lib.models import decoder_attention
 from dew_lib.models.decoder_attention import attend, attend_causal

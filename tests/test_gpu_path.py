@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from conftest import dense_mask, tiny_model
+
 from dew_lib import Dataset, LMObjective, Trainer
 from dew_lib.models import decoder_attention
 from dew_lib.models.decoder_attention import attend, attend_causal, pick_kernel

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import run_on_host_devices, tiny_model
+
 from dew_lib.models import head
 from dew_lib.objectives.lm import score_targets, score_targets_with_entropy
 

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import run_on_host_devices
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from conftest import run_on_host_devices
 from dew_lib import models
 from dew_lib.models import rotary
 from dew_lib.models.decoder import unstack_layers

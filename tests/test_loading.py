@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import optax
 import pytest
-
 from conftest import SHARED_DATA
+
 from dew_lib import LMObjective, Trainer, models
 from dew_lib.data import ChatMessages, Dataset, Loading, Partition, PreferencePairs, Role
 from dew_lib.data.loader import Order, Planner

@@ -10,8 +10,8 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-
 from conftest import SHARED_DATA
+
 from dew_lib.rewards import MathReward
 from dew_lib.rewards.math import MAX_ANSWER_CHARS, MAX_DEPTH, MAX_DIGITS, MAX_EXPONENT
 

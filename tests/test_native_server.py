@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import tiny_model
-from dew_lib.inference import Draw, NativeRolloutServer, RolloutServer, ServerClosed, ServeTask, Server
+
+from dew_lib.inference import Draw, NativeRolloutServer, RolloutServer, Server, ServerClosed, ServeTask
 from dew_lib.objectives.lm import token_log_probs
 from dew_lib.sampling import Sampling, generate
 

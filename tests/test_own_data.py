@@ -13,9 +13,9 @@ import pytest
 
 pytest.importorskip("prefect")
 
+from conftest import SHARED_DATA  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
-from conftest import SHARED_DATA  # noqa: E402
 from tasks.params import DataParams, EvalParams, PipelineParams  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

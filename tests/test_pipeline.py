@@ -20,8 +20,16 @@ pytest.importorskip("prefect")
 from pydantic import ValidationError  # noqa: E402
 
 from dew_lib.store import Store  # noqa: E402
-from tasks.params import (DataParams, DPOParams, EvalParams, GRPOParams, ModelParams,  # noqa: E402
-                          PipelineParams, SFTParams, command_line)
+from tasks.params import (  # noqa: E402
+    DataParams,
+    DPOParams,
+    EvalParams,
+    GRPOParams,
+    ModelParams,
+    PipelineParams,
+    SFTParams,
+    command_line,
+)
 
 HERE = os.path.dirname(__file__)
 ROOT = Path(HERE).resolve().parent

@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_tool_episodes import SAMPLING, P, R, Square, T, counts, tasks, trained_policy, verify  # noqa: F401
 
 from dew_lib import Dataset, Trainer, models
 from dew_lib.objectives import PPOObjective, ValueHead, algorithms, split_optimizer
 from dew_lib.objectives.batch import PackedBatch
 from dew_lib.rollouts import EpisodeRollout, PPORollout
-from test_tool_episodes import P, R, SAMPLING, Square, T, counts, tasks, trained_policy, verify  # noqa: F401
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "parity" / "ppo_verl.json").read_text())
 

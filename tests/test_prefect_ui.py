@@ -15,8 +15,8 @@ import textwrap
 import urllib.request
 
 import pytest
-
 from browser import Browser, find_chromium
+
 from tasks.lifetimes import bound_child, free_port, stop, wait_until_healthy
 
 # bound_child's parent-death signal needs a preexec_fn, so a fork, which JAX (imported by

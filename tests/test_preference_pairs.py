@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import SHARED_DATA
+
 from dew_lib.data import DataError, Loading, Partition, PreferencePairs
 from dew_lib.data.tokenizer import load_tokenizer
 

@@ -10,8 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import SHARED_DATA
+
 from dew_lib.data import DataError, Loading, Partition, Prompts, text_field
 from dew_lib.data.tokenizer import load_tokenizer
 

@@ -15,8 +15,8 @@ import jax
 import numpy as np
 import optax
 import pytest
-
 from conftest import SHARED_DATA
+
 from dew_lib import LMObjective, Trainer, models
 from dew_lib.data import ChatMessages, Loading, Partition, Role
 from dew_lib.data.encoders import ChatEncoder

@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("prefect")
 
-from tasks.storage import (changes, continue_shorter, rebased, read_json,  # noqa: E402
-                           stage_directory, write_json)
 from test_pipeline import query, tiny  # noqa: E402
+
+from tasks.storage import changes, continue_shorter, read_json, rebased, stage_directory, write_json  # noqa: E402
 
 LINKS = ("policy", "checkpoints", "curves.png")
 LABELS = {"params": "sft parameters", "data": "the data", "seed": "seed"}

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import tiny_model
+
 from dew_lib.objectives.lm import token_log_probs
 from dew_lib.sampling import Sampling, _generate, argmax, cache_stages, filter_logits, generate, sample
 

@@ -55,9 +55,9 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
+from conftest import CACHE, SHARED_DATA, tiny_model
 from fastapi.testclient import TestClient
 
-from conftest import CACHE, SHARED_DATA, tiny_model
 from dew_lib.inference import Server, ServeTask
 from dew_lib.models.pretrained import load_pretrained
 from dew_lib.records.draw import Draw
@@ -85,8 +85,9 @@ def checkpoint(tmp_path_factory):
     (PROMPT, SEED) draw, so that request stops on it. Returns (directory, stop id, probe server)."""
     if not os.path.isdir(TOKENIZER):
         pytest.skip(f"no MiniMind tokenizer at {TOKENIZER}; set DEW_SHARED_DATA")
-    from dew_lib.models.pretrained import Pretrained
     from transformers import AutoTokenizer
+
+    from dew_lib.models.pretrained import Pretrained
 
     model = tiny_model(vocab_size=6400, emb_features=32, max_seq_len=CAPACITY, tie_embeddings=True)
     variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))

@@ -39,12 +39,12 @@ import time
 import httpx
 import numpy as np
 import pytest
-
 import test_serve
+from test_serve import NAME, PROMPT, SEED, SLOTS, STEPS, long_seed, reference, slowed
+
 from dew_lib.inference import ServerClosed
 from dew_lib.records.draw import Draw
 from dew_lib.serve.stream import IncrementalText
-from test_serve import NAME, PROMPT, SEED, SLOTS, STEPS, long_seed, reference, slowed
 
 checkpoint, served = test_serve.checkpoint, test_serve.served  # the same tiny checkpoint and server
 

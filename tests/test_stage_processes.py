@@ -19,11 +19,11 @@ import pytest
 pytest.importorskip("prefect")
 
 from pydantic import ValidationError  # noqa: E402
+from test_pipeline import query, tiny  # noqa: E402
+from test_retrain_rules import run_log, said  # noqa: E402
 
 from tasks.manifests import DataManifest, PolicyRef  # noqa: E402
 from tasks.params import DPOParams, GRPOParams, PipelineParams, SFTParams, command_line  # noqa: E402
-from test_pipeline import query, tiny  # noqa: E402
-from test_retrain_rules import run_log, said  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "stage_job_worker.py")
 STAGES = ("sft", "dpo", "grpo")

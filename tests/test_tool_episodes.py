@@ -20,10 +20,18 @@ from dew_lib import Dataset, Trainer, models
 from dew_lib.inference import TextGeneration
 from dew_lib.objectives import GRPOObjective, LMObjective, loss
 from dew_lib.records.episodes import Action, Observation, check_action
-from dew_lib.rollouts import (EpisodeCancelled, EpisodeFailure, EpisodeResult, EpisodeRollout,
-                              SubprocessEnvironment, ToolFailure, project, session_of)
-from dew_lib.sandbox import SandboxLimits
+from dew_lib.rollouts import (
+    EpisodeCancelled,
+    EpisodeFailure,
+    EpisodeResult,
+    EpisodeRollout,
+    SubprocessEnvironment,
+    ToolFailure,
+    project,
+    session_of,
+)
 from dew_lib.sampling import Sampling
+from dew_lib.sandbox import SandboxLimits
 from dew_lib.train.sinks import MemorySink
 
 PAD, EOS, CALL, ANSWER, RESULT, QUERY = 0, 1, 2, 3, 4, 15

@@ -14,8 +14,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-
 from conftest import tiny_model  # noqa: E402
+
 from dew_lib import Dataset, LMObjective, Trainer  # noqa: E402
 
 

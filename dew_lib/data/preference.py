@@ -39,8 +39,7 @@ from dew_lib.data import formats
 from dew_lib.data.dataset import Batch, Dataset
 from dew_lib.data.loader import Pipeline, as_dataset, check_batch_size, check_sources
 from dew_lib.data.loading import Loading
-from dew_lib.data.readers import (DataError, HFOptions, PathLike, Rows, open_source, require_columns,
-                                  token_ids)
+from dew_lib.data.readers import DataError, HFOptions, PathLike, Rows, open_source, require_columns, token_ids
 from dew_lib.data.tokenizer import Renderer, TokenizerSpec, resolve_template
 from dew_lib.options import integer
 

@@ -23,7 +23,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, BinaryIO
 
-
 _DATA = Path(__file__).resolve().parent
 # The worker registers dew_lib and dew_lib.data as bare namespace packages, so that importing an
 # encoder runs only the modules it needs and not the package __init__ files, which import JAX and

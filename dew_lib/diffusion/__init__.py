@@ -14,9 +14,18 @@ from dew_lib.diffusion.flow_rollout import FlowRollout, FlowRolloutRecord, group
 from dew_lib.diffusion.inputs import AutoEncoder, BagOfTokens, Field, Identity, InputSpec, WordTokenizer
 from dew_lib.diffusion.objective import DiffusionObjective
 from dew_lib.diffusion.preview import Preview, encode_png, grid_png, sample_preview
-from dew_lib.diffusion.process import (CFG, Euler, FlowSDE, FlowTrajectory, Process, Solver,
-                                       gaussian_log_density, sample_trajectory, sde_transition,
-                                       transition_kl)
+from dew_lib.diffusion.process import (
+                                       CFG,
+                                       Euler,
+                                       FlowSDE,
+                                       FlowTrajectory,
+                                       Process,
+                                       Solver,
+                                       gaussian_log_density,
+                                       sample_trajectory,
+                                       sde_transition,
+                                       transition_kl,
+)
 
 __all__ = ["AutoEncoder", "BagOfTokens", "CFG", "Denoiser", "DiffusionObjective", "Euler", "Field",
            "FlowGRPOObjective", "FlowReward", "FlowRollout", "FlowRolloutRecord", "FlowSDE", "FlowTrajectory", "Identity", "InputSpec", "Preview", "Process", "Solver",

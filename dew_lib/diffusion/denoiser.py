@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dew_lib.diffusion.inputs import AutoEncoder, Identity, InputSpec
-from dew_lib.diffusion.process import (CFG, Euler, FlowSDE, FlowTrajectory, Process, Solver,
-                                       sample_trajectory)
+from dew_lib.diffusion.process import CFG, Euler, FlowSDE, FlowTrajectory, Process, Solver, sample_trajectory
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -26,8 +26,7 @@ from dew_lib.data.dataset import describe
 from dew_lib.diffusion.denoiser import Denoiser, sample_metrics
 from dew_lib.diffusion.inputs import AutoEncoder, InputSpec
 from dew_lib.diffusion.preview import EVAL_KEY, Preview, sample_preview
-from dew_lib.diffusion.process import (CFG, Euler, FlowSDE, Process, Solver, gaussian_log_density,
-                                       transition_kl)
+from dew_lib.diffusion.process import CFG, Euler, FlowSDE, Process, Solver, gaussian_log_density, transition_kl
 from dew_lib.objectives.base import LossTerms, Metrics
 from dew_lib.objectives.base import loss as loss_view
 

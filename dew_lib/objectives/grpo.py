@@ -38,9 +38,9 @@ from dew_lib.objectives import algorithms
 from dew_lib.objectives.base import LossTerms, Metrics, check_token_ids, with_perplexity
 from dew_lib.objectives.batch import REQUIRED, proximal_mode
 from dew_lib.objectives.lm import prompt_layout, score_targets
-from dew_lib.options import choice
 from dew_lib.objectives.policy import check_pretrained, check_seq_len, initial_variables
 from dew_lib.objectives.scoring import support_log_probs
+from dew_lib.options import choice
 
 PACKED_FIELDS = REQUIRED
 ALIGNED_FIELDS = PACKED_FIELDS + ("old_log_probs", "versions", "call_index", "session_weights",

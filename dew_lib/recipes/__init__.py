@@ -9,12 +9,25 @@ pipeline's tasks (tasks/train.py, tasks/flow_train.py) and the Recipe chain both
 Not here: Prefect, reading files into data specs, optimizers and Trainer.fit's loop.
 """
 
-from dew_lib.recipes.build import (Built, DPOOptions, GRPOOptions, RecordedRollout, SFTOptions,
-                                   build_dpo, build_grpo, build_sft)
+from dew_lib.recipes.build import (
+                                   Built,
+                                   DPOOptions,
+                                   GRPOOptions,
+                                   RecordedRollout,
+                                   SFTOptions,
+                                   build_dpo,
+                                   build_grpo,
+                                   build_sft,
+)
 from dew_lib.recipes.chain import Recipe, Stage
 from dew_lib.recipes.episodes import EpisodeOptions, OneTurn, PPOOptions, RecordedEpisodes, build_episode_grpo
-from dew_lib.recipes.flow import (FlowGRPOOptions, FlowPretrainOptions, build_flow_grpo,
-                                  build_flow_pretrain, image_batches)
+from dew_lib.recipes.flow import (
+                                   FlowGRPOOptions,
+                                   FlowPretrainOptions,
+                                   build_flow_grpo,
+                                   build_flow_pretrain,
+                                   image_batches,
+)
 from dew_lib.recipes.remote import RemoteEngine, remote_server
 from dew_lib.recipes.scheduled import ScheduledRollout
 

@@ -36,8 +36,7 @@ import optax
 from dew_lib.data.chat_messages import ChatMessages
 from dew_lib.data.preference import PreferencePairs
 from dew_lib.data.prompts import Prompts
-from dew_lib.recipes.build import (Built, DPOOptions, GRPOOptions, SFTOptions, build_dpo, build_grpo,
-                                   build_sft)
+from dew_lib.recipes.build import Built, DPOOptions, GRPOOptions, SFTOptions, build_dpo, build_grpo, build_sft
 from dew_lib.train.trainer import Trainer, TrainState
 
 DataSpec = ChatMessages | PreferencePairs | Prompts

@@ -19,8 +19,7 @@ from typing import Any
 
 import httpx
 
-from dew_lib.inference import (OpenAICompletion, OpenAIRolloutServer, Publication, RemoteOptions,
-                               SafetensorsReload)
+from dew_lib.inference import OpenAICompletion, OpenAIRolloutServer, Publication, RemoteOptions, SafetensorsReload
 from dew_lib.inference.endpoints import root_urls
 from dew_lib.models.pretrained import Pretrained
 from dew_lib.options import choice, number

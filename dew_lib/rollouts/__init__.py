@@ -11,8 +11,14 @@ Not here: the losses (`dew_lib.objectives`), the records themselves (`dew_lib.re
 servers that sample (`dew_lib.inference`).
 """
 
-from dew_lib.rollouts.episodes import (EpisodeCancelled, EpisodeFailure, EpisodeResult, EpisodeRollout,
-                                      project, session_of)
+from dew_lib.rollouts.episodes import (
+                                      EpisodeCancelled,
+                                      EpisodeFailure,
+                                      EpisodeResult,
+                                      EpisodeRollout,
+                                      project,
+                                      session_of,
+)
 from dew_lib.rollouts.harbor import Harbor, HarborSource
 from dew_lib.rollouts.journal import EpisodeJournal, JournalBusy, JournalMismatch
 from dew_lib.rollouts.packing import pack, session_metrics

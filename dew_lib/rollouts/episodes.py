@@ -57,14 +57,22 @@ import numpy as np
 from dew_lib.objectives import algorithms
 from dew_lib.objectives.batch import PackedBatch
 from dew_lib.options import integer
-from dew_lib.records.episodes import (Action, Episode, EpisodeId, EpisodeStatus, EnvironmentFactory,
-                                      Observation, Transition, Verifier, check_action)
+from dew_lib.records.episodes import (
+    Action,
+    EnvironmentFactory,
+    Episode,
+    EpisodeId,
+    EpisodeStatus,
+    Observation,
+    Transition,
+    Verifier,
+    check_action,
+)
 from dew_lib.records.sessions import TRUNCATION, Call, Session, Status, Task
-from dew_lib.rollouts.journal import (EpisodeJournal, PendingDraw, Restored, Unjournaled,
-                                     collection_identity)
+from dew_lib.rollouts.episode_pool import check_cohort, check_journal, cohort, together
+from dew_lib.rollouts.journal import EpisodeJournal, PendingDraw, Restored, Unjournaled, collection_identity
 from dew_lib.rollouts.packing import pack
 from dew_lib.sampling import Sampling
-from dew_lib.rollouts.episode_pool import check_cohort, check_journal, cohort, together
 from dew_lib.train.distributed import every_process
 
 CANCELLATIONS = (asyncio.CancelledError, concurrent.futures.CancelledError)

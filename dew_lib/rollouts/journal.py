@@ -50,8 +50,16 @@ import numpy as np
 
 from dew_lib.options import integer
 from dew_lib.records.episodes import EpisodeStatus, Observation, Transition
-from dew_lib.rollouts.journal_records import (CollectionIdentity, CompletedTurn, JournalMismatch, PendingDraw,
-                                             Restored, check_identity, collection_identity, policy_digest)
+from dew_lib.rollouts.journal_records import (
+    CollectionIdentity,
+    CompletedTurn,
+    JournalMismatch,
+    PendingDraw,
+    Restored,
+    check_identity,
+    collection_identity,
+    policy_digest,
+)
 
 SCHEMA_VERSION = 1
 SCHEMA = """

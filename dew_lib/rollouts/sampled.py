@@ -49,8 +49,8 @@ from dew_lib.options import integer
 from dew_lib.records.sessions import Call, Session, Status, Task
 from dew_lib.rollouts.packing import pack
 from dew_lib.rollouts.scheduler.tasks import prompt_tasks
-from dew_lib.train.distributed import gather_rows, own_rows
 from dew_lib.sampling import Sampling, generate
+from dew_lib.train.distributed import gather_rows, own_rows
 
 Reward = Callable[[str, str, str, str], float]
 

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from dew_lib.options import integer
 from dew_lib.records.episodes import (
     Action,
     EnvironmentFactory,
@@ -60,7 +61,6 @@ from dew_lib.records.episodes import (
     Transition,
     Verifier,
 )
-from dew_lib.options import integer
 from dew_lib.records.sessions import Call, Session, Status, Task
 from dew_lib.rollouts.sampled import Reward, token_text
 
