@@ -74,7 +74,8 @@ def dew_dpo(steps: int) -> float:
     from dew_lib.objectives import DPOObjective
     from dew_lib.train.sinks import MemorySink
 
-    prompt, chosen, rejected = sequences(0, PAIRS, PROMPT), sequences(1, PAIRS, COMPLETION), sequences(2, PAIRS, COMPLETION)
+    prompt = sequences(0, PAIRS, PROMPT)
+    chosen, rejected = sequences(1, PAIRS, COMPLETION), sequences(2, PAIRS, COMPLETION)
     ids = np.stack([np.concatenate([prompt, chosen], 1), np.concatenate([prompt, rejected], 1)], 1)
     mask = np.zeros_like(ids)
     mask[:, :, PROMPT:] = 1
@@ -173,7 +174,8 @@ def trl_dpo(steps: int) -> float:
 
     work = tempfile.mkdtemp()
     tokenizer = word_tokenizer(work)
-    prompt, chosen, rejected = sequences(0, PAIRS, PROMPT), sequences(1, PAIRS, COMPLETION), sequences(2, PAIRS, COMPLETION)
+    prompt = sequences(0, PAIRS, PROMPT)
+    chosen, rejected = sequences(1, PAIRS, COMPLETION), sequences(2, PAIRS, COMPLETION)
     data = Dataset.from_dict({"prompt": [text(r) for r in prompt], "chosen": [" " + text(r) for r in chosen],
                               "rejected": [" " + text(r) for r in rejected]})
     clock = StepClock()

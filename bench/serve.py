@@ -62,7 +62,8 @@ def write_checkpoint(directory: str) -> None:
 
     model = models.build("causal_transformer", **CONFIG)
     variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
-    Pretrained.from_model(model, tokenizer=AutoTokenizer.from_pretrained(TOKENIZER)).save(variables, directory, dtype=None)
+    pretrained = Pretrained.from_model(model, tokenizer=AutoTokenizer.from_pretrained(TOKENIZER))
+    pretrained.save(variables, directory, dtype=None)
 
 
 def prompts(requests: int, length: int) -> list[list[int]]:

@@ -146,7 +146,8 @@ def write_rate(rounds: int, store_dir: str) -> list[tuple[str, str]]:
     sessions = [Session(task=str(i // SAMPLES), group=i // SAMPLES, sample=i % SAMPLES,
                         calls=(Call(prompt_ids=rng.integers(3, 320, PROMPT_LEN),
                                     sampled_ids=rng.integers(3, 320, NEW_TOKENS),
-                                    behavior_log_probs=-rng.random(NEW_TOKENS), raw_log_probs=-rng.random(NEW_TOKENS)),),
+                                    behavior_log_probs=-rng.random(NEW_TOKENS),
+                                    raw_log_probs=-rng.random(NEW_TOKENS)),),
                         reward=1.0, components={"format": 1.0}) for i in range(6400)]
     writes = 10
     store, ours, peer = Store(store_dir), [], []

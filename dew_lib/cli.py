@@ -5,12 +5,15 @@ a trained policy over HTTP.
     dew sql --csv "SELECT * FROM metrics WHERE name = 'loss'" > loss.csv
     dew runs                      # every run with its stages, status and headline metrics
     dew schema [TABLE]            # the tables and what their columns hold
+    dew store check               # damaged files of the store; `dew store repair` moves them aside
     dew serve CHECKPOINT_DIR      # vLLM's OpenAI-compatible API over Dew's native server
 
 `--store PATH` (default: $DEW_STORE, else `runs`) is the project directory, its `dew.duckdb` or
 its `store/` directory; it and the output options go before the command or after it
-(`dew --store X sql ...`). A query that fails (bad SQL, an unknown table), a store that does not
-exist or cannot be read prints one message to stderr and exits with status 1. `dew serve` runs
+(`dew --store X sql ...`). `dew sql` only reads: a statement that is not one query is refused
+(dew_lib/store/readonly.py). A query that fails (bad SQL, an unknown table, a damaged file it
+needs), a store that does not exist or cannot be read prints one message to stderr and exits with
+status 1. `dew serve` runs
 until SIGTERM or Ctrl-C (see docs/serve.md); a checkpoint it cannot load or a port it cannot bind
 prints one message and exits with status 1.
 
@@ -99,7 +102,8 @@ def emit(columns: Sequence[str], rows: Sequence[Sequence[Any]], form: str, max_w
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dew", description="Query Dew's run store, serve a policy, launch a multi-process job.")
+    parser = argparse.ArgumentParser(
+        prog="dew", description="Query Dew's run store, serve a policy, launch a multi-process job.")
     # The options exist before the command (with the defaults) and after it (SUPPRESS: a
     # subcommand that does not see one leaves what was given before it).
     parser.set_defaults(store=os.environ.get("DEW_STORE", "runs"), form=None, max_width=48)
@@ -130,6 +134,13 @@ def _parser() -> argparse.ArgumentParser:
     add_format(runs)
     schema = commands.add_parser("schema", help="describe the store's tables")
     schema.add_argument("table", nargs="?", help="one table (default: all)")
+    health = commands.add_parser(
+        "store", help="check the store for damaged files, or move them aside",
+        description="check: list damaged files (exit 1 when there are any); queries then read around "
+                    "them. repair: move them into store/.quarantine/ (recorded, never deleted) and republish.")
+    health.add_argument("action", choices=("check", "repair"))
+    add_store(health)
+    add_format(health)
     _serve_parser(commands)
     launch = commands.add_parser(
         "launch", help="run a command as a multi-process JAX job on this host",
@@ -162,28 +173,49 @@ def _serve_parser(commands) -> None:
                        help="precision of weights and activations (default float32)")
     serve.add_argument("--logprobs-mode", choices=("raw_logprobs", "processed_logprobs"), default="raw_logprobs",
                        help="reported log-probs: the model's log-softmax (default) or after temperature and filters")
-    serve.add_argument("--served-model-name", default=None, help="model name clients send (default: the directory's name)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="model name clients send (default: the directory's name)")
     serve.add_argument("--seed", type=int, default=0, help="seed of the seeds given to requests without one")
     dev = serve.add_mutually_exclusive_group()
-    dev.add_argument("--dev-endpoints", dest="dev_endpoints", action="store_true", default=None,
-                     help="serve /pause, /collective_rpc, /update_weight_version, ... on a non-loopback host too "
-                          "(they have no authentication: trusted networks only)")
+    dev.add_argument("--dev-endpoints", dest="dev_endpoints", action="store_true", default=False,
+                     help="serve /pause, /collective_rpc, /update_weight_version, ... (a weight push needs them; "
+                          "whoever reaches them can pause the server: set --api-key too)")
     dev.add_argument("--no-dev-endpoints", dest="dev_endpoints", action="store_false",
-                     help="never serve the development routes")
+                     help="never serve the development routes (the default)")
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on every route but /health "
+                            "(default: $DEW_SERVE_API_KEY, else none)")
+    serve.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                       help="largest request body in bytes (default 4 MiB; larger ones get 413)")
+    serve.add_argument("--max-tokens-limit", type=int, default=None,
+                       help="most ids one request may ask for (default: whatever the capacity leaves)")
+    serve.add_argument("--read-timeout", type=float, default=30.0,
+                       help="seconds a request's headers, then its body, may take to arrive (default 30)")
+    serve.add_argument("--write-timeout", type=float, default=30.0,
+                       help="seconds a response may wait for its client to read before the request is "
+                            "cancelled and the connection dropped (default 30)")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="render chat templates sent with requests (in a sandboxed process, 1 s and 1 MiB of "
+                            "text at most) instead of refusing them")
 
 
 def _serve(args) -> int:
     from dew_lib.models.pretrained import CheckpointError, UnsupportedCheckpoint
     from dew_lib.sampling import Sampling
-    from dew_lib.serve import serve
+    from dew_lib.serve import ServeOptions, serve
 
     try:
         top_k = None if args.top_k in (None, 0, -1) else args.top_k
         sampling = Sampling(temperature=args.temperature, top_k=top_k, top_p=args.top_p, min_p=args.min_p)
+        options = ServeOptions(  # the key from the environment keeps it out of `ps`
+            api_key=args.api_key if args.api_key is not None else os.environ.get("DEW_SERVE_API_KEY") or None,
+            max_request_bytes=args.max_request_bytes, max_tokens_limit=args.max_tokens_limit,
+            read_timeout=args.read_timeout, write_timeout=args.write_timeout,
+            trust_request_chat_template=args.trust_request_chat_template)
         serve(args.directory, host=args.host, port=args.port, slots=args.slots, capacity=args.capacity,
               sampling=sampling, dtype=args.dtype, logprobs_mode=args.logprobs_mode,
               served_model_name=args.served_model_name, dev_endpoints=args.dev_endpoints, steps=args.steps,
-              seed=args.seed)
+              seed=args.seed, options=options)
     except (CheckpointError, UnsupportedCheckpoint, ValueError, OSError) as error:
         print(f"dew serve: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
@@ -219,6 +251,43 @@ def _schema(table: str | None, out) -> int:
     return 0
 
 
+def _damage_line(found: dict) -> str:
+    where = ", ".join(f"{key} {found[key]}" for key in ("table", "run", "stage") if found.get(key) is not None)
+    return f"{found['path']} ({where}): {found['reason']}" if where else f"{found['path']}: {found['reason']}"
+
+
+def _health(store, args, out) -> int:
+    """`dew store check` and `dew store repair` (dew_lib/store/health.py)."""
+    from dew_lib.store import StoreNotFound, health
+
+    if not store.exists():
+        raise StoreNotFound(f"no run store at {store.project} (expected {store.directory}/format.json)")
+    if args.action == "check":
+        found, left = health.check(store), []
+    else:
+        found, left = health.repair(store)
+    if args.form:
+        keys = ["path", "kind", "table", "run", "stage", "reason"]
+        keys += ["moved_to", "why"] if args.action == "repair" else []
+        emit(keys, [tuple(os.path.join(store.directory, f["path"]) if k == "path" else f.get(k) for k in keys)
+                    for f in found + left], args.form, 0, out)
+    elif args.action == "check":
+        for f in found:
+            out.write(f"damaged: {_damage_line({**f, 'path': os.path.join(store.directory, f['path'])})}\n")
+        out.write(f"{len(found)} damaged file{'s' if len(found) != 1 else ''} in {store.directory}"
+                  + ("; queries read around damaged parts and rows; `dew store repair` moves them aside\n"
+                     if found else "\n"))
+    else:
+        for f in found:
+            out.write(f"moved aside: {os.path.join(store.directory, f['path'])} -> {f.get('moved_to')}\n")
+        for f in left:
+            out.write(f"left: {os.path.join(store.directory, f['path'])}: {f['why']}\n")
+        out.write(f"repaired {len(found)}, left {len(left)}; the quarantine's log is "
+                  f"{os.path.join(store.directory, health.QUARANTINE, 'log.jsonl')}\n")
+    out.flush()
+    return 1 if (found if args.action == "check" else left) else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = sys.stdout
@@ -235,15 +304,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             store = Store(args.store)
+            if args.command == "store":
+                return _health(store, args, out)
             if args.command == "sql":
                 columns, rows = store.rows(args.query)
             else:
                 columns, rows = store.runs()
+                damaged = store.damaged()
         except (duckdb.Error, StoreError, OSError) as error:
             print(f"dew: {' '.join(str(error).split())}", file=sys.stderr)  # one line
             return 1
         emit(columns, rows, args.form or "table", args.max_width, out)
         out.flush()
+        if args.command == "runs" and damaged:  # the table leaves their streams out: say which
+            for found in damaged:
+                print(f"dew: left out of the figures above: {_damage_line(found)}", file=sys.stderr)
+            print("dew: `dew store check` lists damaged files, `dew store repair` moves them aside",
+                  file=sys.stderr)
     except BrokenPipeError:  # `dew sql ... | head`: the reader left; that is not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -68,14 +68,16 @@ def flow_grpo_pipeline(params: FlowPipelineParams = FlowPipelineParams()) -> dic
 
 
 def _row(result: ImageStageResult) -> dict:
-    pick = lambda name: None if name not in result.metrics else round(result.metrics[name], 4)
+    def pick(name):
+        return None if name not in result.metrics else round(result.metrics[name], 4)
     return {"stage": result.stage, "loss": pick("loss"), "reward": pick("reward"),
             "preview_reward_start": pick("preview_reward_start"),
             "preview_reward_final": pick("preview_reward_final"), "reused": result.cached}
 
 
 def _summary(table, results, store_root: str, seconds: float) -> str:
-    show = lambda v: "" if v is None else f"{v:.4f}"
+    def show(v):
+        return "" if v is None else f"{v:.4f}"
     lines = ["| stage | loss | rollout reward | preview reward (start -> end) | reused |",
              "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['stage']} | {show(r['loss'])} | {show(r['reward'])} | "

@@ -21,7 +21,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from flows.data_prep import data_prep
 from flows.dpo import dpo
 from flows.evaluate import evaluate
-from flows.grpo import grpo
+from flows.grpo import grpo, ppo
 from flows.sft import sft
 from tasks.lengths import check_lengths
 from tasks.params import PipelineParams, command_line
@@ -29,7 +29,7 @@ from tasks.policy import initial_policy
 from tasks.records import pipeline_run
 from tasks.ui import artifact_key
 
-STAGES = {"sft": sft, "dpo": dpo, "grpo": grpo}
+STAGES = {"sft": sft, "dpo": dpo, "grpo": grpo, "ppo": ppo}
 
 
 @flow(name="pipeline")
@@ -46,7 +46,7 @@ def pipeline(params: PipelineParams = PipelineParams()) -> dict:
     seconds = time.perf_counter() - started
     create_table_artifact(table, key=artifact_key(run, "accuracy"),
                           description="held-out accuracy after each stage")
-    last = os.path.join(directory, params.stages[-1]) if params.stages else None
+    last = os.path.join(directory, params.stage_name(params.stages[-1])) if params.stages else None
     summary = _summary(table, policy.path, last, store_root, directory, seconds)
     create_markdown_artifact(summary, key=artifact_key(run, "summary"),
                              description="what the pipeline produced")
@@ -66,13 +66,14 @@ def _stages(params: PipelineParams, directory: str, store_root: str, run: str):
     start = evaluate("start", policy, data, params.evaluation, directory, store_root, run, **graded)
     table = [_row("start", start, start.cached)]  # its only work is the evaluation
     for stage in params.stages:
-        rl = {**graded, "ppo": params.ppo if params.rl == "ppo" else None}
-        result = STAGES[stage](getattr(params, stage), data, policy, os.path.join(directory, stage),
-                               store_root, run, params.seed, **(rl if stage == "grpo" else {}))
+        name, options = params.stage_name(stage), getattr(params, stage)  # the RL stage: grpo's options
+        rl = {**graded, **({"critic": params.ppo} if name == "ppo" else {})} if stage == "grpo" else {}
+        result = STAGES[name](options, data, policy, os.path.join(directory, name), store_root, run, params.seed,
+                              **rl)
         policy = result.policy
-        steps = getattr(params, stage).steps if result.steps is None else result.steps
-        accuracy = evaluate(stage, policy, data, params.evaluation, directory, store_root, run, steps, **graded)
-        table.append(_row(stage, accuracy, result.cached))  # the stage reused, not its evaluation
+        steps = options.steps if result.steps is None else result.steps
+        accuracy = evaluate(name, policy, data, params.evaluation, directory, store_root, run, steps, **graded)
+        table.append(_row(name, accuracy, result.cached))  # the stage reused, not its evaluation
     return table, policy
 
 

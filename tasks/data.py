@@ -355,8 +355,8 @@ def code_splits(rows: list[dict], layout: str, params: DataParams) -> tuple[list
 def prepare_code(params: DataParams, directory: str, seed: int) -> DataManifest:
     """Write code-task prompts, evaluation rows, SFT conversations and (unless given) a tokenizer."""
     path = os.path.abspath(params.code_path)
-    key = fingerprint("code", CODE_VERSION, _generator_params(params, teacher=False), seed, (path, os.path.getsize(path),
-                                                           os.path.getmtime(path)))
+    source = (path, os.path.getsize(path), os.path.getmtime(path))
+    key = fingerprint("code", CODE_VERSION, _generator_params(params, teacher=False), seed, source)
     manifest_path = os.path.join(directory, "manifest.json")
     existing = read_json(manifest_path)
     if existing is not None and existing.get("fingerprint") == key:

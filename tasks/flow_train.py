@@ -18,9 +18,9 @@ What each stage trains (objective, data, rollout) comes from dew_lib.recipes.flo
 (`build_flow_pretrain`, `build_flow_grpo`): these tasks turn their pydantic parameters into its
 options, load the images or the saved model, and wrap the result in previews and the run store.
 
-The previews need the live parameters, which Trainer sinks never see. Flow-GRPO renders them
-in its rollout wrapper; pre-training has no rollout, so it passes a `PreviewHook` in the
-rollout slot, the Trainer's one host hook that sees the state, and returns the batch unchanged.
+The previews need the live parameters. Flow-GRPO renders them in its rollout wrapper, which sees
+the state; pre-training has no rollout, so its `PreviewHook` is a sink whose `before_step` hook
+receives the state each update starts from.
 
 Not here: what the options build (dew_lib/recipes/flow.py), conditioned models (prompts or
 labels), guidance, image stages as multi-process jobs (the library runs FlowRollout across processes).
@@ -33,24 +33,24 @@ import os
 
 import jax
 import numpy as np
-import optax
 from prefect import get_run_logger, task
 
 from dew_lib.diffusion import FlowRollout, encode_png, presets
 from dew_lib.diffusion.preview import to_uint8
-from dew_lib.recipes.flow import FlowGRPOOptions, FlowPretrainOptions, build_flow_grpo, build_flow_pretrain
-from dew_lib.train.sinks import JsonlSink
+from dew_lib.recipes.flow import build_flow_grpo, build_flow_pretrain
+from dew_lib.recipes.options import optimizer
+from dew_lib.recipes.recorded import RecordedRollout
+from dew_lib.train.sinks import Sink
 from dew_lib.train.trainer import Trainer
 from tasks.images import build_dit, load_dit, load_images, reward_named, save_dit
-from tasks.manifests import DiTRef, ImageManifest, ImageStageResult, fingerprint
+from tasks.lifecycle import Start, begin, conclude, stage_sinks, write_result
+from tasks.manifests import DiTRef, ImageManifest, ImageStageResult, fingerprint, keyed
 from tasks.params import DiTParams, FlowGRPOParams, FlowPretrainParams, StageParams
-from tasks.records import open_stage, record_reused
-from tasks.storage import enter_stage, start_point, write_json
-from tasks.train import _history, final_metrics
-from tasks.ui import Deadline, LogSink, ProgressSink, keep_last_checkpoint, plot_curves, publish_images, publish_stage
+from tasks.records import open_stage
+from tasks.ui import keep_last_checkpoint, publish_images
 
 LINKS = ("model", "checkpoints", "previews", "metrics.jsonl", "curves.png")  # also under runs/<name>/<stage>/
-SHOWN = ("loss", "reward", "policy_loss", "transition_kl", "clip_fraction", "grad_norm",
+SHOWN = ("loss", "reward", "pg_loss", "kl", "clipfrac", "grad_norm",
          "steps_per_second")
 
 
@@ -91,51 +91,35 @@ class Previews:
         return path
 
 
-class PreviewHook:
-    """A pass-through rollout that previews every `every` updates (see the module docstring).
-
-    It is also a sink: `begin` tells it the step fit starts at, so it counts steps on the host
-    instead of reading the step counter back from the device every step.
-    """
+class PreviewHook(Sink):
+    """Previews the live model every `every` updates: a sink whose `before_step` hook sees the
+    state each update starts from (the step is counted on the host, nothing is read back)."""
 
     def __init__(self, previews: Previews, every: int):
         self.previews, self.every = previews, every
-        self.step = 0
 
-    def begin(self, position: int, steps: int) -> None:
-        self.step = position
-
-    def __call__(self, state, batch, key):
-        if self.step % self.every == 0:
-            self.previews(state.params, self.step)
-        self.step += 1
-        return batch
+    def before_step(self, step: int, state) -> None:
+        if step % self.every == 0:
+            self.previews(state.params, step)
 
     def write(self, step, metrics) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+        return None
 
 
-class RecordedFlowRollout:
-    """Runs a FlowRollout, records its samples in the store and previews every `every` updates."""
+def flow_samples(rollout: FlowRollout, writer, previews: Previews, every: int, images: bool):
+    """A FlowRollout's recorder (dew_lib.recipes.RecordedRollout): every sample of the draw in
+    the store's `samples` table (with its PNG when `images`), and a preview every `every` updates."""
 
-    def __init__(self, rollout: FlowRollout, stage, previews: Previews, every: int, images: bool):
-        self.rollout, self.stage, self.previews = rollout, stage, previews
-        self.every, self.images = every, images
-
-    def __call__(self, state, batch, key):
-        packed = self.rollout(state, batch, key)
-        record = self.rollout.last
+    def record(state, batch, seconds: float) -> None:
+        drawn = rollout.last
         pngs = None
-        if self.images:
-            pixels = to_uint8(record.images)
-            pngs = [encode_png(p[..., 0] if p.shape[-1] == 1 else p) for p in pixels]
-        self.stage.samples(record, images=pngs)
-        if record.step % self.every == 0:
-            self.previews(state.params, record.step, record)
-        return packed
+        if images:
+            pngs = [encode_png(p[..., 0] if p.shape[-1] == 1 else p) for p in to_uint8(drawn.images)]
+        writer.samples(drawn, images=pngs)
+        if drawn.step % every == 0:
+            previews(state.params, drawn.step, drawn)
+
+    return record
 
 
 def _labels(stage: str) -> dict[str, str]:
@@ -146,7 +130,7 @@ def _labels(stage: str) -> dict[str, str]:
 
 def _fit(stage: str, kind: str, params: StageParams, key: str, inputs: dict, directory: str,
          store_root: str, run: str, build) -> ImageStageResult:
-    """What both stages share: skip a finished stage, resume, fit with every sink, save, publish.
+    """An image stage's life (tasks/lifecycle.py): reuse or resume, fit, save, publish.
 
     inputs: what `key` was computed from, as JSON (named in the log when they change).
     build(writer, resumed, directory) -> (trainer, dataset, previews, extra sinks,
@@ -154,38 +138,30 @@ def _fit(stage: str, kind: str, params: StageParams, key: str, inputs: dict, dir
     continues from, or None, and directory the one of these inputs.
     """
     logger = get_run_logger()
-    place, finished = enter_stage(directory, key, inputs, LINKS, stage, logger)
-    directory = place.directory
-    if finished is not None:
-        result = ImageStageResult(**finished).model_copy(update={"cached": True})
-        logger.info("%s reused: it finished with these inputs before (%s)", stage, result.model.path)
-        record_reused(store_root, run, stage, kind, params.model_dump(mode="json"), result.metrics)
-        return result
+    start = begin(stage, kind, params, key, inputs, directory, store_root, run, links=LINKS,
+                  labels=_labels(stage), result=ImageStageResult, logger=logger,
+                  shorter=params.schedule == "constant")
+    if not isinstance(start, Start):
+        return start
+    directory = start.directory
     with open_stage(store_root, run, stage, kind, params.model_dump(mode="json")) as writer:
-        # Adam at a constant rate: a longer run trains on from a shorter one
-        resumed, _ = start_point(place, inputs, params.steps, stage=stage, labels=_labels(stage), logger=logger)
         checkpoints = os.path.join(directory, "checkpoints")
-        if resumed is not None:
-            writer.discard_after(resumed)
-        trainer, dataset, previews, extra_sinks, save, extra = build(writer, resumed, directory)
-        log_path = os.path.join(directory, "metrics.jsonl")
-        sinks = [*extra_sinks, LogSink(stage, SHOWN), ProgressSink(stage, params.steps), writer.sink(),
-                 JsonlSink(log_path), Deadline(stage, params.max_minutes)]  # last, as in train.py
+        if start.resumed is not None:
+            writer.discard_after(start.resumed)
+        trainer, dataset, previews, extra_sinks, save, extra = build(writer, start.resumed, directory)
+        sinks = stage_sinks(stage, params, writer, os.path.join(directory, "metrics.jsonl"), shown=SHOWN,
+                            before=extra_sinks, logger=logger)
         state = trainer.fit(dataset, steps=params.steps, log_every=params.log_every,
                             directory=checkpoints, checkpoint_every=params.checkpoint_every, sinks=sinks)
         logger.info("%s: %s", stage, keep_last_checkpoint(checkpoints))
         if params.steps not in previews.means:
             previews(state.params, params.steps)
         model = save(state)
-        metrics = {**final_metrics(_history(log_path)), **extra()}
-        plot = plot_curves(_history(log_path), os.path.join(directory, "curves.png"), f"{stage} ({kind})")
-        publish_stage(stage, metrics, plot)
-        writer.checkpoint(params.steps, model.path, kind="policy")
-        writer.finish("completed", metrics)
+        metrics = conclude(writer, stage, kind, directory, params.steps, model.path, extra=extra())
     shown = sorted(glob.glob(os.path.join(previews.directory, "*.png")))  # earlier attempts' too
     result = ImageStageResult(stage=stage, kind=kind, model=model, metrics=metrics, directory=directory,
                               previews=shown)
-    write_json(os.path.join(directory, "result.json"), {"fingerprint": key, "result": result.model_dump()})
+    write_result(directory, key, result)
     logger.info("%s done: %s", stage, {k: round(v, 4) for k, v in metrics.items()
                                        if k in SHOWN or k.startswith("preview")})
     return result
@@ -197,8 +173,8 @@ def pretrain_stage(stage: str, params: FlowPretrainParams, data: ImageManifest, 
     """Flow-matching pre-training of a SimpleDiT on `data`, saved under `directory`/<key[:12]>/model
     (also reachable as `directory`/model until other inputs start)."""
     relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
-    key = fingerprint("flow_pretrain", relevant, model, data.fingerprint, seed)
-    inputs = {"params": relevant.model_dump(mode="json"), "model": model.model_dump(mode="json"),
+    key = fingerprint("flow_pretrain", keyed(relevant), model, data.fingerprint, seed)
+    inputs = {"params": keyed(relevant), "model": model.model_dump(mode="json"),
               "data": data.fingerprint, "seed": seed}
 
     def build(writer, resumed, directory):
@@ -212,14 +188,14 @@ def pretrain_stage(stage: str, params: FlowPretrainParams, data: ImageManifest, 
         if data.shape[0] % dit.patch_size or data.shape[1] % dit.patch_size:
             raise ValueError(f"model.patch_size={dit.patch_size} does not divide the images' "
                              f"{data.shape[0]}x{data.shape[1]} pixels; pick a divisor")
-        options = FlowPretrainOptions(batch=params.batch, preview_steps=params.preview_steps, seed=seed)
-        built = build_flow_pretrain(dit, process, variables, load_images(data), options)
+        built = build_flow_pretrain(dit, process, variables, load_images(data), params, seed=seed)
         previews = Previews(stage, built.objective, params.preview_rows, data.shape, directory)
         hook = PreviewHook(previews, params.log_every)
-        trainer = Trainer(built.objective, optax.adam(params.learning_rate), key=jax.random.key(seed),
-                          rollout=hook)
-        save = lambda state: save_dit(dit, state.params, data.shape, process,
-                                      os.path.join(directory, "model"), key)
+        trainer = Trainer(built.objective, optimizer(params), key=jax.random.key(seed))
+
+        def save(state):
+            return save_dit(dit, state.params, data.shape, process, os.path.join(directory, "model"), key)
+
         return trainer, built.dataset, previews, [hook], save, dict
 
     return _fit(stage, "flow_pretrain", params, key, inputs, directory, store_root, run, build)
@@ -231,28 +207,26 @@ def grpo_stage(stage: str, params: FlowGRPOParams, start: DiTRef, directory: str
     """Flow-GRPO from the SimpleDiT at `start` against the named reward, saved under
     `directory`/<key[:12]>/model (also reachable as `directory`/model until other inputs start)."""
     relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
-    key = fingerprint("flow_grpo", relevant, start.fingerprint, seed)
-    inputs = {"params": relevant.model_dump(mode="json"), "start": start.fingerprint, "seed": seed}
+    key = fingerprint("flow_grpo", keyed(relevant), start.fingerprint, seed)
+    inputs = {"params": keyed(relevant), "start": start.fingerprint, "seed": seed}
     reward = reward_named(params.reward)
 
     def build(writer, resumed, directory):
         dit, variables, shape, process = load_dit(start.path)
-        options = FlowGRPOOptions(batch=params.batch, groups=params.groups,
-                                  rollout_steps=params.rollout_steps, train_steps=params.train_steps,
-                                  beta=params.beta, clip_range=params.clip_range,
-                                  noise_level=params.noise_level, preview_steps=params.preview_steps)
-        built = build_flow_grpo(dit, process, variables, shape, reward, options)
+        built = build_flow_grpo(dit, process, variables, shape, reward, params)
         previews = Previews(stage, built.objective, params.preview_rows, shape, directory, scored=reward)
-        recorded = RecordedFlowRollout(built.rollout, writer, previews, params.log_every,
-                                       params.store_images)
+        recorded = RecordedRollout(built.rollout, flow_samples(built.rollout, writer, previews, params.log_every,
+                                                               params.store_images))
         if resumed:  # the first rollout's preview shows the starting model otherwise
             previews(variables, 0)
-        trainer = Trainer(built.objective, optax.adam(params.learning_rate),
-                          key=jax.random.key(seed + 1), rollout=recorded)
-        save = lambda state: save_dit(dit, state.params, shape, process,
-                                      os.path.join(directory, "model"), key)
-        extra = lambda: {"preview_reward_start": previews.means[0],
-                         "preview_reward_final": previews.means[params.steps]}
+        trainer = Trainer(built.objective, optimizer(params), key=jax.random.key(seed + 1), rollout=recorded)
+
+        def save(state):
+            return save_dit(dit, state.params, shape, process, os.path.join(directory, "model"), key)
+
+        def extra():
+            return {"preview_reward_start": previews.means[0], "preview_reward_final": previews.means[params.steps]}
+
         return trainer, built.dataset, previews, [], save, extra
 
     return _fit(stage, "flow_grpo", params, key, inputs, directory, store_root, run, build)

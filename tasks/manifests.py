@@ -89,3 +89,15 @@ def fingerprint(*parts: Any) -> str:
 
     text = json.dumps([plain(p) for p in parts], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def keyed(params: BaseModel) -> dict:
+    """A stage's parameters as its fingerprint reads them: every field but those added since
+    stages were first keyed (the options' `LATER`) while they keep their defaults, and
+    `processes` only above 1 (each process reads its own share, so the data order changes); so
+    a stage's key is what it was before those fields existed."""
+    fields = type(params).model_fields
+    later = getattr(type(params), "LATER", frozenset()) | {"processes"}
+    unset = {name for name in later if name in fields
+             and getattr(params, name) == fields[name].get_default(call_default_factory=True)}
+    return params.model_dump(mode="json", exclude=unset)

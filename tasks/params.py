@@ -1,8 +1,10 @@
 """The parameters of every flow, as pydantic models: the Prefect UI renders them as forms.
 
-Defaults are the embedded demo (arithmetic in a chat template, a small decoder, two CPU cores);
-a real run changes only these values: a local Hugging Face checkpoint in `ModelParams.pretrained`
-and data files in `DataParams`.
+A stage's form is the library's options for it (dew_lib/recipes/options.py, where each option is
+declared once) plus what only the pipeline decides: data lengths, how DPO's pairs are made,
+processes, deadlines, where async rollouts are drawn. Defaults are the embedded demo (arithmetic
+in a chat template, a small decoder, two CPU cores); a real run changes only these values: a
+local Hugging Face checkpoint in `ModelParams.pretrained` and data files in `DataParams`.
 """
 
 from __future__ import annotations
@@ -10,15 +12,22 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from dew_lib.recipes.options import (
+    DPOOptions,
+    EpisodeOptions,
+    FlowGRPOOptions,
+    FlowPretrainOptions,
+    GRPOOptions,
+    Options,
+    PPOOptions,
+    SFTOptions,
+    TrainOptions,
+)
 from tasks.params_file import command_line, read_params_file  # noqa: F401 - flows import them from here
 
-
-class Params(BaseModel):
-    """Frozen, and unknown fields are refused, so a typo in the UI is an error, not a no-op."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
+Params = Options  # frozen, and unknown fields are refused: a typo in the UI is an error, not a no-op
 
 
 def _existing(value: str | None) -> str | None:
@@ -51,7 +60,8 @@ class DataParams(Params):
         "run tool episodes, see ToolParams)")
     train_problems: int = Field(20_000, ge=100, description="arithmetic, tools: problems generated for training")
     test_problems: int = Field(200, ge=10, description="arithmetic, tools: held-out problems for evaluation")
-    vocab_size: int = Field(320, ge=260, description="arithmetic, tools: size of the byte-level BPE tokenizer it trains")
+    vocab_size: int = Field(320, ge=260, description="arithmetic, tools: size of the byte-level BPE "
+                            "tokenizer it trains")
     teacher_errors: float = Field(0.1, ge=0, lt=1, description="arithmetic: share of the SFT "
                                   "answers that are near misses (off by one or ten, digits swapped), "
                                   "as a careless teacher writes them; SFT learns the rule and the "
@@ -142,12 +152,9 @@ class ModelParams(Params):
         return value
 
 
-class StageParams(Params):
-    steps: int = Field(ge=1, description="optimizer steps")
-    batch: int = Field(16, ge=1, description="rows (SFT), pairs (DPO) or prompts (GRPO) per step")
-    learning_rate: float = Field(1e-3, gt=0, description="peak AdamW learning rate")
-    log_every: int = Field(10, ge=1, description="steps per logged metric window")
-    checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints (a retry resumes there)")
+class StageParams(TrainOptions):
+    """A pipeline stage: the library's training options and a deadline."""
+
     max_minutes: float | None = Field(None, gt=0, description="stop the stage with an error after this long")
 
 
@@ -168,21 +175,11 @@ class TextStageParams(StageParams):
         return self
 
 
-class SFTParams(TextStageParams):
-    steps: int = Field(3200, ge=1, description="optimizer steps")
-    learning_rate: float = Field(3e-3, gt=0, description="peak AdamW learning rate")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW's decoupled weight decay; 0.1 lets the "
-                                "embedded decoder settle on the carry rule at every seed (docs/pipeline.md)")
+class SFTParams(SFTOptions, TextStageParams):
     seq_len: int = Field(96, ge=8, description="tokens per packed row, less one")
 
 
-class DPOParams(TextStageParams):
-    steps: int = Field(120, ge=1, description="optimizer steps")
-    learning_rate: float = Field(1e-5, gt=0, description="AdamW learning rate")
-    beta: float = Field(1.0, gt=0, description="DPO beta: the scale of the log-ratio to the reference "
-                        "(larger stops pushing sooner; TRL's default is 0.1)")
-    nll_weight: float = Field(1.0, ge=0, description="weight of the chosen answers' NLL added to the "
-                              "DPO loss (RPO); 0 is plain DPO")
+class DPOParams(DPOOptions, TextStageParams):
     seq_len: int = Field(40, ge=4, description="ids per chosen or rejected row")
     pairs: Literal["policy", "data"] = Field(
         "policy", description="'policy': reference answers against the starting policy's own wrong "
@@ -222,37 +219,15 @@ class RolloutServerParams(Params):
         return self
 
 
-class GRPOParams(TextStageParams):
-    steps: int = Field(60, ge=1, description="optimizer steps")
-    learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate (on the demo, 5e-5 gained "
-                                 "more than 5e-6 and 1e-4 at the seeds measured; docs/pipeline.md)")
-    batch: int = Field(8, ge=1, description="prompts per step")
-    groups: int = Field(8, ge=2, description="completions drawn per prompt")
-    max_new_tokens: int = Field(16, ge=1, description="response budget per completion")
+class GRPOParams(GRPOOptions, TextStageParams):
+    """The RL stage's policy side: GRPO's, and PPO's when PipelineParams.rl='ppo'."""
+
     max_prompt_len: int = Field(24, ge=2, description="prompt ids kept (left-padded)")
-    beta: float = Field(0.01, ge=0, description="KL coefficient to the frozen starting policy")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
-    mode: Literal["sync", "async"] = Field(
-        "sync", description="'sync': each batch's completions are drawn on the trainer's device "
-        "before its update (SampledRollout); 'async': the RolloutScheduler draws them on the native "
-        "rollout server `ahead` batches early while the trainer updates")
-    ahead: int = Field(1, ge=0, description="async: task batches submitted before the trainer reaches them")
-    max_lag: int = Field(1, ge=0, description="async: most updates a trained rollout may be behind "
-                         "(at least ahead + sync_every - 1)")
-    sync_every: int = Field(1, ge=1, description="async: push weights to the server every this many updates")
-    oversample: int = Field(0, ge=0, description="async: extra completions per prompt; the first "
-                            "`groups` to finish are trained, the stragglers cancelled")
-    max_attempts: int = Field(3, ge=1, description="async: failed attempts per sample before its group is given up")
-    timeout: float | None = Field(None, gt=0, description="async: seconds after which a running "
-                                  "rollout is cancelled and drawn again")
-    slots: int = Field(32, ge=1, description="async: requests the rollout server decodes together")
-    behavior_importance: float = Field(2.0, ge=1, description="async: TIS cap on the proximal over "
-                                       "behavior likelihood ratio, which lagged rollouts need")
     rollout: RolloutServerParams = Field(default_factory=RolloutServerParams,
                                          description="async: where the rollouts are drawn")
 
     @model_validator(mode="after")
-    def _schedule(self) -> GRPOParams:
+    def _where(self) -> GRPOParams:
         if self.processes > 1 and self.mode != "sync":
             raise ValueError(f"processes={self.processes} trains sync GRPO only: mode='async' draws on one "
                              "rollout server (native or remote) beside one trainer process; set "
@@ -260,10 +235,6 @@ class GRPOParams(TextStageParams):
         if self.rollout.remote and self.mode != "async":
             raise ValueError(f"rollout.server={self.rollout.server!r} is a remote engine, which draws ahead "
                              "of the trainer: set mode='async'")
-        if self.mode == "async" and self.max_lag < self.ahead + self.sync_every - 1:
-            raise ValueError(f"max_lag={self.max_lag} is below ahead + sync_every - 1 = "
-                             f"{self.ahead + self.sync_every - 1}; rollouts that old would always be "
-                             "discarded")
         return self
 
 
@@ -281,34 +252,17 @@ class RewardParams(Params):
     all_or_nothing: bool = Field(False, description="code: 1.0 only when every test passes, else 0.0")
 
 
-class ToolParams(Params):
-    """Tool episodes (data.source='tools'): how long an episode may run and its calculator worker's
-    limits. GRPO and evaluation both run them (dew_lib.rollouts.EpisodeRollout)."""
+class ToolParams(EpisodeOptions):
+    """Tool episodes (data.source='tools'): their shape and each calculator worker's limits. GRPO
+    and evaluation both run them (dew_lib.rollouts.EpisodeRollout)."""
 
-    max_turns: int = Field(2, ge=1, description="model turns per episode (a call, then the answer)")
-    max_context: int = Field(64, ge=8, description="ids a turn may read: the prompt, earlier turns and "
-                             "the tool's answers; a longer context truncates the episode")
     wall_seconds: float = Field(60.0, gt=0, description="each calculator worker's wall and CPU deadline "
                                 "for its episode")
     memory_mb: int = Field(512, ge=64, description="each calculator worker's memory limit in MiB")
-    workers: int = Field(8, ge=1, description="threads that step the episodes' tools at once")
     alive: int = Field(64, ge=2, description="evaluation: episodes (worker processes) open at once")
 
 
-class PPOParams(Params):
-    """PPO with a critic in place of GRPO's group baseline (PipelineParams.rl='ppo'): the critic
-    is a value head on a copy of the starting policy; one-turn prompts train as one-turn episodes."""
-
-    value_coefficient: float = Field(0.5, ge=0, description="weight of the critic's value loss")
-    value_clip: float = Field(0.2, gt=0, description="how far a value may move from the one recorded at "
-                              "sampling before its error is clipped")
-    gamma: float = Field(1.0, ge=0, le=1, description="discount per sampled token")
-    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
-    epochs: int = Field(1, ge=1, description="passes over each collection of episodes (each pass "
-                        "counts `minibatches` of the stage's steps)")
-    minibatches: int = Field(1, ge=1, description="slices each pass is trained in, one step each")
-    critic_learning_rate: float | None = Field(None, gt=0, description="the critic's AdamW rate (empty: "
-                                               "the GRPO stage's learning_rate, shared with the policy)")
+PPOParams = PPOOptions  # the PPO stage's critic side; its policy side is GRPOParams
 
 
 class EvalParams(Params):
@@ -337,11 +291,18 @@ class PipelineParams(Params):
     evaluation: EvalParams = EvalParams()
     reward: RewardParams = RewardParams()
     tools: ToolParams = ToolParams()
-    rl: Literal["grpo", "ppo"] = Field("grpo", description="the RL stage's algorithm: 'grpo' (group-relative "
-                                       "advantages) or 'ppo' (a critic and GAE; grpo.mode='sync')")
+    rl: Literal["grpo", "ppo"] = Field("grpo", description="the RL stage's algorithm, and the name it "
+                                       "runs and is recorded under: 'grpo' (group-relative advantages) or "
+                                       "'ppo' (a critic and GAE; grpo.mode='sync'). Its policy side is the "
+                                       "grpo block either way; PPO adds the ppo block")
     ppo: PPOParams = PPOParams()
     stages: tuple[Literal["sft", "dpo", "grpo"], ...] = Field(
-        ("sft", "dpo", "grpo"), description="stages to run, in order")
+        ("sft", "dpo", "grpo"), description="stages to run, in order; 'grpo' is the RL stage, trained "
+        "with the algorithm `rl` names")
+
+    def stage_name(self, stage: str) -> str:
+        """The name a stage of `stages` runs under: the RL stage takes its algorithm's."""
+        return self.rl if stage == "grpo" else stage
 
     @model_validator(mode="after")
     def _code_has_no_pairs(self) -> PipelineParams:
@@ -356,6 +317,11 @@ class PipelineParams(Params):
             raise ValueError("rl='ppo' draws its episodes in step with the trainer (its critic values them "
                              "at the weights that sampled): set grpo.mode='sync', or use rl='grpo' for "
                              "asynchronous rollouts")
+        if self.rl == "ppo":
+            try:
+                self.grpo.check_ppo()
+            except ValueError as error:
+                raise ValueError(f"rl='ppo': {error} (the grpo block's fields)") from None
         return self
 
     @model_validator(mode="after")
@@ -424,36 +390,15 @@ class DiTParams(Params):
         return value
 
 
-class FlowPretrainParams(StageParams):
-    steps: int = Field(800, ge=1, description="optimizer steps")
-    batch: int = Field(32, ge=1, description="images per step")
-    learning_rate: float = Field(2e-3, gt=0, description="Adam learning rate")
-    log_every: int = Field(100, ge=1, description="steps per logged metric window and preview")
-    checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints (a retry resumes there)")
+class FlowPretrainParams(FlowPretrainOptions, StageParams):
     preview_rows: int = Field(16, ge=1, description="samples in each preview grid (the same noise every time)")
-    preview_steps: int = Field(11, ge=2, description="time points of the deterministic preview sampler")
 
 
-class FlowGRPOParams(StageParams):
-    steps: int = Field(40, ge=1, description="optimizer steps (one rollout each)")
-    batch: int = Field(8, ge=1, description="groups per step (unconditioned: rows of fresh noise)")
-    groups: int = Field(4, ge=2, description="samples per group")
-    learning_rate: float = Field(1e-3, gt=0, description="Adam learning rate")
-    log_every: int = Field(5, ge=1, description="steps per logged metric window and preview")
-    checkpoint_every: int = Field(20, ge=1, description="steps between checkpoints (a retry resumes there)")
+class FlowGRPOParams(FlowGRPOOptions, StageParams):
     reward: Literal["redness", "greenness", "blueness", "brightness"] = Field(
         "redness", description="what the samples are scored on: how red (green, blue) the lit pixels "
         "are, or the mean brightness")
-    rollout_steps: int = Field(6, ge=2, description="time points of a rollout path (both ends: 6 is "
-                               "five SDE transitions)")
-    train_steps: int | None = Field(None, ge=1, description="train on the first this many "
-                                    "transitions of each path (empty: all)")
-    beta: float = Field(0.05, ge=0, description="weight of the transition KL to the pre-trained model")
-    clip_range: float = Field(1e-4, gt=0, description="PPO clip of the per-coordinate ratio")
-    noise_level: float = Field(0.7, ge=0, description="the SDE's exploration noise (a in "
-                               "sigma = a sqrt(t / (1 - t)))")
     preview_rows: int = Field(16, ge=1, description="samples in each preview grid (the same noise every time)")
-    preview_steps: int = Field(11, ge=2, description="time points of the deterministic preview sampler")
     store_images: bool = Field(True, description="store every rollout sample as a PNG in the "
                                "run store's samples table")
 

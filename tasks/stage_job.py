@@ -44,7 +44,7 @@ from tasks.storage import read_json, write_json
 
 ENTRY = ("-m", "tasks.stage_job")  # what each process runs after the interpreter; then the job file
 TAIL_LINES = 40  # of the job's output, in the error of a failed job
-PARAMS = {"sft": SFTParams, "dpo": DPOParams, "grpo": GRPOParams}
+PARAMS = {"sft": SFTParams, "dpo": DPOParams, "grpo": GRPOParams, "ppo": GRPOParams}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds tasks/ and dew_lib/
 
 
@@ -60,7 +60,7 @@ class StageJob(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     stage: str
-    kind: Literal["sft", "dpo", "grpo"]
+    kind: Literal["sft", "dpo", "grpo", "ppo"]
     params: dict[str, Any]
     data: DataManifest
     start: PolicyRef
@@ -219,8 +219,7 @@ def main(argv: list[str]) -> int:
     """One process of the job: `python -m tasks.stage_job JOB_FILE`."""
     distributed.initialize()  # first: nothing may have computed with JAX before it
     signal.signal(signal.SIGTERM, _ended)
-    from tasks.train import SHOWN, run_stage
-    from tasks.ui import LogSink
+    from tasks.train import run_stage
 
     if len(argv) != 1:
         print("usage: python -m tasks.stage_job JOB_FILE (tasks/train.py writes it)", file=sys.stderr)
@@ -229,7 +228,7 @@ def main(argv: list[str]) -> int:
     primary = distributed.is_primary()
     logger = _logger(primary)
     try:
-        run_stage(job, logger, [LogSink(job.stage, SHOWN, logger=logger)] if primary else [])
+        run_stage(job, logger, progress=False)
     except BaseException:  # the store has recorded the failure; run_stage closed what it opened
         traceback.print_exc()
         sys.stdout.flush()

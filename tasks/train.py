@@ -1,8 +1,9 @@
 """The training task every stage runs: build the stage's objects, fit, save the policy.
 
-`train_stage` turns the stage's pydantic parameters (tasks/params.py) and the run's data manifest
-into a data spec and the options of dew_lib.recipes (SFTOptions, DPOOptions, GRPOOptions), whose
-builders make the objective, dataset and rollout, sync or async; what it adds is the optimizer,
+`train_stage` hands the stage's parameters (tasks/params.py), which are the options of
+dew_lib.recipes (SFTOptions, DPOOptions, GRPOOptions, with PPOOptions for a PPO stage) plus the
+pipeline's own fields, and a data spec made from the run's data manifest to the recipes' builders,
+which make the objective, dataset and rollout, sync or async, and the optimizer; what it adds is
 the run store, the UI and the two kinds of resume.
 
 A stage works in the directory of its inputs, `runs/<name>/<stage>/<key[:12]>/` (key: the
@@ -28,26 +29,20 @@ Not here: what a stage's options build (dew_lib/recipes), the image stages (task
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-from collections.abc import Sequence
 
 import jax
-import optax
 from prefect import get_run_logger, task
 
+from dew_lib import recipes
 from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts
-from dew_lib.objectives import PPOObjective, split_optimizer
+from dew_lib.objectives import PPOObjective
 from dew_lib.recipes import (
     Built,
-    DPOOptions,
     EpisodeOptions,
-    GRPOOptions,
     OneTurn,
-    PPOOptions,
     RemoteEngine,
     ScheduledRollout,
-    SFTOptions,
     build_dpo,
     build_episode_grpo,
     build_grpo,
@@ -56,18 +51,18 @@ from dew_lib.recipes import (
 )
 from dew_lib.store import Store
 from dew_lib.train import distributed
-from dew_lib.train.sinks import JsonlSink
 from dew_lib.train.trainer import Trainer
-from tasks.manifests import DataManifest, PolicyRef, StageResult, fingerprint
+from tasks.lifecycle import Start, begin, conclude, stage_sinks, write_result
+from tasks.manifests import DataManifest, PolicyRef, StageResult, fingerprint, keyed
 from tasks.params import DPOParams, GRPOParams, PPOParams, RewardParams, SFTParams, StageParams, ToolParams
 from tasks.policy import load_policy, save_policy
-from tasks.records import open_stage, record_reused
+from tasks.records import open_stage
 from tasks.rewards import TaskReward, verdicts
 from tasks.stage_job import GatheredWriter, StageJob, run_job
-from tasks.storage import enter_stage, start_point, write_json
 from tasks.tool_task import EpisodeVerifier, calculator_environment
-from tasks.ui import Deadline, LogSink, ProgressSink, keep_last_checkpoint, plot_curves, publish_stage
+from tasks.ui import ProgressSink, keep_last_checkpoint, publish_stage
 
+RL = ("grpo", "ppo")  # the kinds of the RL stage: GRPO, or PPO with a critic (PipelineParams.rl)
 LINKS = ("policy", "checkpoints", "metrics.jsonl", "curves.png")  # also under runs/<name>/<stage>/
 SHOWN = ("loss", "reward", "rewards/accuracy", "rewards/margin", "kl", "accuracy", "val/loss",
          "critic/vf_loss", "critic/vf_explained_var", "grad_norm", "steps_per_second")
@@ -89,15 +84,6 @@ def _needs(path: str | None, kind: str, what: str) -> str:
     return path
 
 
-def _grpo_options(params: GRPOParams, tokenizer) -> GRPOOptions:
-    return GRPOOptions(
-        batch=params.batch, groups=params.groups, max_new_tokens=params.max_new_tokens,
-        beta=params.beta, temperature=params.temperature, eos_id=tokenizer.eos_token_id,
-        mode=params.mode, ahead=params.ahead, max_lag=params.max_lag, sync_every=params.sync_every,
-        oversample=params.oversample, max_attempts=params.max_attempts, timeout=params.timeout,
-        slots=params.slots, behavior_importance=params.behavior_importance)
-
-
 def _build_episodes(params: GRPOParams, pretrained, variables, data: DataManifest, tokenizer_dir: str,
                     seed: int, writer, reward: TaskReward, tools: ToolParams | None,
                     ppo: PPOParams | None) -> Built:
@@ -108,50 +94,48 @@ def _build_episodes(params: GRPOParams, pretrained, variables, data: DataManifes
     spec = Prompts(path=_needs(data.prompts_path, "grpo", "prompts (prompts_path)"),
                    max_prompt_len=params.max_prompt_len, tokenizer=tokenizer_dir,
                    pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
+    shape: EpisodeOptions
     if data.tool is not None:
-        tools = tools or ToolParams()
-        shape = EpisodeOptions(max_turns=tools.max_turns, max_context=tools.max_context, workers=tools.workers)
+        shape = tools = tools or ToolParams()
         environment = calculator_environment(tokenizer, tokenizer_dir, tools)
     else:
         shape = EpisodeOptions(max_turns=1, max_context=params.max_prompt_len)
         environment = OneTurn
     return build_episode_grpo(
-        pretrained.model, variables, spec, _grpo_options(params, tokenizer), shape, environment=environment,
-        verifier=EpisodeVerifier(reward, tokenizer), decode=completion_text(tokenizer), writer=writer,
-        ppo=None if ppo is None else PPOOptions(**ppo.model_dump(exclude={"critic_learning_rate"})),
-        server=_server(params, pretrained))
+        pretrained.model, variables, spec, params, shape, environment=environment,
+        verifier=EpisodeVerifier(reward, tokenizer), eos_id=tokenizer.eos_token_id,
+        decode=completion_text(tokenizer), writer=writer, ppo=ppo, server=_server(params, pretrained))
 
 
 def _build(kind: str, params: StageParams, pretrained, variables, data: DataManifest,
            tokenizer_dir: str, seed: int, writer, reward: TaskReward, tools: ToolParams | None = None,
            ppo: PPOParams | None = None) -> Built:
-    """The stage's data spec and recipe options from its parameters, built by dew_lib.recipes
-    from `variables`; a GRPO stage grades with `reward` and records its sessions with `writer`,
-    and on a tool task runs episodes shaped by `tools`."""
+    """The stage's data spec from its parameters, which are its recipe options, built by
+    dew_lib.recipes from `variables`; the RL stage grades with `reward`, records its sessions
+    with `writer`, on a tool task runs episodes shaped by `tools`, and as PPO trains a critic
+    with `ppo`."""
     model, tokenizer = pretrained.model, pretrained.tokenizer
     if kind == "sft":
         assert isinstance(params, SFTParams)
         spec = ChatMessages(path=_needs(data.chat_path, kind, "conversations (chat_path)"),
                             tokenizer=tokenizer_dir, seq_len=params.seq_len,
                             val_path=data.chat_val_path, loading=_loading(seed))
-        options = SFTOptions(batch=params.batch,
-                             eval_every=max(params.steps // 2, 1) if data.chat_val_path else None)
-        return build_sft(model, variables, spec, options)
+        return build_sft(model, variables, spec, params,
+                         eval_every=max(params.steps // 2, 1) if data.chat_val_path else None)
     if kind == "dpo":
         assert isinstance(params, DPOParams)
         spec = PreferencePairs(path=_needs(data.pairs_path, kind, "preference pairs (pairs_path)"),
                                seq_len=params.seq_len,
                                pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
-        return build_dpo(model, variables, spec, DPOOptions(batch=params.batch, beta=params.beta,
-                                                            nll_weight=params.nll_weight))
+        return build_dpo(model, variables, spec, params)
     assert isinstance(params, GRPOParams)
-    if data.tool is not None or ppo is not None:
+    if data.tool is not None or kind == "ppo":
         return _build_episodes(params, pretrained, variables, data, tokenizer_dir, seed, writer, reward, tools,
-                               ppo)
+                               (ppo or PPOParams()) if kind == "ppo" else None)
     spec = Prompts(path=_needs(data.prompts_path, kind, "prompts (prompts_path)"),
                    max_prompt_len=params.max_prompt_len,
                    tokenizer=tokenizer_dir, pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
-    return build_grpo(model, variables, spec, _grpo_options(params, tokenizer), reward=reward,
+    return build_grpo(model, variables, spec, params, reward=reward, eos_id=tokenizer.eos_token_id,
                       decode=completion_text(tokenizer), reward_details=reward.last_runs,
                       writer=writer, verdicts=verdicts, server=_server(params, pretrained))
 
@@ -174,86 +158,51 @@ def _labels(stage: str) -> dict[str, str]:
             "ppo": "PPO parameters"}
 
 
-def optimizer_for(kind: str, params: StageParams, ppo: PPOParams | None = None) -> optax.GradientTransformation:
-    """Clipped AdamW: SFT warms up, decays on a cosine and takes its own weight decay; DPO and
-    GRPO keep a constant rate and optax's default decay; PPO's critic may take its own rate."""
-    if kind == "sft":
-        assert isinstance(params, SFTParams)
-        rate = optax.warmup_cosine_decay_schedule(0.0, params.learning_rate, min(50, params.steps // 10 + 1),
-                                                  params.steps, params.learning_rate / 10)
-        return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(rate, weight_decay=params.weight_decay))
-    if ppo is not None and ppo.critic_learning_rate is not None:
-        return optax.chain(optax.clip_by_global_norm(1.0),
-                           split_optimizer(optax.adamw(params.learning_rate), optax.adamw(ppo.critic_learning_rate)))
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(params.learning_rate))
-
-
-def _history(path: str) -> list[tuple[int, dict]]:
-    """Logged windows of every attempt; a window logged again after a resume replaces the old."""
-    windows: dict[tuple[int, bool], dict] = {}
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as handle:
-            for line in handle:
-                row = json.loads(line)
-                step = row.pop("step")
-                values = {k: v for k, v in row.items() if v is not None}
-                windows[(step, any(k.startswith("val/") for k in values))] = values
-    return sorted(((step, values) for (step, _), values in windows.items()), key=lambda x: x[0])
-
-
-def final_metrics(history) -> dict[str, float]:
-    """The last training window merged with the last validation, if any."""
-    train = [m for _, m in history if not any(k.startswith("val/") for k in m)]
-    val = [m for _, m in history if any(k.startswith("val/") for k in m)]
-    return {**(train[-1] if train else {}), **(val[-1] if val else {})}
-
-
 def stage_inputs(kind: str, params: StageParams, data: DataManifest, start: PolicyRef, seed: int,
                  reward: RewardParams | None = None, tools: ToolParams | None = None,
                  ppo: PPOParams | None = None) -> tuple[str, dict]:
     """The stage's fingerprint and the inputs it is computed from (inputs.json): its parameters
-    but `log_every` and `max_minutes`, the data, the starting policy, the seed and, for GRPO, the
-    reward, tool and PPO parameters. `processes` counts only above 1 (each process reads its own
-    share, so the data order changes), so a stage's key is what it was before the field existed."""
+    (`keyed`) but `log_every` and `max_minutes`, the data, the starting policy, the seed and, for
+    the RL stage, the reward, tool and PPO parameters."""
     relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
     if isinstance(relevant, GRPOParams) and relevant.rollout.remote:
         # Native or remote, the wire format and the log-probabilities decide the rollouts; where
         # the engine runs does not (a restarted engine elsewhere resumes the same stage).
         relevant = relevant.model_copy(update={"rollout": relevant.rollout.model_copy(update={
             "server": "remote", "directory": None, "model": None, "replicas": [], "timeout": 600.0})})
-    dumped = relevant.model_dump(mode="json", exclude={"processes"} if getattr(relevant, "processes", 1) == 1
-                                 else None)
-    graded = [reward or RewardParams()] if kind == "grpo" else []
-    if kind == "grpo" and data.tool is not None:
-        graded.append(tools or ToolParams())
-    if kind == "grpo" and ppo is not None:
-        graded.append(ppo)
-    key = fingerprint(kind, dumped, data.fingerprint, start.fingerprint, seed, *graded)
+    dumped = keyed(relevant)
+    groups: dict = {}
+    if kind in RL:
+        groups["reward"] = reward or RewardParams()
+        if data.tool is not None:
+            groups["tools"] = tools or ToolParams()
+        if kind == "ppo":
+            groups["ppo"] = ppo or PPOParams()
+    # The groups enter the key in this order (reward, tools, ppo), as they always have.
+    key = fingerprint(kind, dumped, data.fingerprint, start.fingerprint, seed, *groups.values())
     inputs = {"params": dumped, "data": data.fingerprint, "start": start.fingerprint, "seed": seed,
-              **({"reward": graded[0].model_dump(mode="json")} if graded else {}),
-              **({"tools": graded[1].model_dump(mode="json")} if len(graded) > 1 else {}),
-              **({"ppo": ppo.model_dump(mode="json")} if kind == "grpo" and ppo is not None else {})}
+              **{name: group.model_dump(mode="json") for name, group in groups.items()}}
     return key, inputs
 
 
-def _one_process_only(kind: str, params: StageParams, data: DataManifest, ppo: PPOParams | None) -> None:
+def _one_process_only(kind: str, params: StageParams, data: DataManifest) -> None:
     """Refuse a job of several processes for what trains in one process only (PipelineParams
     refuses it earlier; a flow called on its own reaches this)."""
     processes = getattr(params, "processes", 1)
-    if processes > 1 and kind == "grpo" and (data.tool is not None or ppo is not None):
-        what = "PPO (ppo is given)" if ppo is not None else f"tool episodes (data.tool={data.tool!r})"
-        raise ValueError(f"grpo processes={processes}: {what} train in one process only; set "
+    if processes > 1 and kind in RL and (data.tool is not None or kind == "ppo"):
+        what = "a PPO stage" if kind == "ppo" else f"a stage on tool episodes (data.tool={data.tool!r})"
+        raise ValueError(f"{kind} processes={processes}, but {what} trains in one process only; set "
                          "processes=1, or train one-turn prompts with sync GRPO")
 
 
-def run_stage(job: StageJob, logger, sinks: Sequence = (), publish=None) -> StageResult | None:
+def run_stage(job: StageJob, logger, *, progress: bool = True, publish=None) -> StageResult | None:
     """Train the stage `job` describes in this process, alone or as one process of a job
     (tasks/stage_job.py): load the starting policy, build, fit from `job.resumed`, save.
 
     Process 0 records the stage in the run store and writes its policy, metrics.jsonl,
     curves.png and result.json (last), and returns its result; other processes only train and
-    return None. sinks: metric sinks before the store's (the caller's log and progress).
-    publish: `(stage, metrics, curves path)`, called before the store marks the stage completed.
+    return None. progress: process 0 moves the stage's progress artifact (the task's process
+    does it for a job). publish: `(stage, metrics, curves path)`, called before the store marks the stage completed.
     """
     stage, kind, directory, params = job.stage, job.kind, job.directory, job.stage_params()
     primary = distributed.is_primary()
@@ -265,7 +214,7 @@ def run_stage(job: StageJob, logger, sinks: Sequence = (), publish=None) -> Stag
         tokenizer_dir = job.data.tokenizer or job.start.path
         built = _build(kind, params, pretrained, variables, job.data, tokenizer_dir, job.seed, recorder, grader,
                        job.tools, job.ppo)
-        optimizer = optimizer_for(kind, params, job.ppo if kind == "grpo" else None)
+        optimizer = recipes.optimizer(params, job.ppo.critic_learning_rate if kind == "ppo" and job.ppo else None)
         trainer = Trainer(built.objective, optimizer, key=jax.random.key(job.seed), rollout=built.rollout)
         if job.resumed is not None:
             if isinstance(built.rollout, ScheduledRollout):  # before the killed attempt's rows go
@@ -275,30 +224,22 @@ def run_stage(job: StageJob, logger, sinks: Sequence = (), publish=None) -> Stag
                             stage, offered, earlier)
             if writer is not None:
                 writer.discard_after(job.resumed)
-        log_path = os.path.join(directory, "metrics.jsonl")
-        recorded = [writer.sink(), JsonlSink(log_path)] if primary else []
+        sinks = stage_sinks(stage, params, writer, os.path.join(directory, "metrics.jsonl"), shown=SHOWN,
+                            progress=progress, logger=logger)
         try:
             state = trainer.fit(built.dataset, steps=params.steps, log_every=params.log_every,
                                 eval_every=built.eval_every, directory=os.path.join(directory, "checkpoints"),
-                                checkpoint_every=params.checkpoint_every,
-                                sinks=[*sinks, *recorded, Deadline(stage, params.max_minutes)])  # last: a
-            # window is recorded everywhere before a deadline stops the stage
+                                checkpoint_every=params.checkpoint_every, sinks=sinks)
         finally:
             built.close()
         if not primary:
             return None
         trained = state.params["policy"] if isinstance(built.objective, PPOObjective) else state.params
         policy = save_policy(pretrained, distributed.local_copy(trained), os.path.join(directory, "policy"), job.key)
-        history = _history(log_path)
-        metrics = final_metrics(history)
-        plot = plot_curves(history, os.path.join(directory, "curves.png"), f"{stage} ({kind})")
-        if publish is not None:
-            publish(stage, metrics, plot)
-        writer.checkpoint(params.steps, policy.path, kind="policy")
-        writer.finish("completed", metrics)
+        metrics = conclude(writer, stage, kind, directory, params.steps, policy.path, publish=publish)
     result = StageResult(stage=stage, kind=kind, policy=policy, metrics=metrics, directory=directory,
                          steps=params.steps)
-    write_json(os.path.join(directory, "result.json"), {"fingerprint": job.key, "result": result.model_dump()})
+    write_result(directory, job.key, result)
     return result
 
 
@@ -310,33 +251,29 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
     """Train one stage from `start` and save its final policy under `directory`/<key[:12]>/policy
     (also reachable as `directory`/policy, through `directory`/latest, until other inputs start).
 
-    reward: how GRPO grades its completions (tasks/rewards.py); part of a GRPO stage's fingerprint.
-    tools: the episodes of a GRPO stage on a tool task (data.tool); part of its fingerprint.
-    ppo: train the tool task's episodes with PPO and a critic instead; part of its fingerprint.
+    reward: how the RL stage grades its completions (tasks/rewards.py); part of its fingerprint.
+    tools: the episodes of the RL stage on a tool task (data.tool); part of its fingerprint.
+    ppo: the critic's options of a PPO stage (kind "ppo"); part of its fingerprint.
     With `params.processes > 1` the training runs as a job of that many processes
     (tasks/stage_job.py) that this task launches and waits for; a failed job raises, so a retry
     relaunches it and it resumes from the same checkpoints.
     """
     logger = get_run_logger()
-    _one_process_only(kind, params, data, ppo)
+    _one_process_only(kind, params, data)
     key, inputs = stage_inputs(kind, params, data, start, seed, reward, tools, ppo)
-    place, finished = enter_stage(directory, key, inputs, LINKS, stage, logger)
-    directory = place.directory
-    if finished is not None:
-        result = StageResult(**finished).model_copy(update={"cached": True})
-        logger.info("%s reused: it finished with these inputs before (%s)", stage, result.policy.path)
-        record_reused(store_root, run, stage, kind, params.model_dump(mode="json"), result.metrics)
-        return result
-    # SFT's learning-rate schedule spans its steps; DPO's and GRPO's do not
-    resumed, written = start_point(place, inputs, params.steps, stage=stage, labels=_labels(stage), logger=logger,
-                                   shorter=kind != "sft")
+    # a schedule that spans the steps (SFT's warmup-cosine) cannot train on from a shorter run
+    start_at = begin(stage, kind, params, key, inputs, directory, store_root, run, links=LINKS,
+                     labels=_labels(stage), result=StageResult, logger=logger,
+                     shorter=params.schedule == "constant")
+    if not isinstance(start_at, Start):
+        return start_at
+    directory = start_at.directory
     job = StageJob(stage=stage, kind=kind, params=params.model_dump(mode="json"), data=data, start=start,
                    directory=directory, key=key, store_root=store_root, run=run, seed=seed, reward=reward,
-                   tools=tools, ppo=ppo, resumed=resumed, written=written)
+                   tools=tools, ppo=ppo, resumed=start_at.resumed, written=start_at.written)
     processes = getattr(params, "processes", 1)
     if processes == 1:
-        result = run_stage(job, logger, [LogSink(stage, SHOWN), ProgressSink(stage, params.steps)],
-                           publish=publish_stage)
+        result = run_stage(job, logger, publish=publish_stage)
     else:
         result = run_job(job, processes, logger, ProgressSink(stage, params.steps))
         curves = os.path.join(directory, "curves.png")

@@ -23,6 +23,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from dew_lib.train.sinks import Sink
+
 EMBEDDED_BYTES = 256 * 1024  # a larger PNG is linked by its path, not embedded
 
 
@@ -81,7 +83,7 @@ def keep_last_checkpoint(directory: str) -> str:
     return f"kept the last checkpoint, step {kept} ({size / 2**20:.1f} MiB), in {directory}{gone}"
 
 
-class LogSink:
+class LogSink(Sink):
     """Each metric window as one line through the run logger (or `logger`, outside a task: the
     processes of a stage's job print theirs)."""
 
@@ -94,11 +96,8 @@ class LogSink:
         shown = " ".join(f"{k}={metrics[k]:.4g}" for k in names if k in metrics)
         self.logger.info("%s step %d: %s", self.stage, step, shown)
 
-    def close(self) -> None:
-        pass
 
-
-class ProgressSink:
+class ProgressSink(Sink):
     """A progress artifact that moves with every logged window."""
 
     def __init__(self, stage: str, steps: int):
@@ -113,11 +112,8 @@ class ProgressSink:
         if not any(k.startswith("val/") for k in metrics):
             update_progress_artifact(self.artifact, min(100.0, 100.0 * step / max(self.steps, 1)))
 
-    def close(self) -> None:
-        pass
 
-
-class Deadline:
+class Deadline(Sink):
     """Stops a stage that runs past `minutes`: Prefect cannot interrupt a running task itself."""
 
     def __init__(self, stage: str, minutes: float | None):
@@ -128,9 +124,6 @@ class Deadline:
         if self.minutes is not None and time.monotonic() - self.started > 60 * self.minutes:
             raise TimeoutError(f"stage {self.stage!r} ran past max_minutes={self.minutes} at step "
                                f"{step}; its last checkpoint is kept and a rerun continues there")
-
-    def close(self) -> None:
-        pass
 
 
 def plot_curves(history, path: str, title: str) -> str:

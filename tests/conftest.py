@@ -15,10 +15,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
 
 # Many tests build the same tiny programs; a persistent cache compiles each once per session.
+CACHE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "jax"))
+# The same cache for every process a test starts (pipeline runs, stage jobs, training workers):
+# JAX reads these variables when it is imported, so a subprocess compiles nothing a test or an
+# earlier subprocess already compiled.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
 import jax  # noqa: E402
 
-CACHE = os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "jax")
-jax.config.update("jax_compilation_cache_dir", os.path.abspath(CACHE))
+jax.config.update("jax_compilation_cache_dir", CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
@@ -50,6 +57,17 @@ def lm_batches(seed: int, batch: int, width: int, vocab: int = 32, count: int | 
     rows = [rng.integers(1, vocab, size=(batch, width)).astype(np.int32) for _ in range(count or 64)]
     stream = itertools.cycle(rows) if count is None else iter(rows)
     return ({"text": r} for r in stream)
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent under -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    """Under `-n N` (xdist's default `--dist load`), the tests that share a module-scoped
+    fixture run on one worker, which builds it once (xdist_units.py)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist_units import make_scheduler
+
+    return make_scheduler(config, log)
 
 
 @pytest.fixture

@@ -87,7 +87,8 @@ def main(argv: list[str]) -> int:
         kind = "AgentTimeoutError" if mode == "timeout" else "RuntimeError"
         exception = {"exception_type": kind, "exception_message": f"{mode} after one call",
                      "exception_traceback": "", "occurred_at": started}
-    verifier = None if mode == "unscored" else {"rewards": {"reward": 1.0 if mode == "silent" else float(len(reply) % 2 == 0)}}
+    reward = 1.0 if mode == "silent" else float(len(reply) % 2 == 0)
+    verifier = None if mode == "unscored" else {"rewards": {"reward": reward}}
     result = {
         "id": str(uuid.uuid4()), "task_name": args.path.name, "trial_name": args.trial_name,
         "trial_uri": directory.resolve().as_uri(), "task_id": {"path": str(args.path)},

@@ -208,5 +208,6 @@ def test_all_humaneval_canonical_solutions_score_one(shared_data):
 def test_parse_tests_tells_the_styles_apart():
     assert type(parse_tests('[{"stdin": "", "stdout": ""}]')).__name__ == "_Cases"
     assert parse_tests('["assert f() == 1"]').tests == ("assert f() == 1",)
-    assert parse_tests({"test": "def check(c): pass", "entry_point": "f"}).tests == ("def check(c): pass\n\ncheck(f)\n",)
+    humaneval = parse_tests({"test": "def check(c): pass", "entry_point": "f"})
+    assert humaneval.tests == ("def check(c): pass\n\ncheck(f)\n",)
     assert parse_tests({"test_list": ["assert g()"], "test_setup_code": "x = 1"}).setup == "x = 1"

@@ -263,7 +263,8 @@ def test_prefect_yaml_deploys_to_a_process_work_pool_whose_worker_runs_the_pipel
                     keys = [artifact_key(stored[0], name) for name in ("accuracy", "summary")]
                     return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
 
-            assert {a.key for a in asyncio.run(artifacts())} == {artifact_key(stored[0], n) for n in ("accuracy", "summary")}
+            want = {artifact_key(stored[0], n) for n in ("accuracy", "summary")}
+            assert {a.key for a in asyncio.run(artifacts())} == want
 
 
 def test_prefect_yaml_declares_the_deployments_serve_py_serves():

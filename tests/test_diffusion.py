@@ -95,7 +95,10 @@ def test_sde_trajectory_records_densities_only_inside_its_window():
     process = presets.Flow()()
     times = process.times(5)  # 1, .75, .5, .25, 0
     sde = FlowSDE(noise_level=0.7, window=(0.5, 1.0))
-    velocity = lambda x, t: -0.3 * x + t[:, None, None, None]
+
+    def velocity(x, t):
+        return -0.3 * x + t[:, None, None, None]
+
     noise = jax.random.normal(jax.random.key(2), (4, 2, 2, 1))
     path = sample_trajectory(velocity, noise, times, jax.random.key(3), sde=sde)
     np.testing.assert_array_equal(path.stochastic, np.tile([True, True, False, False], (4, 1)))
@@ -147,16 +150,24 @@ def test_prompt_only_batches_come_from_tokenize_and_carry_captions():
 def test_simple_dit_predicts_zero_at_init_and_learns_a_nonzero_map():
     model = tiny_dit(channels=3)
     x = jax.random.normal(jax.random.key(0), (2, 4, 6, 3))
-    condition = jnp.ones((2, 5))
+    t, condition = jnp.array([0.1, 0.9]), jnp.ones((2, 5))
     variables = jax.jit(model.init)(jax.random.key(1), x, jnp.zeros(2), condition)
 
     def error(v):
-        out = model.apply(v, x, jnp.array([0.1, 0.9]), condition)
+        out = model.apply(v, x, t, condition)
         return ((out - x) ** 2).sum(), out
 
     (_, out), grads = jax.jit(jax.value_and_grad(error, has_aux=True))(variables)
     assert out.shape == (2, 4, 6, 3) and np.all(np.asarray(out) == 0)
-    assert np.abs(np.asarray(grads["params"]["output"]["kernel"])).max() > 0
+    # With the output at 0, the output layer's gradient is -2 x against its input: the final
+    # norm's output (the zero final modulation leaves it as it is), per 2 x 2 patch.
+    _, state = model.apply(variables, x, t, condition, capture_intermediates=True)
+    hidden = np.asarray(state["intermediates"]["final_norm"]["__call__"][0])  # [B, patches, E]
+    patches = np.asarray(x).reshape(2, 2, 2, 3, 2, 3).transpose(0, 1, 3, 2, 4, 5).reshape(2, 6, 12)
+    output = grads["params"]["output"]
+    np.testing.assert_allclose(output["bias"], -2 * patches.sum(axis=(0, 1)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(output["kernel"], -2 * np.einsum("bne,bnk->ek", hidden, patches),
+                               rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="multiples of patch_size=2"):
         jax.eval_shape(model.init, jax.random.key(1), jnp.zeros((1, 5, 4, 3)), jnp.zeros(1))
 

@@ -21,6 +21,10 @@ import pytest
 from dew_lib.train.distributed import Topology
 from dew_lib.train.launch import launch
 
+# The shared fixture trains every recipe twice in subprocesses (2 minutes on a loaded 2-core
+# machine, each job allowed 10): more room than the suite's 600 s per test.
+pytestmark = pytest.mark.timeout(900)
+
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 ROUNDING = dict(rtol=1e-5, atol=1e-6)  # what the order of the cross-device sum moves
 RECIPES = ("sft", "dpo", "grpo", "flow", "async", "episodes")
@@ -193,7 +197,8 @@ def test_killing_the_launcher_ends_every_process(tmp_path):
     job = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
         from dew_lib.train.launch import launch
-        sys.exit(launch([sys.executable, "-c", "import os, time; open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\\\n'); time.sleep(120)"], 2))
+        child = "import os, time; open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\\\n'); time.sleep(120)"
+        sys.exit(launch([sys.executable, "-c", child], 2))
     """)])
     deadline = time.monotonic() + 60
     while (not pids.exists() or len(pids.read_text().split()) < 2) and time.monotonic() < deadline:

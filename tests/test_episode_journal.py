@@ -247,7 +247,8 @@ def test_one_writer_per_journal(tmp_path):
             EpisodeJournal(directory)
         other = subprocess.run([sys.executable, "-c", "import sys; from dew_lib.rollouts import EpisodeJournal; "
                                 "EpisodeJournal(sys.argv[1])", str(directory)],
-                               capture_output=True, text=True, cwd=ROOT, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+                               capture_output=True, text=True, cwd=ROOT,
+                               env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
         assert other.returncode != 0 and "JournalBusy" in other.stderr and str(directory) in other.stderr
         with EpisodeJournal(directory, rank=1) as other_rank:  # another rank's file
             assert other_rank.path.endswith("rank-1.sqlite")

@@ -382,7 +382,11 @@ def test_program_refuses_bad_values(kwargs, message):
 
 def test_missing_bubblewrap_is_reported(monkeypatch):
     real = launcher.shutil.which
-    monkeypatch.setattr(launcher.shutil, "which", lambda name, path=None: None if name == "bwrap" else real(name, path=path))
+
+    def which(name, path=None):
+        return None if name == "bwrap" else real(name, path=path)
+
+    monkeypatch.setattr(launcher.shutil, "which", which)
     with pytest.raises(SandboxUnavailable, match="bwrap was not found on PATH; install the bubblewrap package"):
         NamespaceRunner()
 

@@ -107,7 +107,7 @@ def test_at_the_rollout_parameters_the_loss_is_minus_the_mean_advantage():
     clipped = np.clip(batch["advantages"], -0.8, 0.8)
     assert float(aux["kept_transitions"]) == 8 * 4
     np.testing.assert_allclose(mean_loss, -clipped.mean(), atol=1e-4)
-    assert float(aux["transition_kl"]) == 0 and float(aux["clip_fraction"]) == 0
+    assert float(aux["kl"]) == 0 and float(aux["clipfrac"]) == 0
     np.testing.assert_allclose(aux["ratio"], 1.0, atol=1e-5)
 
 
@@ -115,7 +115,10 @@ def test_zero_advantage_groups_and_deterministic_intervals_never_enter_the_loss(
     sde = FlowSDE(noise_level=0.7, window=(0.5, 1.0))  # times 1, .75, .5, .25, 0: two stochastic
     obj = objective(sde=sde)
     state = state_for(obj)
-    first_group_flat = lambda images, batch: np.concatenate([np.full(4, 0.5), images[4:].mean(axis=(1, 2, 3))])
+
+    def first_group_flat(images, batch):
+        return np.concatenate([np.full(4, 0.5), images[4:].mean(axis=(1, 2, 3))])
+
     batch = FlowRollout(obj, first_group_flat, groups=4, steps=5)(state, SOURCE, jax.random.key(3))
     np.testing.assert_array_equal(batch["advantages"][:4], 0)
     mask = batch["transition_mask"]
@@ -182,7 +185,7 @@ def test_beta_freezes_the_starting_policy_in_the_ema_slot():
     for frozen, initial in zip(jax.tree.leaves(state.ema), jax.tree.leaves(start.params)):
         np.testing.assert_array_equal(frozen, initial)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(start.params)))
-    kl = [v for _, v in sink.series("transition_kl")]
+    kl = [v for _, v in sink.series("kl")]
     assert kl[0] == 0 and kl[-1] > 0
 
 

@@ -125,7 +125,10 @@ def test_previews_are_written_at_every_logged_step_and_published_as_artifacts(fi
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     root, _, outcome, _, _ = finished
-    names = lambda stage: sorted(os.listdir(os.path.join(root, "flow", stage, "previews")))
+
+    def names(stage):
+        return sorted(os.listdir(os.path.join(root, "flow", stage, "previews")))
+
     assert names("flow_pretrain") == ["step-000000.png", "step-000002.png", "step-000004.png"]
     assert names("flow_grpo") == ["rollout-000000.png", "rollout-000001.png", "rollout-000002.png",
                                   "step-000000.png", "step-000001.png", "step-000002.png",
@@ -136,7 +139,8 @@ def test_previews_are_written_at_every_logged_step_and_published_as_artifacts(fi
             assert handle.read(8) == PNG
     from tasks.ui import artifact_key
 
-    pretrain_key, grpo_key = (artifact_key(outcome["run"], stage, "preview") for stage in ("flow_pretrain", "flow_grpo"))
+    pretrain_key, grpo_key = (artifact_key(outcome["run"], stage, "preview")
+                              for stage in ("flow_pretrain", "flow_grpo"))
     with get_client(sync_client=True) as client:  # each run has its own preview keys
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
             key=ArtifactFilterKey(any_=[grpo_key, pretrain_key])))

@@ -77,14 +77,12 @@ def test_a_saved_dit_loads_back_with_identical_variables(tmp_path):
         load_dit(str(tmp_path))
 
 
-def test_the_preview_hook_previews_every_few_steps_counting_from_where_fit_starts():
+def test_the_preview_hook_previews_every_few_steps_with_the_state_each_starts_from():
     seen = []
     hook = PreviewHook(lambda params, step: seen.append((params, step)), every=2)
-    hook.begin(3, 10)  # a retry resumed at step 3
-    state = type("State", (), {"params": "p"})()
-    batches = [{"image": np.full((1,), i)} for i in range(4)]
-    assert [hook(state, b, None) for b in batches] == batches  # the batch passes through unchanged
-    assert seen == [("p", 4), ("p", 6)]
+    for step in range(3, 7):  # a retry resumed at step 3 (fit calls before_step from there)
+        hook.before_step(step, type("State", (), {"params": f"p{step}"})())
+    assert seen == [("p4", 4), ("p6", 6)]
 
 
 def test_image_batches_shuffle_every_epoch_and_refuse_a_set_smaller_than_a_batch():

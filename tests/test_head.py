@@ -67,8 +67,8 @@ def test_weighted_sum_head_equals_the_full_head_and_forms_its_gradient_before_th
     np.testing.assert_allclose(total, want_total, rtol=1e-6)
     np.testing.assert_array_equal(top, want_top)
     for scale in (1.0, -0.25):  # the cotangent scales the gradient formed in the forward pass
-        got = jax.grad(lambda h, w: scale * chunked(h, w)[0], argnums=(0, 1))(hidden, weight)
-        want = jax.grad(lambda h, w: scale * reference(h, w)[0], argnums=(0, 1))(hidden, weight)
+        got = jax.grad(lambda h, w, s=scale: s * chunked(h, w)[0], argnums=(0, 1))(hidden, weight)
+        want = jax.grad(lambda h, w, s=scale: s * reference(h, w)[0], argnums=(0, 1))(hidden, weight)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g, w, atol=2e-5)
     # under a loss the forward pass holds three head products per chunk and the backward none

@@ -399,11 +399,20 @@ def test_unsupported_configs_are_refused(tmp_path, changes, message):
         assert all(name in str(error.value) for name in SUPPORTED)
 
 
-def test_sliding_window_that_covers_no_layer_is_accepted(tmp_path):
+def test_sliding_window_that_covers_no_layer_is_accepted(loaded, tmp_path):
+    """Windows start at layer 2 of 2, so every layer attends fully: the checkpoint loads as the
+    plain qwen2 fixture, with the same logits to the bit and transformers' within tolerance."""
     directory = copy_fixture("qwen2", tmp_path)
     edit_config(directory, use_sliding_window=True, sliding_window=4, max_window_layers=2,
                 layer_types=_DELETE)
-    load_pretrained(directory)  # windows start at layer 2 of 2: every layer attends fully
+    pretrained, variables = load_pretrained(directory)
+    plain, plain_variables = loaded["qwen2"]
+    assert pretrained.model == plain.model
+    ref = reference("qwen2")
+    got, want = logits(pretrained.model, variables, ref), logits(plain.model, plain_variables, ref)
+    for ours, full_attention in zip(got, want, strict=True):
+        np.testing.assert_array_equal(ours, full_attention)
+    np.testing.assert_allclose(got[0], ref["logits_plain"], rtol=0, atol=TOLERANCE)
 
 
 def test_missing_tensor_is_named(tmp_path):

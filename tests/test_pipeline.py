@@ -131,13 +131,43 @@ def test_rl_ppo_trains_the_prompts_as_one_turn_episodes_with_a_critic(finished):
 
     root, params, _ = finished
     outcome = pipeline(params.model_copy(update={"rl": "ppo"}))
-    assert outcome["reused"] == {"start": True, "sft": True, "dpo": True, "grpo": False}
+    assert outcome["reused"] == {"start": True, "sft": True, "dpo": True, "ppo": False}
     run = outcome["run"]
-    names = {name for (name,) in query(root, f"SELECT DISTINCT name FROM metrics WHERE run = '{run}'")}
-    assert {"critic/vf_loss", "critic/vf_explained_var", "pg_loss", "reward"} <= names
+    assert query(root, f"SELECT stage, kind FROM stages WHERE run = '{run}' AND stage = 'ppo'") == [("ppo", "ppo")]
+    assert os.path.isdir(os.path.join(root, "demo", "ppo", "policy"))  # a directory of its own
+    names = {name for (name,) in query(root, f"SELECT DISTINCT name FROM metrics WHERE run = '{run}' "
+                                             "AND stage = 'ppo'")}
+    # A reply that used its whole budget is truncated and masked; the policy and critic losses
+    # have a value only in windows that trained some sampled token (none is written otherwise).
+    answered = query(root, f"SELECT count(*) FROM sessions WHERE run = '{run}' AND stage = 'ppo' "
+                           "AND status = 'completed'")[0][0]
+    assert {"grad_norm", "steps_per_second"} <= names
+    assert ({"critic/vf_loss", "critic/vf_explained_var", "pg_loss"} <= names) == (answered > 0)
     turns = query(root, f"SELECT count(*), count(DISTINCT session_uid), max(turn) FROM turns WHERE run = '{run}'")
-    sessions = query(root, f"SELECT count(*) FROM sessions WHERE run = '{run}' AND stage = 'grpo'")[0][0]
+    sessions = query(root, f"SELECT count(*) FROM sessions WHERE run = '{run}' AND stage = 'ppo'")[0][0]
     assert turns[0][0] == turns[0][1] == sessions == 2 * 2 * 4 and turns[0][2] == 0  # steps x prompts x groups
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chosen", [dict(policy_loss="gspo", advantage_estimator="rloo"),
+                                    dict(policy_loss="cispo", aggregation="session-mean", kl_estimator="k3")])
+def test_the_rl_stage_trains_the_loss_its_options_choose(finished, chosen):
+    """The finished run again with GRPO's algorithm changed: SFT and DPO are reused, GRPO trains
+    anew in a directory of its own and the store records the choice with its parameters."""
+    from flows.pipeline import pipeline
+
+    root, params, first = finished
+    outcome = pipeline(params.model_copy(update={"grpo": params.grpo.model_copy(update=chosen)}))
+    assert outcome["reused"] == {"start": True, "sft": True, "dpo": True, "grpo": False}
+    recorded = json.loads(query(root, f"SELECT params FROM stages WHERE run = '{outcome['run']}' "
+                                      "AND stage = 'grpo'")[0][0])
+    assert {name: recorded[name] for name in chosen} == chosen
+    names = {name for (name,) in query(root, f"SELECT DISTINCT name FROM metrics WHERE run = '{outcome['run']}' "
+                                             "AND stage = 'grpo'")}
+    assert {"pg_loss", "reward"} <= names
+    inputs = sorted(Path(root, "demo", "grpo").glob("*/inputs.json"))
+    assert any(json.loads(p.read_text())["inputs"]["params"].get("policy_loss") == chosen["policy_loss"]
+               for p in inputs)
 
 
 @pytest.mark.slow
@@ -346,7 +376,8 @@ def test_sampled_keys_repeats_the_runs_own_draws_under_its_key(finished, capsys)
     assert drawn != sampled_keys.drawn_answers(*load_pretrained(policy), rows, params.evaluation, key=1)
     evaluation = params.evaluation
     assert sampled_keys.main([str(data), str(policy), "--keys", "2", "--samples", str(evaluation.samples),
-                              "--batch", str(evaluation.batch), "--max-new-tokens", str(evaluation.max_new_tokens)]) == 0
+                              "--batch", str(evaluation.batch),
+                              "--max-new-tokens", str(evaluation.max_new_tokens)]) == 0
     header, line = capsys.readouterr().out.splitlines()
     assert header == "right draws of 20 prompts x 2 under keys 1..2"
     first, second = (int(n) for n in line.removeprefix(f"{policy}: ").split()[:2])

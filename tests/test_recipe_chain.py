@@ -10,6 +10,7 @@ import pytest
 from dew_lib import models
 from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts
 from dew_lib.data.byte_bpe import train_byte_bpe
+from dew_lib.recipes import DPOOptions, GRPOOptions, SFTOptions
 from dew_lib.recipes.chain import Recipe, Stage
 
 LOADING = Loading(workers=0, threads=1, read_buffer=2)
@@ -30,12 +31,14 @@ def stages(tmp_path):
     three = str(tokenizer.encode("3")[0])
     return [
         Stage(name="sft", data=ChatMessages(path=str(chats), tokenizer=str(tmp_path / "tokenizer"),
-                                            seq_len=24, loading=LOADING), steps=2, log_every=1),
+                                            seq_len=24, loading=LOADING),
+              options=SFTOptions(steps=2, batch=4, log_every=1)),
         Stage(name="dpo", data=PreferencePairs(records=(json.dumps(pair),) * 4, seq_len=12,
-                                               loading=LOADING), steps=2, log_every=1),
+                                               loading=LOADING),
+              options=DPOOptions(steps=2, batch=4, beta=0.1, nll_weight=0.0, log_every=1)),
         Stage(name="grpo", data=Prompts(records=(json.dumps({"prompt": prompt}),) * 4,
                                         max_prompt_len=10, loading=LOADING),
-              steps=2, groups=2, max_new_tokens=3, beta=0.05, log_every=1,
+              options=GRPOOptions(steps=2, batch=4, groups=2, max_new_tokens=3, beta=0.05, log_every=1),
               reward=lambda source, text, truth, extra: float(three in text.split())),
     ]
 
@@ -45,7 +48,7 @@ def test_stages_chain_their_policies_freeze_references_and_resume(tmp_path):
     model = models.build("causal_transformer", vocab_size=300, emb_features=16, num_layers=1,
                          num_heads=2, mlp_features=32, max_seq_len=32)
     recipe = Recipe(model=model, optimizer=optax.adam(1e-3), key=jax.random.key(0),
-                    directory=tmp_path / "run", batch=4, stages=stages(tmp_path))
+                    directory=tmp_path / "run", stages=stages(tmp_path))
     sft, dpo, grpo = recipe.run(sinks_for=lambda stage: [])
     assert [int(s.updates) for s in (sft, dpo, grpo)] == [2, 2, 2]
     assert sft.ema is None
@@ -65,13 +68,16 @@ def test_stages_chain_their_policies_freeze_references_and_resume(tmp_path):
 
 def test_stage_and_recipe_refuse_bad_settings(tmp_path):
     spec = Prompts(records=(json.dumps({"prompt": [1, 2]}),), max_prompt_len=4, loading=LOADING)
+    grpo = GRPOOptions(steps=1, batch=1)
     with pytest.raises(ValueError, match="needs a reward"):
-        Stage(name="grpo", data=spec, steps=1)
+        Stage(name="grpo", data=spec, options=grpo)
     with pytest.raises(TypeError, match="must be ChatMessages"):
-        Stage(name="x", data={"records": []}, steps=1)
+        Stage(name="x", data={"records": []}, options=grpo)
     with pytest.raises(ValueError, match="plain directory name"):
-        Stage(name="a/b", data=spec, steps=1, reward=lambda *a: 0.0)
-    stage = Stage(name="g", data=spec, steps=1, reward=lambda *a: 0.0)
+        Stage(name="a/b", data=spec, options=grpo, reward=lambda *a: 0.0)
+    with pytest.raises(TypeError, match="trains GRPO on Prompts, so its options are GRPOOptions, got DPOOptions"):
+        Stage(name="g", data=spec, options=DPOOptions(steps=1), reward=lambda *a: 0.0)
+    stage = Stage(name="g", data=spec, options=grpo, reward=lambda *a: 0.0)
     with pytest.raises(ValueError, match="must be distinct"):
         Recipe(model=None, optimizer=optax.sgd(0.1), key=jax.random.key(0), directory=tmp_path,
-               batch=1, stages=[stage, stage])
+               stages=[stage, stage])

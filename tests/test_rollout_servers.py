@@ -213,11 +213,28 @@ def test_openai_refusals(urls, provider, sampling, options, words):
         openai_server(urls, provider, sampling, None, **options)
 
 
-def test_accepted_samplings(urls):
-    for provider, sampling, options in [("vllm", Sampling(), {}),
-                                        ("vllm", Sampling(temperature=0.6), {"processed_logprobs": True}),
-                                        ("sglang", Sampling(temperature=0.3), {})]:
-        openai_server(urls, provider, sampling, None, **options).close()
+@pytest.mark.parametrize("provider,sampling,options", [
+    ("vllm", Sampling(), {}),
+    ("vllm", Sampling(temperature=0.6), {"processed_logprobs": True}),
+    ("sglang", Sampling(temperature=0.3), {}),
+])
+def test_accepted_samplings_draw_as_asked(urls, provider, sampling, options):
+    """A sampling the server accepts reaches the engine as it is and comes back as a Draw of the
+    engine's ids and log-probabilities."""
+    engine = VLLM if provider == "vllm" else SGLANG
+    if options.get("processed_logprobs"):
+        engine.logprobs_mode = "processed_logprobs"
+    with openai_server(urls, provider, sampling, None, **options) as server:
+        draw = server.submit(PROMPT, 4, seed=3).result(WAIT)
+    (_, body), = engine.received
+    asked = {k: body[k] for k in ("prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")}
+    assert asked == {"prompt": PROMPT, "max_tokens": 4, "temperature": sampling.temperature, "top_p": 1.0,
+                     "top_k": -1, "min_p": 0.0, "seed": 3}
+    choice = answered(engine)
+    assert not draw.eos and draw.finish_reason == "length" and len(draw) == 4
+    ids = choice["token_ids"] if provider == "sglang" else [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+    assert draw.ids.tolist() == ids
+    np.testing.assert_array_equal(draw.behavior_log_probs, np.float32(choice["logprobs"]["token_logprobs"]))
 
 
 def test_other_refusals(urls):

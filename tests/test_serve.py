@@ -259,7 +259,8 @@ def test_chat_goes_through_the_chat_template_and_back(served):
     assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
     parts = [{"role": "system", "content": [{"type": "text", "text": "You are"}, {"type": "text", "text": "terse."}]},
              messages[1]]
-    joined = httpx.post(f"{url}/v1/chat/completions", json={"messages": parts, "max_tokens": 1, "return_token_ids": True})
+    joined = httpx.post(f"{url}/v1/chat/completions",
+                        json={"messages": parts, "max_tokens": 1, "return_token_ids": True})
     spelled = [{"role": "system", "content": "You are\nterse."}, messages[1]]
     text = policy.tokenizer.apply_chat_template(spelled, add_generation_prompt=True, tokenize=False)
     assert joined.json()["prompt_token_ids"] == policy.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -442,16 +443,20 @@ def test_dev_route_refusals_have_vllm_shapes(served):
     assert other.status_code == 400 and other.json()["error"]["param"] == "method"
 
 
-def test_dev_routes_are_off_beyond_loopback_unless_asked_for(served):
-    assert dev_endpoints_for("127.0.0.1", None) and dev_endpoints_for("::1", None)
-    assert dev_endpoints_for("localhost", None) and not dev_endpoints_for("127.0.0.1", False)
-    assert not dev_endpoints_for("0.0.0.0", None) and not dev_endpoints_for("10.1.2.3", None)
-    assert dev_endpoints_for("0.0.0.0", True)
+def test_dev_routes_are_off_unless_asked_for_even_on_loopback(served):
+    # Any local user could pause a loopback server, and paused requests wait indefinitely.
+    assert not dev_endpoints_for("127.0.0.1", None) and not dev_endpoints_for("::1", None)
+    assert not dev_endpoints_for("localhost", None) and not dev_endpoints_for("0.0.0.0", None)
+    assert dev_endpoints_for("127.0.0.1", True) and dev_endpoints_for("0.0.0.0", True)
     policy = served[0]
-    with TestClient(create_app(policy, dev_endpoints=False)) as local:
-        assert local.post("/pause", params={"mode": "wait"}).status_code == 404
-        assert local.post("/collective_rpc", json={"method": "reload_weights"}).status_code == 404
+    with TestClient(create_app(policy)) as local:
+        for method, path in (("post", "/pause"), ("post", "/collective_rpc"), ("post", "/resume"),
+                             ("post", "/update_weight_version"), ("get", "/is_paused")):
+            refused = local.request(method.upper(), path, params={"mode": "wait"}, json={"method": "reload_weights"})
+            assert refused.status_code == 404, path
+            assert refused.json()["error"]["code"] == 404 and "--dev-endpoints" in refused.json()["error"]["message"]
         assert local.get("/health").status_code == 200
+    assert not policy.paused
 
 
 def test_openai_rollout_server_and_safetensors_reload_run_against_dew_serve(checkpoint, tmp_path):
@@ -500,11 +505,13 @@ def _children(pid: int) -> list[int]:
 
 
 def test_dew_serve_answers_and_exits_on_sigterm(checkpoint):
+    """The command, with its API key from the environment and the development routes asked for."""
     directory = checkpoint[0]
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.abspath(CACHE))
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.abspath(CACHE),
+               DEW_SERVE_API_KEY="sesame")
     process = subprocess.Popen(
         [sys.executable, "-m", "dew_lib.cli", "serve", str(directory), "--port", "0", "--slots", "2",
-         "--capacity", "64", "--temperature", "0.8", "--top-k", "20"],
+         "--capacity", "64", "--temperature", "0.8", "--top-k", "20", "--dev-endpoints"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
@@ -514,16 +521,21 @@ def test_dew_serve_answers_and_exits_on_sigterm(checkpoint):
             assert process.poll() is None and time.monotonic() < deadline, "".join(seen)
             with contextlib.suppress(queue.Empty):
                 seen.append(lines.get(timeout=1))
-        url = next(line for line in seen if "dew serve:" in line).split(" on ")[1].split()[0]
+        started = next(line for line in seen if "dew serve:" in line)
+        assert "development routes on, API key required" in started and "warning" not in "".join(seen), seen
+        url = started.split(" on ")[1].split()[0]
         for _ in range(200):
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                     break
             time.sleep(0.1)
-        answer = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": PROMPT, "max_tokens": 3,
-                                                           "seed": 1}, timeout=60)
+        body, key = {"model": NAME, "prompt": PROMPT, "max_tokens": 3, "seed": 1}, {"Authorization": "Bearer sesame"}
+        refused = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == 401
+        answer = httpx.post(f"{url}/v1/completions", json=body, headers=key, timeout=60)
         assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] in ("stop", "length")
-        assert httpx.get(f"{url}/is_paused").json() == {"is_paused": False}  # loopback: dev routes on
+        assert httpx.get(f"{url}/is_paused").status_code == 401  # the development routes are behind the key
+        assert httpx.get(f"{url}/is_paused", headers=key).json() == {"is_paused": False}
         children = _children(process.pid)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, "".join(seen)

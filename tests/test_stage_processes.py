@@ -158,9 +158,11 @@ def test_a_flow_called_on_its_own_refuses_episodes_in_a_job():
 
     data = DataManifest(directory="d", tokenizer=None, chat_path=None, chat_val_path=None, pairs_path=None,
                         prompts_path="p", eval_path="e", fingerprint="data", tool="calculator")
-    with pytest.raises(ValueError, match="tool episodes .* train in one process only; set processes=1"):
-        _one_process_only("grpo", GRPOParams(processes=2), data, None)
-    _one_process_only("grpo", GRPOParams(processes=1), data, None)
+    with pytest.raises(ValueError, match="tool episodes .* trains in one process only; set processes=1"):
+        _one_process_only("grpo", GRPOParams(processes=2), data)
+    with pytest.raises(ValueError, match="ppo processes=2, but a PPO stage trains in one process only"):
+        _one_process_only("ppo", GRPOParams(processes=2), data.model_copy(update={"tool": None}))
+    _one_process_only("grpo", GRPOParams(processes=1), data)
 
 
 def test_the_parameters_file_in_the_docs_sets_processes(tmp_path):

@@ -159,7 +159,8 @@ def test_a_retry_replaces_what_the_failed_attempt_wrote_at_the_same_steps(tmp_pa
             stage.metrics(update, {"loss": 2.0})
         stage.finish()
     per_update = store.rows("SELECT update, count(*), sum(value) FROM sessions JOIN "
-                            "(SELECT step AS update, value FROM metrics) USING (update) GROUP BY update ORDER BY update")[1]
+                            "(SELECT step AS update, value FROM metrics) USING (update) "
+                            "GROUP BY update ORDER BY update")[1]
     assert per_update == [(0, 4, 4.0), (1, 4, 4.0), (2, 4, 4.0), (3, 2, 4.0), (4, 2, 4.0), (5, 2, 4.0),
                           (6, 2, 4.0), (7, 2, 4.0)]
     assert count(store, "SELECT attempt FROM stages") == [2]

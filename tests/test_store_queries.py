@@ -75,7 +75,7 @@ def data():
 
 def run_stage(store, run, options, variables, reward):
     with store.writer(run) as writer, writer.stage("grpo", kind="grpo") as stage:
-        built = build_grpo(MODEL, variables, data(), options, reward=reward, writer=stage)
+        built = build_grpo(MODEL, variables, data(), options, reward=reward, eos_id=EOS, writer=stage)
         try:
             trainer = Trainer(built.objective, optax.adam(1e-3), key=jax.random.key(0), rollout=built.rollout)
             trainer.fit(built.dataset, steps=STEPS, log_every=1, sinks=[stage.sink()])
@@ -86,7 +86,7 @@ def run_stage(store, run, options, variables, reward):
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     store = Store(tmp_path_factory.mktemp("queries"))
-    common = dict(batch=2, groups=2, max_new_tokens=4, temperature=1.0, eos_id=EOS)
+    common = dict(steps=STEPS, batch=2, groups=2, max_new_tokens=4, temperature=1.0, beta=0.0)
     variables = MODEL.init(jax.random.key(1), np.zeros((1, 8), np.int32))
     run_stage(store, "sync-1", GRPOOptions(**common, mode="sync"), variables, Reward())
     run_stage(store, "async-1", GRPOOptions(**common, mode="async", slots=4, max_attempts=3), variables,
@@ -165,7 +165,10 @@ def test_a_retry_records_a_prompt_again_and_the_view_keeps_one_row(tmp_path):
                        "extra_info": ""})
     for attempt, update in ((1, 3), (2, 1)):  # the retry meets the task at an earlier update
         with store.writer("r") as run, run.stage("grpo") as stage:
-            assert stage.prompts([task, task], update=update, decode=lambda ids: f"attempt {attempt}") == 1
+            def decode(ids, attempt=attempt):
+                return f"attempt {attempt}"
+
+            assert stage.prompts([task, task], update=update, decode=decode) == 1
             assert stage.prompts([task], update=update + 1) == 0 and stage.has_prompt("t1")
             stage.prompts([Prompt(task="t2", prompt="2+2=")], update=update)
     found = rows(store, "SELECT task, update, prompt, prompt_ids FROM prompts ORDER BY task")

@@ -77,8 +77,8 @@ class Square:
         said = action.tokens[:-1].tolist()
         if len(said) == 2 and said[0] == CALL and 5 <= said[1] < 15:
             k = said[1] - 5
-            return Observation(np.concatenate([action.context, action.tokens, [RESULT, digit(square(k, self.identity))]]),
-                               detail=f"square({k})")
+            reply = [RESULT, digit(square(k, self.identity))]
+            return Observation(np.concatenate([action.context, action.tokens, reply]), detail=f"square({k})")
         if len(said) == 2 and said[0] == ANSWER:
             return Observation(status="completed", detail=f"answered {said[1] - 5}")
         return Observation(status="completed", detail="no call and no answer")
@@ -132,7 +132,8 @@ def test_each_turn_is_a_call_with_its_likelihoods_and_only_sampled_ids_train(pro
     assert len(finished) >= 6
     for result in finished:
         episode, session = result.episode, result.session
-        assert [c.sampled_ids.tolist() for c in session.calls] == [t.action.tokens.tolist() for t in episode.transitions]
+        actions = [t.action.tokens.tolist() for t in episode.transitions]
+        assert [c.sampled_ids.tolist() for c in session.calls] == actions
         for call, transition in zip(session.calls, episode.transitions, strict=True):
             assert call.prompt_ids.tolist() == transition.action.context.tolist()  # the exact context
             assert call.version == 4 and call.finish_reason == "stop" and call.sampled_ids[-1] == EOS
@@ -173,7 +174,15 @@ def test_the_loss_and_its_gradient_depend_only_on_sampled_ids(protocol):
     assert a == b
     for x, y in zip(jax.tree.leaves(grads), jax.tree.leaves(scrambled_grads), strict=True):
         np.testing.assert_array_equal(x, y)
-    assert any(np.abs(x).max() > 0 for x in jax.tree.leaves(grads))
+    # and it is the loss's own gradient, not zero: along it the loss moves at |g|^2 (a central
+    # difference over a step of length 0.01; a zero gradient makes the step infinite and fails)
+    squared = sum(float(np.sum(np.square(x))) for x in jax.tree.leaves(grads))
+    step = 0.01 / np.sqrt(squared)
+
+    def along(t):
+        return float(loss(objective, jax.tree.map(lambda p, g: p + t * g, protocol, grads), batch)[0])
+
+    np.testing.assert_allclose((along(step) - along(-step)) / (2 * step), squared, rtol=1e-3)
 
 
 class Silent(Square):
@@ -237,7 +246,8 @@ def test_truncated_episodes_are_left_out_of_the_group_baseline():
 
     batch = project([result(0, "completed", 1.0), result(1, "completed", 0.0), result(2, "truncated", 5.0)],
                     width=8, rows=3)
-    assert sorted(set(batch["advantages"][batch["response_mask"] == 1].tolist())) == pytest.approx([-0.7071, 0.7071], abs=1e-4)
+    advantages = sorted(set(batch["advantages"][batch["response_mask"] == 1].tolist()))
+    assert advantages == pytest.approx([-0.7071, 0.7071], abs=1e-4)
     with pytest.raises(ValueError, match="2 policy bindings"):
         project([result(0, "completed", 1.0), result(1, "completed", 0.0, origin=2)], width=8, rows=2)
     # "score" trains the truncated episode on its verifier's reward (5.0), "zero" on 0

@@ -12,7 +12,7 @@ from conftest import tiny_model
 
 from dew_lib import Dataset, LMObjective, Trainer, TrainingDiverged
 from dew_lib.models.decoder import unstack_layers
-from dew_lib.objectives import LossTerms
+from dew_lib.objectives import LossTerms, Objective
 from dew_lib.train.checkpoint import CheckpointMismatch, Checkpoints
 from dew_lib.train.sinks import LineLog, MemorySink, ProgressBar
 
@@ -135,10 +135,8 @@ def test_a_checkpoint_from_another_optimizer_is_refused(tmp_path):
         fit(batches, 4, steps=4, optimizer=optax.sgd(0.1), accumulate=2, directory=str(tmp_path))
 
 
-class Poisoned:
+class Poisoned(Objective):
     """A quadratic objective whose loss turns NaN on batches that carry `poison`."""
-
-    ema_decay = None
 
     def init(self, key, variables=None):
         return {"params": {"w": jnp.ones((3,))}}
@@ -198,3 +196,48 @@ def test_progress_bar_and_line_log_show_progress():
     fit(padded_batches(0, rows=4), 4, steps=4, sinks=[ProgressBar(stream), LineLog(stream)])
     text = stream.getvalue()
     assert "4/4" in text and "loss=" in text and "step/s" in text
+
+
+class Hooks(MemorySink):
+    """Records every hook fit calls, in order, with the step each names."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def begin(self, first_step, total_steps):
+        self.calls.append(("begin", first_step, total_steps))
+
+    def before_step(self, step, state):
+        self.calls.append(("before_step", step, int(state.step)))
+
+    def checkpoint(self, step, path):
+        self.calls.append(("checkpoint", step, path.rsplit("/", 1)[-1]))
+
+
+def test_sinks_hear_every_hook_from_where_a_resumed_fit_starts(tmp_path):
+    fit(padded_batches(6, rows=4), 4, steps=2, directory=str(tmp_path))
+    hooks = Hooks()
+    fit(padded_batches(6, rows=4), 4, steps=4, directory=str(tmp_path), checkpoint_every=2, sinks=[hooks])
+    assert hooks.calls == [("begin", 2, 4), ("before_step", 2, 2), ("before_step", 3, 3), ("checkpoint", 4, "4")]
+    assert [step for step, _ in hooks.history] == [4] and hooks.notes[0][1].startswith("resuming from")
+
+
+def test_what_is_not_an_objective_or_a_sink_is_refused_before_training():
+    class Duck:
+        def write(self, step, metrics):
+            pass
+
+    with pytest.raises(TypeError, match="subclass Objective"):
+        Trainer(object(), optax.sgd(0.1), key=jax.random.key(0))
+    with pytest.raises(TypeError, match=r"Duck is not a sink: it lacks \['begin', 'before_step', 'checkpoint', "
+                                        r"'note', 'close'\]; subclass dew_lib.train.sinks.Sink"):
+        fit(padded_batches(6, rows=4), 4, steps=1, sinks=[Duck()])
+
+
+def test_a_metric_nothing_counted_has_no_mean():
+    from dew_lib.objectives import average
+
+    windows = [{"loss": (np.float32(3.0), np.float32(2.0)), "clipfrac": (np.float32(0.0), np.float32(0.0))},
+               {"loss": (np.float32(1.0), np.float32(2.0)), "clipfrac": (np.float32(0.0), np.float32(0.0))}]
+    assert average(windows) == {"loss": 1.0}

@@ -195,7 +195,8 @@ def test_verls_gsm8k_tool_agent_parquet_reads_as_prompts(tmp_path):
     rows = REFERENCE["gsm8k_rows"]
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    spec = Prompts(path=str(path), max_prompt_len=256, tokenizer=str(Path(__file__).parent / "fixtures" / "hf" / "qwen3"))
+    tokenizer = Path(__file__).parent / "fixtures" / "hf" / "qwen3"
+    spec = Prompts(path=str(path), max_prompt_len=256, tokenizer=str(tokenizer))
     batch = next(spec.load(batch=2).stream(Partition()))
     assert text_field(batch["ground_truth"]) == [r["reward_model"]["ground_truth"] for r in rows]
     extra = [json.loads(text) for text in text_field(batch["extra_info"])]

@@ -171,7 +171,7 @@ start_engine() {  # start_engine completions|token: the server in its own sessio
        ${flags[@]+"${flags[@]}"} $VLLM_EXTRA_ARGS) > "$log" 2>&1 9>&- &
   else
     (exec setsid "$DEW_BIN/dew" serve "$CKPT" --host 127.0.0.1 --port "$PORT" \
-       --served-model-name "$MODEL_NAME" --slots 4 --capacity 512) > "$log" 2>&1 9>&- &
+       --served-model-name "$MODEL_NAME" --slots 4 --capacity 512 --dev-endpoints) > "$log" 2>&1 9>&- &
   fi
   ENGINE_PID=$!
   sleep 1

@@ -213,7 +213,7 @@ def _advantage_cases(run, core_algos):
     for estimator, extra in variants:
         function = core_algos.get_adv_estimator_fn(estimator)
 
-        def call(mask):
+        def call(mask, function=function, extra=extra):
             advantages, returns = function(token_level_rewards=t["token_level_rewards"].clone(),
                                            response_mask=mask, index=t["index"], epsilon=1e-6,
                                            **extra)

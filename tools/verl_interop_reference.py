@@ -71,7 +71,8 @@ def _gsm8k_rows() -> list[dict]:
                      "ability": "math", "reward_model": {"style": "rule", "ground_truth": solution},
                      "extra_info": {"split": "train", "index": index, "answer": answer_raw, "question": question_raw,
                                     "need_tools_kwargs": True,
-                                    "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": solution}}},
+                                    "tools_kwargs": {
+                                        "calc_gsm8k_reward": {"create_kwargs": {"ground_truth": solution}}},
                                     "interaction_kwargs": {"query": question, "ground_truth": solution}}})
     return rows
 

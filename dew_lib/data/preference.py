@@ -123,7 +123,7 @@ def tokenize_pairs(renderer: Renderer, items: Sequence[tuple], width: int,
     prompt rendered with the generation prompt, which must be a token prefix of both sides."""
     plain = [i for i, item in enumerate(items) if not item[5]]
     rendered: list[list[str]] = [[] for _ in items]
-    for k, (index, where, prompt, chosen, rejected, tools) in enumerate(items):
+    for k, (_index, where, prompt, chosen, rejected, tools) in enumerate(items):
         if tools:
             rendered[k] = [_render(renderer, prompt, tools, True, where),
                            _render(renderer, prompt + chosen, tools, False, where),

@@ -334,4 +334,5 @@ def label_many(renderer: Renderer, conversations: Sequence[tuple]) -> list[tuple
     return out
 
 
-__all__ = ["ROLES", "Conversation", "TemplateRewrite", "brief", "check_boundaries", "check_messages", "label", "label_many"]
+__all__ = ["ROLES", "Conversation", "TemplateRewrite", "brief", "check_boundaries", "check_messages", "label",
+           "label_many"]

@@ -28,6 +28,7 @@ from dew_lib.diffusion.process import (
 )
 
 __all__ = ["AutoEncoder", "BagOfTokens", "CFG", "Denoiser", "DiffusionObjective", "Euler", "Field",
-           "FlowGRPOObjective", "FlowReward", "FlowRollout", "FlowRolloutRecord", "FlowSDE", "FlowTrajectory", "Identity", "InputSpec", "Preview", "Process", "Solver",
+           "FlowGRPOObjective", "FlowReward", "FlowRollout", "FlowRolloutRecord", "FlowSDE", "FlowTrajectory",
+           "Identity", "InputSpec", "Preview", "Process", "Solver",
            "WordTokenizer", "encode_png", "gaussian_log_density", "grid_png", "group_statistics",
            "presets", "sample_preview", "sample_trajectory", "sde_transition", "transition_kl"]

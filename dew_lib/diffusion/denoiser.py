@@ -73,7 +73,10 @@ class Denoiser:
         noise_key, path_key = jax.random.split(key)
         condition = self.inputs.encode(conditions)
         noise = jax.random.normal(noise_key, (rows, *self.latent_shape), jnp.float32)
-        velocity = lambda x, t: self.velocity(params, x, t, condition, guidance)
+
+        def velocity(x, t):
+            return self.velocity(params, x, t, condition, guidance)
+
         return sample_trajectory(velocity, noise, self.process.times(steps), path_key, sde=sde,
                                  solver=solver)
 

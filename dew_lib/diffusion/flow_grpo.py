@@ -27,7 +27,7 @@ from dew_lib.diffusion.denoiser import Denoiser, sample_metrics
 from dew_lib.diffusion.inputs import AutoEncoder, InputSpec
 from dew_lib.diffusion.preview import EVAL_KEY, Preview, sample_preview
 from dew_lib.diffusion.process import CFG, Euler, FlowSDE, Process, Solver, gaussian_log_density, transition_kl
-from dew_lib.objectives.base import LossTerms, Metrics
+from dew_lib.objectives.base import LossTerms, Metrics, Objective
 from dew_lib.objectives.base import loss as loss_view
 
 Variables = Any
@@ -41,7 +41,7 @@ TRAJECTORY_FIELDS = ("latents", "next_latents")
 STEP_FIELDS = ("timesteps", "next_timesteps", "old_log_probs", "transition_mask")
 
 
-class FlowGRPOObjective:
+class FlowGRPOObjective(Objective):
     """Train a rectified-flow policy on clipped, coordinate-normalized gradients.
 
     sde: how rollouts explore and how transitions are rescored. beta: weight of the transition
@@ -89,7 +89,7 @@ class FlowGRPOObjective:
         self.guidance, self.sampler, self.steps = guidance, sampler, steps
         self.pretrained = pretrained
         self.ema_decay = 1.0 if self.beta > 0 else None  # the EMA slot holds the frozen reference
-        self._generate = {}
+        self._generate: dict[tuple, Callable] = {}  # preview.py's compiled samplers, by signature
 
     # ----- variables -----------------------------------------------------------------------
     def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
@@ -150,7 +150,10 @@ class FlowGRPOObjective:
         condition = self.inputs.encode(batch)
         advantages = jnp.broadcast_to(
             batch["advantages"].reshape(batch["advantages"].shape[0], -1), batch["timesteps"].shape)
-        time_major = lambda name: jnp.moveaxis(jnp.asarray(batch[name]), 1, 0)
+
+        def time_major(name):
+            return jnp.moveaxis(jnp.asarray(batch[name]), 1, 0)
+
         xs = (time_major("latents"), time_major("next_latents"), time_major("timesteps"),
               time_major("next_timesteps"), time_major("old_log_probs"),
               time_major("transition_mask"), advantages.T)
@@ -195,8 +198,8 @@ class FlowGRPOObjective:
         rows = jnp.asarray(batch["advantages"].shape[0], jnp.float32)
         metrics: Metrics = {
             "loss": (total, weight),
-            "policy_loss": (policy, weight),
-            "clip_fraction": ((kept * clipped).sum(), weight),
+            "pg_loss": (policy, weight),  # the names GRPO reports (docs/store.md has the old ones)
+            "clipfrac": ((kept * clipped).sum(), weight),
             "approx_kl": ((kept * 0.5 * log_ratio**2).sum(), weight),
             "ratio": ((kept * ratio).sum(), weight),
             "kept_transitions": (weight, jnp.ones(())),
@@ -204,7 +207,7 @@ class FlowGRPOObjective:
                               jnp.asarray(batch["advantages"].size, jnp.float32)),
         }
         if self.beta > 0:
-            metrics["transition_kl"] = ((kept * kl).sum(), weight)
+            metrics["kl"] = ((kept * kl).sum(), weight)
         if "rewards" in batch:
             metrics["reward"] = (batch["rewards"].astype(jnp.float32).sum(), rows)
         return LossTerms(total, weight, metrics)

@@ -35,7 +35,7 @@ import numpy as np
 
 from dew_lib.diffusion.flow_grpo import GROUP_EPSILON, FlowGRPOObjective, FlowReward
 from dew_lib.diffusion.preview import Preview, ensure_sequence, score
-from dew_lib.options import integer
+from dew_lib.options import group_size
 from dew_lib.train.distributed import gather_rows, own_rows
 
 
@@ -50,7 +50,10 @@ def group_statistics(rewards: np.ndarray, groups: int):
     mean = by_group.mean(axis=1, keepdims=True)
     std = by_group.std(axis=1, keepdims=True)
     advantages = (by_group - mean) / (std + GROUP_EPSILON)
-    spread = lambda a: np.broadcast_to(a, by_group.shape).reshape(-1)
+
+    def spread(a):
+        return np.broadcast_to(a, by_group.shape).reshape(-1)
+
     return spread(mean), spread(std), advantages.reshape(-1)
 
 
@@ -112,8 +115,7 @@ class FlowRollout:
         if not callable(self.reward):
             raise TypeError(f"FlowRollout.reward must be callable (images, batch) -> [N], got "
                             f"{self.reward!r}")
-        self.groups = integer("FlowRollout.groups", self.groups, at_least=2,
-                              accepts="an integer >= 2 (a group of one has no relative advantage)")
+        self.groups = group_size("FlowRollout.groups", self.groups)
         if self.steps < 2:
             raise ValueError(f"FlowRollout.steps counts time points including both ends and must be >= 2, "
                              f"got {self.steps}")

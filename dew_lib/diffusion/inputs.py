@@ -224,7 +224,7 @@ class InputSpec:
     def captions(self, batch: Mapping[str, Any]) -> list[str]:
         """One text per row from decodable conditions (empty strings when there are none)."""
         rows = self.batch_size(batch)
-        parts = [[] for _ in range(rows)]
+        parts: list[list[str]] = [[] for _ in range(rows)]
         for c in self.conditions:
             decode = getattr(c.tokenizer, "decode", None)
             if decode is None or c.name not in batch:

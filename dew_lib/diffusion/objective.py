@@ -15,7 +15,7 @@ Not here: loss weighting over time, logit-normal time sampling, validation metri
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -25,11 +25,11 @@ from dew_lib.diffusion.denoiser import Denoiser
 from dew_lib.diffusion.inputs import AutoEncoder, InputSpec
 from dew_lib.diffusion.preview import EVAL_KEY, Preview, sample_preview
 from dew_lib.diffusion.process import CFG, Euler, Process, Solver
-from dew_lib.objectives.base import LossTerms, Metrics
+from dew_lib.objectives.base import LossTerms, Metrics, Objective
 from dew_lib.objectives.base import loss as loss_view
 
 
-class DiffusionObjective:
+class DiffusionObjective(Objective):
     """Flow matching; see the module docstring.
 
     guidance, sampler, steps: how `preview` samples. ema_decay: as in LMObjective (None: none).
@@ -57,7 +57,7 @@ class DiffusionObjective:
         self.guidance, self.sampler, self.steps = guidance, sampler, steps
         self.pretrained = pretrained
         self.ema_decay = ema_decay
-        self._generate = {}
+        self._generate: dict[tuple, Callable] = {}  # preview.py's compiled samplers, by signature
 
     def init(self, key, variables=None):
         if variables is not None:

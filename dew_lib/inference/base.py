@@ -2,8 +2,9 @@
 
 A `RolloutServer` takes token-id prompts one at a time and answers each with a future `Draw`, so
 the scheduler and the sources can keep many requests in flight and consume them as they finish;
-`load` pushes new weights under a version number; a `Publisher` is anything with that `load`. The native server (`NativeRolloutServer`) and
-the remote engines implement it; so does anything else with these two methods.
+`load` pushes new weights under a version number; a `Publisher` is anything with that `load`. The
+native server (`NativeRolloutServer`) and the remote engines implement it; so does anything else
+with these two methods.
 
 Not here: the backends themselves (`dew_lib.inference.native`, `dew_lib.inference.server`),
 text (prompts and draws are token ids), chat templates.

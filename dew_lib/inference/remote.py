@@ -173,7 +173,8 @@ class RemoteRolloutServer(abc.ABC):
         if self._closed:
             raise ServerClosed(f"{type(self).__name__} is closed")
 
-    def _close_transport(self) -> None:
+    # An optional hook, not an abstract one: only servers that own a connection override it.
+    def _close_transport(self) -> None:  # noqa: B027 (a no-op by default on purpose)
         """Release the connection a subclass owns (nothing by default)."""
 
     def _run(self, future: Future, prompt: np.ndarray, max_new_tokens: int, seed: int,
@@ -207,7 +208,8 @@ class RemoteRolloutServer(abc.ABC):
         `EngineError` when the engine fails it. Each engine's client says how."""
 
 
-def remote_draw(engine: str, sampling: Sampling, *, ids: Sequence[int], log_probs: Sequence[float],
+def remote_draw(engine: str, sampling: Sampling, *, ids: Sequence[int] | np.ndarray,
+                log_probs: Sequence[float] | np.ndarray,
                 finish_reason: Any, version: int, max_new_tokens: int,
                 routed_experts: np.ndarray | None = None, prompt_size: int | None = None,
                 support: Sequence[Sequence[int]] | None = None) -> Draw:
@@ -247,6 +249,8 @@ def remote_draw(engine: str, sampling: Sampling, *, ids: Sequence[int], log_prob
     routed = None
     if routed_experts is not None:
         routed = np.asarray(routed_experts)
+        if prompt_size is None:
+            raise TypeError("remote_draw needs prompt_size with routed_experts (they cover the prompt too)")
         full = prompt_size + ids.size
         if routed.ndim == 3 and routed.shape[0] == full - 1:
             routed = np.concatenate([routed, np.zeros((1, *routed.shape[1:]), routed.dtype)])

@@ -75,7 +75,10 @@ class DiTBlock(nn.Module):
         modulation = nn.Dense(6 * features, kernel_init=_ZERO, param_dtype=self.param_dtype,
                               name="modulation")(nn.silu(c))
         shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(modulation, 6, axis=-1)
-        norm = lambda name: nn.LayerNorm(use_scale=False, use_bias=False, epsilon=1e-6, name=name)
+
+        def norm(name):
+            return nn.LayerNorm(use_scale=False, use_bias=False, epsilon=1e-6, name=name)
+
         a = _modulate(norm("norm1")(h), shift1, scale1)
         a = self._attention(a)
         h = h + gate1[:, None] * a

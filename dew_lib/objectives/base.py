@@ -8,8 +8,9 @@ Metrics use the same convention: each is a `(sum, count)` pair, averaged only wh
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, NamedTuple, Protocol
+import abc
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,25 +28,62 @@ class LossTerms(NamedTuple):
     metrics: Metrics
 
 
-class Objective(Protocol):
-    """What the Trainer needs from an objective."""
+class Objective(abc.ABC):
+    """What the Trainer needs from an objective: subclass it and implement the four abstract
+    methods. The hooks below it are optional: their defaults leave plain training as it is, and
+    an objective overrides the ones it needs (DPO and GRPO keep a frozen reference through
+    `ema_decay`, PPO references only its policy, token objectives derive perplexity)."""
 
-    ema_decay: float | None
+    ema_decay: float | None = None
+    """Decay of the moving average the Trainer keeps in `TrainState.ema` of `reference_params`:
+    None keeps none, 1.0 a frozen copy of the starting values (a reference policy)."""
 
-    def init(self, key: jax.Array, variables: Any = None) -> Any: ...
+    @abc.abstractmethod
+    def init(self, key: jax.Array, variables: Any = None) -> Any:
+        """The starting parameters (`variables` when given, checked against the model)."""
 
+    @abc.abstractmethod
     def terms(self, params: Any, batch: Mapping[str, jax.Array], *, step: jax.Array,
-              reference: Any, key: jax.Array) -> LossTerms: ...
+              reference: Any, key: jax.Array) -> LossTerms:
+        """The loss as `(total, weight)` and its `(sum, count)` metrics, pure and jit-compiled."""
 
-    def evaluate(self, params: Any, batch: Mapping[str, jax.Array]) -> Metrics: ...
+    @abc.abstractmethod
+    def evaluate(self, params: Any, batch: Mapping[str, jax.Array]) -> Metrics:
+        """Validation metrics of one batch, as `(sum, count)` pairs."""
 
-    def check_batch(self, batch: Mapping[str, Any]) -> None: ...
+    @abc.abstractmethod
+    def check_batch(self, batch: Mapping[str, Any]) -> None:
+        """Refuse, on the host, a batch this objective cannot read, naming the field."""
+
+    def reference_params(self, params: Any) -> Any:
+        """The part of `params` that `TrainState.ema` tracks: all of them unless overridden."""
+        return params
+
+    def derive(self, means: dict[str, float]) -> dict[str, float]:
+        """Validation means as reported: the averages unless overridden (e.g. with perplexity)."""
+        return means
+
+    def derive_training(self, means: dict[str, float]) -> dict[str, float]:
+        """A training window's means as reported (ratios of window means belong here)."""
+        return means
 
 
 def mean(metric: Metric) -> jax.Array:
     """The average a `(sum, count)` metric stands for; 0 when nothing was counted."""
     total, count = metric
     return total / jnp.maximum(count, 1e-12) * (count > 0)
+
+
+def average(metrics: Iterable[Metrics]) -> dict[str, float]:
+    """The means of `(sum, count)` metrics read back over several steps or batches. A metric
+    nothing counted has no mean and is left out, rather than shown as a made-up 0 or NaN."""
+    sums: dict[str, list[float]] = {}
+    for step in metrics:
+        for name, (total, count) in step.items():
+            acc = sums.setdefault(name, [0.0, 0.0])
+            acc[0] += float(total)
+            acc[1] += float(count)
+    return {name: total / count for name, (total, count) in sums.items() if count}
 
 
 def loss(objective: Objective, params, batch, step=0, reference=None, key=None):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew_lib.data.dataset import describe
-from dew_lib.objectives.base import LossTerms, Metrics, check_token_ids, with_perplexity
+from dew_lib.objectives.base import LossTerms, Metrics, Objective, check_token_ids, with_perplexity
 from dew_lib.objectives.lm import score_targets
 from dew_lib.objectives.policy import check_pretrained, check_seq_len, initial_variables
 
@@ -43,7 +43,7 @@ def dpo_loss(policy_chosen, policy_rejected, reference_chosen, reference_rejecte
     return -jax.nn.log_sigmoid(chosen - rejected), chosen, rejected
 
 
-class DPOObjective:
+class DPOObjective(Objective):
     """Sigmoid DPO over `PreferencePairs` batches with the frozen starting policy as reference."""
 
     def __init__(self, model, seq_len: int, *, beta: float = 0.1, pretrained: Any = None,

@@ -35,7 +35,7 @@ import numpy as np
 
 from dew_lib.data.dataset import describe
 from dew_lib.objectives import algorithms
-from dew_lib.objectives.base import LossTerms, Metrics, check_token_ids, with_perplexity
+from dew_lib.objectives.base import LossTerms, Metrics, Objective, check_token_ids, with_perplexity
 from dew_lib.objectives.batch import REQUIRED, proximal_mode
 from dew_lib.objectives.lm import prompt_layout, score_targets
 from dew_lib.objectives.policy import check_pretrained, check_seq_len, initial_variables
@@ -62,7 +62,7 @@ def _band(value, name: str) -> tuple[float, float] | None:
     return low, high
 
 
-class GRPOObjective:
+class GRPOObjective(Objective):
     """GRPO and its relatives (GSPO, CISPO, Dr.GRPO through the estimator) on packed rows.
 
     seq_len: the row width minus one. beta: KL coefficient to the frozen starting policy (0: no

@@ -17,7 +17,7 @@ import numpy as np
 
 from dew_lib.data.chat import Role
 from dew_lib.data.dataset import describe
-from dew_lib.objectives.base import LossTerms, Metrics, check_token_ids, with_perplexity
+from dew_lib.objectives.base import LossTerms, Metrics, Objective, check_token_ids, with_perplexity
 from dew_lib.objectives.policy import check_pretrained, check_seq_len, initial_variables
 
 OPTIONAL_FIELDS = ("text_roles", "text_segment_ids", "text_positions")
@@ -89,7 +89,7 @@ def prompt_layout(prompt_length: jax.Array, width: int):
     return segments, positions
 
 
-class LMObjective:
+class LMObjective(Objective):
     """Language-model loss over `text`, counting only `loss_role` targets when it is set."""
 
     def __init__(self, model, seq_len: int, *, pretrained: Any = None,

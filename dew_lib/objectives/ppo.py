@@ -32,7 +32,7 @@ import numpy as np
 import optax
 
 from dew_lib.objectives import algorithms
-from dew_lib.objectives.base import LossTerms, Metrics, with_perplexity
+from dew_lib.objectives.base import LossTerms, Metrics, Objective, with_perplexity
 from dew_lib.objectives.grpo import GRPOObjective
 from dew_lib.options import number
 
@@ -84,7 +84,7 @@ class PolicyOf:
         return self.generation.bind(snapshot["policy"])
 
 
-class PPOObjective:
+class PPOObjective(Objective):
     """PPO on packed episode rows with a critic (module docstring).
 
     critic: a Flax module returning one value per position for `(ids, segment_ids, positions)`,

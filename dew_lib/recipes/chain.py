@@ -1,10 +1,12 @@
 """Recipe: SFT, DPO and GRPO stages run one after another on one decoder.
 
-Each `Stage` names a directory and a data spec, and the spec's type picks the objective:
+Each `Stage` names a directory, a data spec and its options; the spec's type picks the objective
+and the options class it takes:
 
-    ChatMessages     -> LMObjective counting assistant targets (SFT)
-    PreferencePairs  -> DPOObjective
-    Prompts          -> GRPOObjective with a SampledRollout
+    ChatMessages     + SFTOptions   -> LMObjective counting assistant targets (SFT)
+    PreferencePairs  + DPOOptions   -> DPOObjective
+    Prompts          + GRPOOptions  -> GRPOObjective with a SampledRollout (or, mode "async", a
+                                       ScheduledRollout on the native server)
 
 A stage starts a fresh optimizer and step counter from the previous stage's final policy
 (the first stage from the Recipe's `pretrained` variables, or a fresh init); DPO and GRPO freeze
@@ -12,15 +14,14 @@ that starting policy as their reference. A stage whose directory already holds a
 continues from it, and one that already reached its steps restores without training, so a
 rerun of a finished chain only reloads. The stage name only labels the directory.
 
-The chain exposes the knobs most runs change (beta, reward, groups, max_new_tokens, sample).
-For a decoded-text reward, stop tokens or a sampling temperature, build the stage with
-`build_grpo` (build.py) and a Trainer yourself: a Recipe's GRPO stages read rewards on token-id
-text. Every stage's objects come from the builders in build.py, the same ones the pipeline's
-training task uses; the chain only maps a Stage to their options.
+The options are the same models the pipeline's forms are made of (options.py), so every choice
+the pipeline offers (policy loss, aggregation, KL estimator, advantage estimator, the schedule)
+is a Stage's too, and each stage's optimizer comes from its options unless the Recipe gives one.
+For a decoded-text reward or stop tokens, build the stage with `build_grpo` (build.py) and a
+Trainer yourself: a Recipe's GRPO stages read rewards on token-id text and stop at the budget.
 
 Not here: a command line (the Prefect flows in flows/ are the runnable pipeline), evaluation
-between stages, learning-rate schedules per stage, asynchronous GRPO (GRPOOptions(mode="async")
-with `build_grpo`).
+between stages.
 """
 
 from __future__ import annotations
@@ -36,10 +37,15 @@ import optax
 from dew_lib.data.chat_messages import ChatMessages
 from dew_lib.data.preference import PreferencePairs
 from dew_lib.data.prompts import Prompts
-from dew_lib.recipes.build import Built, DPOOptions, GRPOOptions, SFTOptions, build_dpo, build_grpo, build_sft
+from dew_lib.recipes.build import Built, build_dpo, build_grpo, build_sft
+from dew_lib.recipes.options import DPOOptions, GRPOOptions, SFTOptions, optimizer
 from dew_lib.train.trainer import Trainer, TrainState
 
 DataSpec = ChatMessages | PreferencePairs | Prompts
+
+
+OPTIONS = {"sft": SFTOptions, "dpo": DPOOptions, "grpo": GRPOOptions}  # what each kind's stage reads
+KINDS = {ChatMessages: "sft", PreferencePairs: "dpo", Prompts: "grpo"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,60 +53,52 @@ class Stage:
     """One stage of a chain.
 
     name: the stage's directory under the Recipe's directory. data: the loader spec whose type
-    picks the objective. steps: batches to train on. beta: DPO's preference scale, or GRPO's KL
-    coefficient. reward, groups, max_new_tokens: GRPO's reward callable, completions per prompt
-    and response budget. sample: GRPO draws by sampling at temperature 1 over the whole
-    vocabulary when True, greedily when False (useful only to check a pipeline end to end, since
-    identical completions carry no group-relative signal). log_every, checkpoint_every: as in
-    Trainer.fit.
+    picks the objective. options: that kind's options (options.py: SFTOptions, DPOOptions or
+    GRPOOptions), which give its steps, batch, optimizer, logging and checkpoints as well as the
+    algorithm's choices. reward: GRPO's reward callable, which reads token-id text.
     """
 
     name: str
     data: DataSpec
-    steps: int
-    beta: float = 0.1
+    options: SFTOptions | DPOOptions | GRPOOptions
     reward: Callable[[str, str, str, str], float] | None = None
-    groups: int = 4
-    max_new_tokens: int = 16
-    sample: bool = True
-    log_every: int = 10
-    checkpoint_every: int | None = None
 
     def __post_init__(self):
         if not self.name or os.sep in self.name or self.name in (".", ".."):
             raise ValueError(f"Stage.name must be a plain directory name, got {self.name!r}")
-        if not isinstance(self.data, (ChatMessages, PreferencePairs, Prompts)):
+        if type(self.data) not in KINDS:
             raise TypeError(
                 f"Stage {self.name!r}: data must be ChatMessages (SFT), PreferencePairs (DPO) or "
                 f"Prompts (GRPO), got {type(self.data).__name__}"
             )
-        if self.steps < 1:
-            raise ValueError(f"Stage {self.name!r}: steps must be >= 1, got {self.steps}")
-        if isinstance(self.data, Prompts) and self.reward is None:
+        wanted = OPTIONS[self.kind]
+        if type(self.options) is not wanted:
+            raise TypeError(f"Stage {self.name!r} trains {self.kind.upper()} on {type(self.data).__name__}, so "
+                            f"its options are {wanted.__name__}, got {type(self.options).__name__}")
+        if self.kind == "grpo" and self.reward is None:
             raise ValueError(f"Stage {self.name!r} trains GRPO on Prompts and needs a reward")
 
     @property
     def kind(self) -> str:
-        return {ChatMessages: "sft", PreferencePairs: "dpo", Prompts: "grpo"}[type(self.data)]
+        return KINDS[type(self.data)]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
     """Stages trained in order on one decoder; `run()` returns each stage's final state.
 
-    model: the decoder every stage trains. optimizer: the optax transformation each stage starts
-    fresh. key: seeds every stage (folded with its index). directory: the run directory; each
-    stage checkpoints under directory/<name>. batch: rows per step (prompts per step for GRPO).
-    pretrained: the variables the first stage starts from (None: a fresh init).
+    model: the decoder every stage trains. key: seeds every stage (folded with its index).
+    directory: the run directory; each stage checkpoints under directory/<name>. pretrained: the
+    variables the first stage starts from (None: a fresh init). optimizer: one optax
+    transformation every stage starts fresh (None: each stage's own, from its options).
     """
 
     model: Any
-    optimizer: optax.GradientTransformation
     key: jax.Array
     directory: str | os.PathLike
-    batch: int
     stages: Sequence[Stage]
     pretrained: Any = None
+    optimizer: optax.GradientTransformation | None = None
 
     def __post_init__(self):
         names = [stage.name for stage in self.stages]
@@ -111,20 +109,19 @@ class Recipe:
 
     def build(self, stage: Stage, start: Any) -> Built:
         """The objects of one stage (objective, loaded data, rollout), starting from `start`."""
-        if stage.kind == "sft":
-            return build_sft(self.model, start, stage.data, SFTOptions(batch=self.batch))
-        if stage.kind == "dpo":
-            return build_dpo(self.model, start, stage.data, DPOOptions(batch=self.batch, beta=stage.beta))
-        options = GRPOOptions(batch=self.batch, groups=stage.groups, max_new_tokens=stage.max_new_tokens,
-                              beta=stage.beta, temperature=1.0 if stage.sample else 0.0)
-        return build_grpo(self.model, start, stage.data, options, reward=stage.reward)
+        if isinstance(stage.options, SFTOptions):
+            return build_sft(self.model, start, stage.data, stage.options)
+        if isinstance(stage.options, DPOOptions):
+            return build_dpo(self.model, start, stage.data, stage.options)
+        return build_grpo(self.model, start, stage.data, stage.options, reward=stage.reward)
 
     def trainer(self, index: int, stage: Stage, start: Any, built: Built | None = None) -> Trainer:
         """The Trainer for one stage, starting from the variables `start` (from `built` when
         given, else from `build(stage, start)`, which also loads the stage's data)."""
         built = self.build(stage, start) if built is None else built
         key = jax.random.fold_in(self.key, index)
-        return Trainer(built.objective, self.optimizer, key=key, rollout=built.rollout)
+        chosen = optimizer(stage.options) if self.optimizer is None else self.optimizer
+        return Trainer(built.objective, chosen, key=key, rollout=built.rollout)
 
     def run(self, sinks_for: Callable[[Stage], Sequence[Any]] | None = None) -> list[TrainState]:
         """Train every stage in order; `sinks_for(stage)` picks each stage's metric sinks."""
@@ -132,14 +129,16 @@ class Recipe:
         start = self.pretrained
         for index, stage in enumerate(self.stages):
             built = self.build(stage, start)
-            trainer = self.trainer(index, stage, start, built)
-            state = trainer.fit(
-                built.dataset, steps=stage.steps, log_every=stage.log_every,
-                eval_every=built.eval_every,
-                directory=os.path.join(os.fspath(self.directory), stage.name),
-                checkpoint_every=stage.checkpoint_every,
-                sinks=None if sinks_for is None else sinks_for(stage),
-            )
+            try:
+                state = self.trainer(index, stage, start, built).fit(
+                    built.dataset, steps=stage.options.steps, log_every=stage.options.log_every,
+                    eval_every=built.eval_every,
+                    directory=os.path.join(os.fspath(self.directory), stage.name),
+                    checkpoint_every=stage.options.checkpoint_every,
+                    sinks=None if sinks_for is None else sinks_for(stage),
+                )
+            finally:
+                built.close()  # an async stage's server and scheduler
             states.append(state)
             start = state.params
         return states

@@ -1,7 +1,7 @@
 """Stage builders for rectified-flow image models: flow-matching pre-training and Flow-GRPO.
 
 The image counterpart of build.py, and the one place that maps these stages' options to objects
-(tasks/flow_train.py turns its pydantic forms into these options):
+(options.py declares them; tasks/flow_train.py's forms are those options):
 
     images   + FlowPretrainOptions -> DiffusionObjective (no EMA), shuffled image batches
     a model  + FlowGRPOOptions     -> FlowGRPOObjective (unguided, FlowSDE exploration) with a
@@ -16,7 +16,6 @@ Not here: conditioned models (prompts or labels), guidance, reading images or sa
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 
@@ -24,52 +23,9 @@ import numpy as np
 
 from dew_lib.data import Dataset
 from dew_lib.diffusion import DiffusionObjective, Field, FlowGRPOObjective, FlowRollout, FlowSDE, InputSpec
-from dew_lib.options import integer, number
+from dew_lib.options import integer
 from dew_lib.recipes.build import Built
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FlowPretrainOptions:
-    """batch: images per step. preview_steps: time points of the objective's deterministic
-    sampler (its previews). seed: the order the images are shuffled in, a new one every epoch."""
-
-    batch: int
-    preview_steps: int = 41
-    seed: int = 0
-
-    def __post_init__(self):
-        integer("FlowPretrainOptions.batch", self.batch)
-        integer("FlowPretrainOptions.preview_steps", self.preview_steps, at_least=2)
-        integer("FlowPretrainOptions.seed", self.seed, at_least=0)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FlowGRPOOptions:
-    """batch: groups per step (rows of fresh noise). groups: samples per group. rollout_steps:
-    time points of a rollout path, both ends included. train_steps: train on the first this many
-    transitions of each path (None: all). beta: weight of the transition KL to the starting
-    model. clip_range: PPO clip of the per-coordinate ratio. noise_level: the SDE's exploration
-    noise. preview_steps: time points of the objective's deterministic sampler (its previews)."""
-
-    batch: int
-    groups: int = 4
-    rollout_steps: int = 11
-    train_steps: int | None = None
-    beta: float = 0.0
-    clip_range: float = 1e-4
-    noise_level: float = 0.7
-    preview_steps: int = 41
-
-    def __post_init__(self):
-        integer("FlowGRPOOptions.batch", self.batch)
-        integer("FlowGRPOOptions.groups", self.groups, at_least=2,
-                accepts="an integer >= 2 (a group of one has no relative advantage)")
-        integer("FlowGRPOOptions.rollout_steps", self.rollout_steps, at_least=2)
-        integer("FlowGRPOOptions.train_steps", self.train_steps, optional=True)
-        number("FlowGRPOOptions.beta", self.beta, at_least=0)
-        number("FlowGRPOOptions.clip_range", self.clip_range, above=0)
-        number("FlowGRPOOptions.noise_level", self.noise_level, at_least=0)
-        integer("FlowGRPOOptions.preview_steps", self.preview_steps, at_least=2)
+from dew_lib.recipes.options import FlowGRPOOptions, FlowPretrainOptions
 
 
 def image_batches(images: np.ndarray, batch: int, seed: int) -> Iterator[dict[str, np.ndarray]]:
@@ -84,14 +40,16 @@ def image_batches(images: np.ndarray, batch: int, seed: int) -> Iterator[dict[st
             yield {"image": images[order[start:start + batch]]}
 
 
-def build_flow_pretrain(model, process, variables, images: np.ndarray,
-                        options: FlowPretrainOptions) -> Built:
+def build_flow_pretrain(model, process, variables, images: np.ndarray, options: FlowPretrainOptions, *,
+                        seed: int = 0) -> Built:
     """Flow-matching pre-training of `model` under `process` on uint8 `images` [N, H, W, C],
-    starting from `variables` (None: a fresh init)."""
+    starting from `variables` (None: a fresh init). seed: the order the images are shuffled in,
+    a new one every epoch."""
+    integer("build_flow_pretrain seed", seed, at_least=0)
     inputs = InputSpec(Field("image", tuple(images.shape[1:])))
     objective = DiffusionObjective(model, process, inputs, ema_decay=None, steps=options.preview_steps,
                                    pretrained=variables)
-    dataset = Dataset(train=lambda partition: image_batches(images, options.batch, options.seed),
+    dataset = Dataset(train=lambda partition: image_batches(images, options.batch, seed),
                       records=len(images), batch=options.batch)
     return Built(objective=objective, dataset=dataset)
 
@@ -111,5 +69,4 @@ def build_flow_grpo(model, process, variables, shape: Sequence[int], reward,
     return Built(objective=objective, dataset=dataset, rollout=rollout)
 
 
-__all__ = ["FlowGRPOOptions", "FlowPretrainOptions", "build_flow_grpo", "build_flow_pretrain",
-           "image_batches"]
+__all__ = ["build_flow_grpo", "build_flow_pretrain", "image_batches"]

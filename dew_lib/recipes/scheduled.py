@@ -24,10 +24,8 @@ Not here: the scheduler and sources themselves (dew_lib.rollouts), the synchrono
 from __future__ import annotations
 
 from dew_lib.inference import NativeRolloutServer, Server, ServeTask
-from dew_lib.objectives import GRPOObjective
 from dew_lib.rollouts import PromptSource, RolloutScheduler, prompt_tasks
 from dew_lib.rollouts.sampled import token_text
-from dew_lib.sampling import Sampling
 
 TRUNCATION = "score"  # a completion that used its whole budget is still graded and trained
 
@@ -35,10 +33,12 @@ TRUNCATION = "score"  # a completion that used its whole budget is still graded 
 class ScheduledRollout:
     """RolloutScheduler + PromptSource + NativeRolloutServer for one GRPO stage; `close` stops them.
 
-    options: GRPOOptions (its async fields: ahead, max_lag, sync_every, oversample, max_attempts,
-    timeout, slots, behavior_importance). reward: grades each completion. max_prompt_len: the
-    prompt spec's width. decode: sampled ids -> text (None: token-id text). reward_details: the
-    reward's record of its latest call on the calling thread (e.g. CodeReward.last_runs).
+    options: GRPOOptions (options.py; besides the loss and sampling, its async fields: ahead,
+    max_lag, sync_every, oversample, max_attempts, timeout, slots, behavior_importance). reward:
+    grades each completion. max_prompt_len: the prompt spec's width. eos_id: the id (or ids)
+    that end a completion (None: only the budget). decode: sampled ids -> text (None: token-id
+    text). reward_details: the reward's record of its latest call on the calling thread (e.g.
+    CodeReward.last_runs).
     writer: the stage's StageWriter (None: nothing recorded). verdicts: program runs -> Verdict rows.
     source: `server -> source` for sessions of another kind, e.g. an EnvironmentSource's tool
     episodes (recipes/episodes.py), in place of a PromptSource grading with `reward`;
@@ -48,18 +48,16 @@ class ScheduledRollout:
     of a NativeRolloutServer on the starting policy.
     """
 
-    def __init__(self, options, model, variables, reward=None, *, max_prompt_len: int, decode=None,
-                 reward_details=None, writer=None, verdicts=None, source=None, truncation=TRUNCATION,
-                 server=None):
+    def __init__(self, options, model, variables, reward=None, *, max_prompt_len: int, eos_id=None,
+                 decode=None, reward_details=None, writer=None, verdicts=None, source=None,
+                 truncation=TRUNCATION, server=None):
         prompt, response = max_prompt_len, options.max_new_tokens
         width = prompt + response
-        self.objective = GRPOObjective(model, width - 1, beta=options.beta, pretrained=variables,
-                                       sampling_temperature=options.sampling_temperature,
-                                       behavior_importance=options.behavior_importance)
+        self.objective = options.objective(model, variables, width, lagged=True)
         self.stage, self.verdicts, self.truncation = writer, verdicts, truncation
         self.decode = decode or token_text
         self._unrecorded: dict[str, object] = {}  # task id -> Task whose prompt is not written yet
-        sampling = Sampling(temperature=options.temperature, eos_id=options.eos_id)
+        sampling = options.sampling(eos_id)
         if server is not None:
             self.server = server(sampling)
         else:
@@ -82,7 +80,7 @@ class ScheduledRollout:
                 tasks=prompt_tasks if writer is None else self._tasks,
                 oversample=options.oversample, max_lag=options.max_lag, ahead=options.ahead,
                 sync_every=options.sync_every, max_attempts=options.max_attempts,
-                timeout=options.timeout, truncation=truncation,
+                timeout=options.timeout, estimator=options.advantage_estimator, truncation=truncation,
                 log=None if writer is None else writer.record,
                 session_log=None if writer is None else self._record)
         except BaseException:

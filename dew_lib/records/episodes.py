@@ -187,5 +187,5 @@ class Environment(Protocol):
 EnvironmentFactory = Callable[[Task, EpisodeId], Environment]
 Verifier = Callable[[Task, Episode], float]
 
-__all__ = ["Action", "check_action", "check_termination", "Environment", "EnvironmentFactory", "Episode", "EpisodeId", "EpisodeStatus",
-           "Observation", "Transition", "Verifier"]
+__all__ = ["Action", "check_action", "check_termination", "Environment", "EnvironmentFactory", "Episode", "EpisodeId",
+           "EpisodeStatus", "Observation", "Transition", "Verifier"]

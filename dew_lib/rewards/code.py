@@ -4,11 +4,12 @@ The reward has verl's `compute_score` signature, `reward(data_source, completion
 extra_info) -> float`, and is safe to call from many threads at once. The ground truth (a JSON
 string, or the already-parsed value) picks the test style by its shape:
 
-| ground truth | style | reward |
-| --- | --- | --- |
-| `[{"stdin": ..., "stdout": ...}, ...]` | the block is a program, run once per case with that stdin | fraction of cases that exit 0 with stdout equal line by line |
-| `{"test": ..., "entry_point": ...}` (a HumanEval row) | the block defines the function; the row's `check(candidate)` is called on it | 1.0 or 0.0 (one check) |
-| `{"test_list": [...], "test_setup_code": ...}` (an MBPP row) or a list of assert strings | the block defines the functions; each assert runs after it | fraction of asserts that pass |
+- `[{"stdin": ..., "stdout": ...}, ...]`: the block is a program, run once per case with that
+  stdin; reward: the fraction of cases that exit 0 with stdout equal line by line.
+- `{"test": ..., "entry_point": ...}` (a HumanEval row): the block defines the function and the
+  row's `check(candidate)` is called on it; reward 1.0 or 0.0 (one check).
+- `{"test_list": [...], "test_setup_code": ...}` (an MBPP row) or a list of assert strings: the
+  block defines the functions and each assert runs after it; reward: the fraction that pass.
 
 Whole dataset rows work as ground truth (extra keys are ignored), so HumanEval's and MBPP's
 JSON lines can be passed as they are. "Line by line" means both outputs split into lines, each

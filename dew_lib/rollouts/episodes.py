@@ -37,13 +37,13 @@ rebuilds the collection from them (answered turns as recorded, environments rese
 their last snapshot, saved draws reused) and runs again only the tool calls left unanswered.
 In a multi-process job each process runs its own rows' episodes, drawn together (episode_pool.py).
 
-Not here: the records (`dew_lib.records.episodes`), subprocess environments
-(`subprocess_environment.py`), episodes on a rollout server (`sources.EnvironmentSource`).
+Not here: the records (`dew_lib.records.episodes`), one running episode's slot and its helpers
+(episode_slots.py), subprocess environments (`subprocess_environment.py`), episodes on a rollout
+server (`sources.EnvironmentSource`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import math
@@ -56,7 +56,7 @@ import numpy as np
 
 from dew_lib.objectives import algorithms
 from dew_lib.objectives.batch import PackedBatch
-from dew_lib.options import integer
+from dew_lib.options import group_size, integer
 from dew_lib.records.episodes import (
     Action,
     EnvironmentFactory,
@@ -70,12 +70,20 @@ from dew_lib.records.episodes import (
 )
 from dew_lib.records.sessions import TRUNCATION, Call, Session, Status, Task
 from dew_lib.rollouts.episode_pool import check_cohort, check_journal, cohort, together
+from dew_lib.rollouts.episode_slots import (
+    Slot,
+    SlotError,
+    describe,
+    each,
+    enter_environment,
+    observed,
+    snapshot_environment,
+)
 from dew_lib.rollouts.journal import EpisodeJournal, PendingDraw, Restored, Unjournaled, collection_identity
 from dew_lib.rollouts.packing import pack
 from dew_lib.sampling import Sampling
 from dew_lib.train.distributed import every_process
 
-CANCELLATIONS = (asyncio.CancelledError, concurrent.futures.CancelledError)
 _SESSION_STATUS = {EpisodeStatus.COMPLETED: Status.COMPLETED, EpisodeStatus.TRUNCATED: Status.TRUNCATED,
                    EpisodeStatus.CANCELLED: Status.CANCELLED, EpisodeStatus.ERROR: Status.INFRA_ERROR}
 
@@ -134,41 +142,6 @@ def project(results: Sequence[EpisodeResult], *, width: int, rows: int,
     return PackedBatch.of(packed)
 
 
-@dataclasses.dataclass(eq=False)
-class _Slot:
-    """One episode while it runs: its environment, where it stands and what it did."""
-
-    task: Task
-    identity: EpisodeId
-    index: int = 0  # the slot's place in the collection: task * groups + sample
-    manager: Any = None  # what the factory returned: entered, and exited on release
-    environment: Any = None  # what entering it gave: reset and step go here
-    first: Observation | None = None
-    context: np.ndarray | None = None
-    transitions: list[Transition] = dataclasses.field(default_factory=list)
-    status: EpisodeStatus = EpisodeStatus.RUNNING
-    detail: str = ""
-    reward: float | None = None
-
-    def end(self, status: EpisodeStatus, detail: str) -> None:
-        self.status, self.detail = status, detail
-
-    def episode(self, origin: int, status: EpisodeStatus | None = None, detail: str | None = None) -> Episode:
-        first = self.first or Observation(status=EpisodeStatus.ERROR, detail="never reset")
-        return Episode(self.task, self.identity, status or self.status,
-                       self.detail if detail is None else detail, first, tuple(self.transitions), origin)
-
-
-class _SlotError(Exception):
-    """What went wrong in one slot, kept with the slot."""
-
-    def __init__(self, slot: _Slot, where: str, error: BaseException | None, detail: str = "", *,
-                 cancelled: bool = False):
-        super().__init__(detail)
-        self.slot, self.where, self.error, self.detail = slot, where, error, detail
-        self.cancelled = cancelled or isinstance(error, CANCELLATIONS)
-
-
 class EpisodeRollout:
     """Collect `groups` episodes per task row and pack them for GRPOObjective (module docstring).
 
@@ -201,8 +174,7 @@ class EpisodeRollout:
         self.max_prompt_tokens = integer("EpisodeRollout.max_prompt_tokens", max_prompt_tokens)
         self.max_new_tokens = integer("EpisodeRollout.max_new_tokens", max_new_tokens)
         self.max_turns = integer("EpisodeRollout.max_turns", max_turns)
-        self.groups = integer("EpisodeRollout.groups", groups, at_least=2,
-                              accepts="an integer >= 2 (group-relative advantages compare episodes)")
+        self.groups = group_size("EpisodeRollout.groups", groups)
         self.workers = integer("EpisodeRollout.workers", workers)
         algorithms.advantage_function(estimator)
         if truncation not in TRUNCATION:
@@ -243,20 +215,20 @@ class EpisodeRollout:
         policy = self.policy.bind(snapshot)
         first = jax.process_index() * len(tasks)  # this process's first task row of the job's batch
         seeds = _seeds(key, len(tasks) * jax.process_count(), self.groups)[first:first + len(tasks)]
-        slots = [_Slot(task, EpisodeId(task=task.id, group=first + b, sample=g, attempt=0,
+        slots = [Slot(task, EpisodeId(task=task.id, group=first + b, sample=g, attempt=0,
                                        seed=int(seeds[b, g]), step=step), index=(first + b) * self.groups + g)
                  for b, task in enumerate(tasks) for g in range(self.groups)]
-        opened: list[_Slot] = []
+        opened: list[Slot] = []
         try:
             with concurrent.futures.ThreadPoolExecutor(min(self.workers, len(slots))) as pool:
                 def enter():
                     for slot in slots:  # on this thread: a worker process dies with the thread that started it
-                        slot.manager, slot.environment = _enter(slot, self.environment, log.journaled)
+                        slot.manager, slot.environment = enter_environment(slot, self.environment, log.journaled)
                         opened.append(slot)
-                    _each(pool, slots, "reset", self._reset)
+                    each(pool, slots, "reset", self._reset)
                     snapshots = restored.snapshots()  # each restored slot resumes from its last answer
-                    _each(pool, [s for s in slots if s.index in snapshots], "set_state",
-                          lambda s: s.environment.set_state(snapshots[s.index]))
+                    each(pool, [s for s in slots if s.index in snapshots], "set_state",
+                         lambda s: s.environment.set_state(snapshots[s.index]))
 
                 together(enter, "entering the environments")
                 for turn in range(self.max_turns):
@@ -266,8 +238,8 @@ class EpisodeRollout:
                 for slot in slots:
                     if slot.status is EpisodeStatus.RUNNING:
                         slot.end(EpisodeStatus.TRUNCATED, f"max_turns={self.max_turns} reached")
-                together(lambda: _each(pool, [s for s in slots if s.status in _SCORED], "verifier",
-                                        lambda s: self._verify(s, policy.binding)), "scoring the episodes")
+                together(lambda: each(pool, [s for s in slots if s.status in _SCORED], "verifier",
+                                       lambda s: self._verify(s, policy.binding)), "scoring the episodes")
         except BaseException as error:
             self._abort(opened, policy.binding, error)
             raise
@@ -292,23 +264,23 @@ class EpisodeRollout:
         return self.journal.open_collection(identity)
 
     # ----- the steps of a collection -----------------------------------------------------------
-    def _reset(self, slot: _Slot) -> None:
-        slot.first = _observation(slot, "reset", slot.environment.reset())
+    def _reset(self, slot: Slot) -> None:
+        slot.first = observed(slot, "reset", slot.environment.reset())
         self._observe(slot, slot.first)
 
-    def _observe(self, slot: _Slot, observation: Observation) -> None:
+    def _observe(self, slot: Slot, observation: Observation) -> None:
         """Take an observation: the next context, or how the episode ended."""
         if observation.status is EpisodeStatus.RUNNING:
             slot.context = observation.context
         elif observation.status is EpisodeStatus.ERROR:
-            raise _SlotError(slot, "environment", None, f"the environment reported an error: {observation.detail}")
+            raise SlotError(slot, "environment", None, f"the environment reported an error: {observation.detail}")
         elif observation.status is EpisodeStatus.CANCELLED:
-            raise _SlotError(slot, "environment", None, f"the environment cancelled it: {observation.detail}",
-                             cancelled=True)
+            raise SlotError(slot, "environment", None, f"the environment cancelled it: {observation.detail}",
+                            cancelled=True)
         else:
             slot.end(observation.status, observation.detail)
 
-    def _turn(self, pool, policy, slots: list[_Slot], turn: int, key, policy_step: int, log,
+    def _turn(self, pool, policy, slots: list[Slot], turn: int, key, policy_step: int, log,
               restored: Restored) -> bool:
         """Draw one action for every running slot (the journal's saved draws of the round when it
         has them, else sampled and saved before any tool call) and send the finished ones to
@@ -338,12 +310,12 @@ class EpisodeRollout:
                     slot.transitions.append(Transition(action, None))
                     slot.end(EpisodeStatus.TRUNCATED, f"turn {turn} used its whole budget of "
                              f"{self.max_new_tokens} ids without EOS")
-            _each(pool, sent, "step", lambda pair: self._step(*pair, log, restored))
+            each(pool, sent, "step", lambda pair: self._step(*pair, log, restored))
 
         together(answer, f"turn {turn} of the episodes")
         return True
 
-    def _sample(self, policy, slots: list[_Slot], running: list[bool], key) -> dict[int, PendingDraw]:
+    def _sample(self, policy, slots: list[Slot], running: list[bool], key) -> dict[int, PendingDraw]:
         """One policy call for the whole cohort (finished slots read an inert context and their
         draw is dropped): slot index -> its draw."""
         inert = np.zeros(1, np.int32)
@@ -353,7 +325,7 @@ class EpisodeRollout:
             drawn = policy(contexts, max_new_tokens=self.max_new_tokens, key=key, sampling=self.sampling,
                            width=self.max_prompt_tokens)
         except BaseException as error:
-            raise _SlotError(slots[running.index(True) if any(running) else 0], "policy", error, str(error)) from error
+            raise SlotError(slots[running.index(True) if any(running) else 0], "policy", error, str(error)) from error
         draws = {}
         for live, slot in zip(running, slots, strict=True):
             if live:
@@ -362,7 +334,7 @@ class EpisodeRollout:
                                                 drawn.behavior_log_probs[n, :count], bool(drawn.stopped[n]))
         return draws
 
-    def _step(self, slot: _Slot, action: Action, log, restored: Restored) -> None:
+    def _step(self, slot: Slot, action: Action, log, restored: Restored) -> None:
         """Send the action to the environment and commit its answer with a snapshot; a turn the
         journal already holds is taken from it instead (the environment has its snapshot)."""
         done = restored.turns.get((action.step, slot.index))
@@ -371,43 +343,43 @@ class EpisodeRollout:
             self._observe(slot, done.observation)
             return
         started = time.perf_counter()
-        observation = _observation(slot, "step", slot.environment.step(action))
+        observation = observed(slot, "step", slot.environment.step(action))
         transition = Transition(action, observation, time.perf_counter() - started)
         if log.journaled and observation.status not in _UNRECORDED:  # a failure is retried, not replayed
-            log.completed(slot.index, transition, _snapshot(slot))
+            log.completed(slot.index, transition, snapshot_environment(slot))
         slot.transitions.append(transition)
         self._observe(slot, observation)
 
-    def _verify(self, slot: _Slot, origin: int) -> None:
+    def _verify(self, slot: Slot, origin: int) -> None:
         reward = self.verifier(slot.task, slot.episode(origin))
         try:
             reward = float(reward)
         except (TypeError, ValueError) as error:
-            raise _SlotError(slot, "verifier", error, f"the verifier returned {reward!r}, not a number") from error
+            raise SlotError(slot, "verifier", error, f"the verifier returned {reward!r}, not a number") from error
         if not math.isfinite(reward):
-            raise _SlotError(slot, "verifier", None, f"the verifier returned {reward}; rewards must be finite")
+            raise SlotError(slot, "verifier", None, f"the verifier returned {reward}; rewards must be finite")
         slot.reward = reward
 
-    def _release(self, slot: _Slot, origin: int) -> EpisodeResult:
+    def _release(self, slot: Slot, origin: int) -> EpisodeResult:
         """Leave the slot's environment; an episode whose release fails is thrown out."""
         try:
             slot.manager.__exit__(None, None, None)
         except Exception as error:  # noqa: BLE001 - the episode is thrown out, the others train
             episode = slot.episode(origin)
-            detail = f"thrown out: releasing its environment failed: {_describe(error)}"
+            detail = f"thrown out: releasing its environment failed: {describe(error)}"
             session = dataclasses.replace(session_of(episode, group=slot.identity.group),
                                           status=Status.INFRA_ERROR, detail=detail)
             return EpisodeResult(slot.episode(origin, EpisodeStatus.ERROR, detail), session)
         episode = slot.episode(origin)
         return EpisodeResult(episode, session_of(episode, group=slot.identity.group, reward=slot.reward))
 
-    def _abort(self, opened: list[_Slot], origin: int, error: BaseException) -> None:
+    def _abort(self, opened: list[Slot], origin: int, error: BaseException) -> None:
         """Release every environment under the exception that stopped the collection (the
         original one; the wrapper when the episode failed without one), then raise an episode's
         failure as EpisodeFailure or EpisodeCancelled; anything else, such as KeyboardInterrupt,
         passes through as it is."""
         wrapper = None
-        if isinstance(error, _SlotError):
+        if isinstance(error, SlotError):
             slot = error.slot
             status = EpisodeStatus.CANCELLED if error.cancelled else EpisodeStatus.ERROR
             episode = slot.episode(origin, status, error.detail)
@@ -415,18 +387,19 @@ class EpisodeRollout:
                        f"{'was cancelled' if error.cancelled else 'failed'} in its {error.where}: "
                        f"{error.detail}; the collection stopped before any update")
             wrapper = (EpisodeCancelled if error.cancelled else EpisodeFailure)(message, episode)
-        original = error.error if isinstance(error, _SlotError) else error
+        original = error.error if isinstance(error, SlotError) else error
         under = original if original is not None else wrapper
         for slot in reversed(opened):
             try:
                 slot.manager.__exit__(type(under), under, under.__traceback__)
             except Exception as release:  # noqa: BLE001 - the original failure is what gets raised
                 (wrapper or error).add_note(f"releasing the environment of task {slot.task.id!r} sample "
-                                            f"{slot.identity.sample} also failed: {_describe(release)}")
+                                            f"{slot.identity.sample} also failed: {describe(release)}")
         if wrapper is None:
             return
         if self.record is not None:
-            self.record(EpisodeResult(wrapper.episode, session_of(wrapper.episode, group=error.slot.identity.group)))
+            group = wrapper.episode.identity.group
+            self.record(EpisodeResult(wrapper.episode, session_of(wrapper.episode, group=group)))
         raise wrapper from original
 
 
@@ -448,61 +421,6 @@ def _seeds(key: jax.Array, tasks: int, groups: int) -> np.ndarray:
     """Environment seeds, one per episode, from the collection's key."""
     data = np.asarray(jax.random.key_data(key)).reshape(-1).astype(np.uint32)
     return np.random.SeedSequence([int(x) for x in data]).generate_state(tasks * groups).reshape(tasks, groups)
-
-
-def _enter(slot: _Slot, factory: EnvironmentFactory, snapshots: bool):
-    """(the context manager, the environment it gave) for the slot; what `__enter__` returns is
-    the environment unless that is None. snapshots: refuse an environment without get_state and
-    set_state (a journal needs them) before it runs anything."""
-    try:
-        manager = factory(slot.task, slot.identity)
-        entered = manager.__enter__()
-    except BaseException as error:
-        raise _SlotError(slot, "environment", error, f"entering failed: {_describe(error)}") from error
-    environment = manager if entered is None else entered
-    missing = [m for m in ("get_state", "set_state") if not callable(getattr(environment, m, None))]
-    if snapshots and missing:
-        manager.__exit__(None, None, None)
-        raise TypeError(f"EpisodeRollout.journal needs environments with get_state() -> bytes and "
-                        f"set_state(bytes), and {type(environment).__name__} has no {' or '.join(missing)}; "
-                        "add them (the snapshot must hold what later steps and the verifier read) or "
-                        "drop the journal")
-    return manager, environment
-
-
-def _snapshot(slot: _Slot) -> bytes:
-    """The environment's state after an answer, for the journal."""
-    state = slot.environment.get_state()
-    if not isinstance(state, (bytes, bytearray)):
-        raise _SlotError(slot, "environment", None,
-                         f"get_state() returned {type(state).__name__}; a journal snapshot is bytes")
-    return bytes(state)
-
-
-def _each(pool, items: Sequence[Any], where: str, work: Callable[[Any], None]) -> None:
-    """Run `work` on every item at once and wait for all; the first failure (in item order) is
-    raised as the slot's error once every item finished."""
-    futures = [pool.submit(work, item) for item in items]
-    concurrent.futures.wait(futures)
-    for item, future in zip(items, futures, strict=True):
-        error = future.exception()
-        if error is None:
-            continue
-        if isinstance(error, _SlotError):
-            raise error
-        slot = item[0] if isinstance(item, tuple) else item
-        raise _SlotError(slot, where, error, f"{where} raised {_describe(error)}") from error
-
-
-def _observation(slot: _Slot, where: str, value: Any) -> Observation:
-    if not isinstance(value, Observation):
-        raise _SlotError(slot, "environment", None,
-                         f"the environment's {where} returned {type(value).__name__}, not an Observation")
-    return value
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 __all__ = ["EpisodeCancelled", "EpisodeFailure", "EpisodeResult", "EpisodeRollout", "project", "session_of"]

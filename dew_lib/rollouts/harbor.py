@@ -348,7 +348,7 @@ def trace_calls(traces: Sequence[dict], session: str) -> tuple[tuple[Call, ...],
     Raises `ValueError` for a trace without a weight version: no call of such a gateway can be
     placed against a policy version.
     """
-    calls = []
+    calls: list[Call] = []
     for index, trace in enumerate(traces):
         version = trace.get("weight_version")
         if version is None or isinstance(version, bool) or not isinstance(version, int):
@@ -363,7 +363,8 @@ def trace_calls(traces: Sequence[dict], session: str) -> tuple[tuple[Call, ...],
                                   "ids; the engine must return them (vLLM and dew serve: return_token_ids, "
                                   "which the gateway adds unless add_return_token_ids is off)")
         if log_probs is None or len(log_probs) != len(sampled):
-            return tuple(calls), (f"trace {index} of session {session!r} has {0 if log_probs is None else len(log_probs)} "
+            count = 0 if log_probs is None else len(log_probs)
+            return tuple(calls), (f"trace {index} of session {session!r} has {count} "
                                   f"log-probabilities for {len(sampled)} ids; the gateway asks the engine "
                                   "for them unless add_logprobs is off")
         finish = trace.get("finish_reason")

@@ -101,7 +101,7 @@ def _local_parts(leaf: Any) -> list:
     else each distinct addressable shard in index order."""
     if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
         return [leaf]
-    unique = {}
+    unique: dict[tuple[tuple[int, int], ...], Any] = {}
     for shard in leaf.addressable_shards:
         where = tuple((s.start or 0, -1 if s.stop is None else s.stop) for s in shard.index)
         unique.setdefault(where, shard.data)

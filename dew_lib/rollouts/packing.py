@@ -154,7 +154,7 @@ def session_advantages(sessions: Sequence[Session], estimator: str = "group",
     """Group-relative advantage of every training session, groups keyed by (task, group)."""
     rewards = training_rewards(sessions, truncation)
     order = sorted(rewards)
-    keys = {}
+    keys: dict[tuple[str, int], int] = {}
     group_ids = np.array([keys.setdefault((sessions[i].task, sessions[i].group), len(keys)) for i in order],
                          np.int32)
     values = np.array([rewards[i] for i in order], np.float64)

@@ -96,7 +96,7 @@ class PPORollout:
             order = np.random.default_rng([*seed, epoch]).permutation(rows)
             for part in range(self.minibatches):
                 chosen = np.sort(order[part * size:(part + 1) * size])
-                out.append(jax.tree.map(lambda column: np.asarray(column)[chosen], prepared))
+                out.append(jax.tree.map(lambda column, rows=chosen: np.asarray(column)[rows], prepared))
         return out
 
     def prepare(self, params, packed: PackedBatch, *, episodes: int) -> PackedBatch:

@@ -45,7 +45,7 @@ import numpy as np
 
 from dew_lib.objectives import algorithms
 from dew_lib.objectives.batch import PackedBatch
-from dew_lib.options import integer
+from dew_lib.options import group_size, integer
 from dew_lib.records.sessions import Call, Session, Status, Task
 from dew_lib.rollouts.packing import pack
 from dew_lib.rollouts.scheduler.tasks import prompt_tasks
@@ -80,11 +80,7 @@ class SampledRollout:
                  sampling: Sampling = Sampling(), decode: Callable[[Sequence[int]], str] = token_text,
                  estimator: str = "group", workers: int = 8,
                  reward_details: Callable[[], Any] | None = None):
-        if groups < 2:
-            raise ValueError(
-                f"SampledRollout.groups must be at least 2, got {groups}; group-relative advantages "
-                "compare each completion with the others drawn for its prompt"
-            )
+        group_size("SampledRollout.groups", groups)
         max_new_tokens = integer("SampledRollout.max_new_tokens", max_new_tokens)
         if not callable(reward):
             raise TypeError("SampledRollout.reward must be callable as reward(data_source, "

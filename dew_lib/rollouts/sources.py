@@ -199,7 +199,7 @@ class PromptSource(_Source):
             raise KeyError(f"PromptSource reads task.data['prompt_ids'] (prompt_tasks puts it there); "
                            f"task {task.id!r} has {sorted(task.data)}")
         prompt = np.asarray(task.data["prompt_ids"], np.int32)
-        labels = dict(task=task.id, group=group, sample=sample, attempt=attempt)
+        labels: dict[str, Any] = dict(task=task.id, group=group, sample=sample, attempt=attempt)
         future, live = self._start()
         try:
             draw = self.server.submit(prompt, self.max_new_tokens, seed=int(seed))
@@ -236,9 +236,9 @@ class PromptSource(_Source):
                 details = self.reward_details()
                 with self._lock:
                     self._details[tuple(labels.values())] = details
-        except Exception as error:  # noqa: BLE001 - a failed verifier is an infrastructure failure
+        except Exception as failure:  # noqa: BLE001 - a failed verifier is an infrastructure failure
             return Session(**labels, calls=(call,), status=Status.INFRA_ERROR,
-                           detail=f"reward failed: {_describe(error)}")
+                           detail=f"reward failed: {_describe(failure)}")
         if not math.isfinite(reward):
             return Session(**labels, calls=(call,), status=Status.INFRA_ERROR,
                            detail=f"reward returned {reward}; rewards must be finite")
@@ -300,8 +300,8 @@ class EnvironmentSource(_Source):
             self._fail(future, error)
 
     def _episode(self, live: _Live, task: Task, identity: EpisodeId) -> Session:
-        labels = dict(task=task.id, group=identity.group, sample=identity.sample,
-                      attempt=identity.attempt)
+        labels: dict[str, Any] = dict(task=task.id, group=identity.group, sample=identity.sample,
+                                      attempt=identity.attempt)
         if live.cancelled:
             return Session(**labels, status=Status.CANCELLED, detail="cancelled before it started")
         calls: list[Call] = []

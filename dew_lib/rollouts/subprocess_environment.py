@@ -72,8 +72,9 @@ class SubprocessEnvironment:
         /usr/local/bin:/usr/bin:/bin unless it is a path (`sys.executable` works for isolation
         "process"; inside a namespace only /usr and the `read_only` paths exist).
     limits: RLIMIT_CPU (`cpu_seconds`, adding up over the whole session) and RLIMIT_AS
-        (`memory_bytes`) in the worker, RLIMIT_FSIZE, one wall deadline (`wall_seconds`) for the whole session from entering to
-        leaving (model time between steps counts), and `max_output_bytes` per reply line.
+        (`memory_bytes`) in the worker, RLIMIT_FSIZE, one wall deadline (`wall_seconds`) for the
+        whole session from entering to leaving (model time between steps counts), and
+        `max_output_bytes` per reply line.
     isolation: "process" or "namespace" (module docstring; docs/sandbox.md).
     env: extra environment variables; the worker otherwise sees only PATH, HOME (the
         workspace), LANG/LC_ALL and, for "process", TMPDIR (the workspace).
@@ -189,7 +190,7 @@ class WorkerEnvironment:
                 raise TypeError
             return base64.b64decode(reply["state"], validate=True)
         except (TypeError, binascii.Error):
-            self._channel.fail(f"the tool worker's reply to get_state is not {{\"state\": <base64>}}: "
+            self._entered("get_state").fail(f"the tool worker's reply to get_state is not {{\"state\": <base64>}}: "
                                f"{_preview(reply)}")
 
     def set_state(self, state: bytes) -> None:
@@ -199,7 +200,7 @@ class WorkerEnvironment:
         reply = self._request({"op": "set_state", "state": base64.b64encode(bytes(state)).decode("ascii")},
                               "set_state")
         if reply != {"restored": True}:
-            self._channel.fail(f"the tool worker's reply to set_state is not {{\"restored\": true}}: "
+            self._entered("set_state").fail(f"the tool worker's reply to set_state is not {{\"restored\": true}}: "
                                f"{_preview(reply)}")
 
     def _start(self, stack: contextlib.ExitStack) -> None:
@@ -225,10 +226,14 @@ class WorkerEnvironment:
         stack.callback(channel.close)  # runs before the workspace is removed
         self._channel, self.workspace = channel, job
 
-    def _request(self, message: dict, what: str) -> dict:
+    def _entered(self, what: str) -> WorkerChannel:
+        """The worker's channel; refuses `what` outside the `with` block that starts the worker."""
         if self._channel is None:
             raise RuntimeError(f"{what} needs an entered environment: use `with factory(task, identity) as env:`")
-        return self._channel.request(message, what)
+        return self._channel
+
+    def _request(self, message: dict, what: str) -> dict:
+        return self._entered(what).request(message, what)
 
     def _observation(self, message: dict, what: str) -> Observation:
         reply = self._request(message, what)
@@ -238,7 +243,8 @@ class WorkerEnvironment:
                 return Observation(context=reply["context"], status=reply["status"], detail=reply["detail"])
             except (TypeError, ValueError) as error:
                 problem = str(error)
-        self._channel.fail(f"the tool worker's reply to {what} is not an observation ({problem}): {_preview(reply)}")
+        self._entered(what).fail(f"the tool worker's reply to {what} is not an observation ({problem}): "
+                                 f"{_preview(reply)}")
 
     def __repr__(self):
         state = f"pid={self.pid}" if self._channel is not None else "not entered"

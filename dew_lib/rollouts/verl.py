@@ -150,7 +150,8 @@ def _check(row: Mapping[str, Any], index: int, media: bool) -> None:
     if row.get("response_logprobs") is None:
         raise ValueError(f"{where} has no response_logprobs; without the engine's behavior log-probabilities "
                          "its ids cannot train")
-    if len(row["response_logprobs"]) != len(row["response_ids"]) or len(row["response_mask"]) != len(row["response_ids"]):
+    width = len(row["response_ids"])
+    if len(row["response_logprobs"]) != width or len(row["response_mask"]) != width:
         raise ValueError(f"{where}: response_ids, response_mask and response_logprobs differ in length")
     extras = row.get("extra_fields") or {}
     if "dew" not in extras and extras.get("min_global_steps") is None:

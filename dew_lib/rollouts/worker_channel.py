@@ -25,6 +25,7 @@ import selectors
 import signal
 import subprocess
 import time
+from typing import NoReturn
 
 from dew_lib.sandbox import launcher
 from dew_lib.sandbox.limits import SandboxLimits
@@ -91,7 +92,7 @@ class WorkerChannel:
                               self.stderr_tail())
         return reply
 
-    def fail(self, message: str):
+    def fail(self, message: str) -> NoReturn:
         """Kill the worker (its stream is out of step) and raise ToolFailure with `message`."""
         self.failure = message
         self._kill()

@@ -141,10 +141,10 @@ def supervise(process: subprocess.Popen, stdin: bytes, *, started: float, wall_s
             if ended_at is None and now >= deadline:
                 cause = "deadline"
                 break
-            if ended_at is not None and (not _open_reads(selector, streams) or now >= min(deadline, ended_at + DRAIN_SECONDS)):
+            limit = deadline if ended_at is None else min(deadline, ended_at + DRAIN_SECONDS)
+            if ended_at is not None and (not _open_reads(selector, streams) or now >= limit):
                 cause = "exit"
                 break
-            limit = deadline if ended_at is None else min(deadline, ended_at + DRAIN_SECONDS)
             for key, _ in selector.select(max(0.0, limit - now)):
                 fd = key.fd
                 if fd == pidfd:

@@ -10,7 +10,7 @@ One frozen set of numbers shared by the runners of `SandboxFleet` and by the lat
 | `memory_bytes` | RLIMIT_AS in the program; the container's memory (and swap) limit | all |
 | `max_output_bytes` | the parent stops reading and kills the program past it | all |
 | `max_file_bytes` | RLIMIT_FSIZE: no single file written grows past it | all |
-| `max_processes` | RLIMIT_NPROC inside the sandbox's own user namespace; the container's pids limit | namespace, container |
+| `max_processes` | RLIMIT_NPROC in the sandbox's user namespace; the container's pids limit | namespace, container |
 
 `ProcessRunner` cannot limit the process count: RLIMIT_NPROC counts every process of the user
 (and is ignored for root), so a storm there is only stopped by the wall deadline.

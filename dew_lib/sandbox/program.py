@@ -148,7 +148,7 @@ def job_directory(program: Program, *, root: str | None = None, mode: int = 0o70
             os.chmod(target, 0o644)
         os.chmod(path, mode)
         if owner is not None:
-            for directory, subdirs, _ in os.walk(path):
+            for directory, _, _ in os.walk(path):
                 os.chown(directory, owner, owner)
         yield path
     finally:

@@ -8,8 +8,13 @@
 - with dev_endpoints, the calls a weight push makes on a vLLM launched with
   VLLM_SERVER_DEV_MODE=1: POST /pause?mode=wait, POST /collective_rpc {"method":
   "reload_weights"}, POST /reset_prefix_cache, POST /update_weight_version, POST /resume, and GET
-  /is_paused, GET /weight_info. They carry no authentication: whoever reaches them can stop the
-  server and swap its weights for whatever the launch directory holds.
+  /is_paused, GET /weight_info. Whoever reaches them can stop the server and swap its weights for
+  whatever the launch directory holds: they are behind the API key when there is one.
+
+`options` (`guard.ServeOptions`) are the limits on clients: the API key, the request size, read
+and write timeouts, the per-request max_tokens ceiling, and whether chat templates sent with
+requests are rendered (in a sandboxed process, `template`) or refused. Every error, 4xx or 5xx, is
+`{"error": {"message", "type", "param", "code"}}` (`guard`).
 
 Every request is checked before it is drawn: sampling controls must equal the served ones (the
 engine has one `Sampling`), fields vLLM knows but Dew cannot honour are refused by name, and
@@ -19,7 +24,8 @@ client's connection: a client that goes away cancels its request, and its slot f
 call.
 
 Not here: request and response models (`protocol`), rendering a draw (`render`), streaming it
-(`stream`), the engine (`policy`), launching (`launch`).
+(`stream`), the engine (`policy`), limits and error handlers (`guard`), request chat templates
+(`template`), launching (`launch`).
 """
 
 from __future__ import annotations
@@ -28,17 +34,18 @@ import asyncio
 import contextlib
 import math
 from collections.abc import Awaitable, Sequence
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from fastapi import APIRouter, Body, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from dew_lib.records.draw import Draw
 from dew_lib.sampling import Sampling
 from dew_lib.serve import render, stream
-from dew_lib.serve.policy import ReloadError, ServedPolicy
+from dew_lib.serve.dev import dev_routes
+from dew_lib.serve.guard import ServeOptions, install
+from dew_lib.serve.policy import ServedPolicy
 from dew_lib.serve.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -55,30 +62,42 @@ from dew_lib.serve.protocol import (
     failure,
     unsupported,
 )
+from dew_lib.serve.template import TemplateRenderer, request_template
 
 GREEDY_BELOW = 1e-5  # vLLM samples greedily under this temperature
 SEEDS = 2**32  # the native server's seeds are uint32
 
 
-def create_app(policy: ServedPolicy, *, dev_endpoints: bool = False) -> FastAPI:
-    """The app serving `policy`; dev_endpoints adds the pause/reload routes (trusted callers only).
+def create_app(policy: ServedPolicy, *, dev_endpoints: bool = False, options: ServeOptions = ServeOptions()) -> FastAPI:
+    """The app serving `policy`; dev_endpoints adds the pause/reload routes (trusted callers only);
+    options: the limits on clients (`guard.ServeOptions`: API key, sizes, timeouts, templates).
 
     The caller owns `policy` and closes it after the app stops.
     """
     app = FastAPI(title="dew serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.policy = policy
+    install(app, options)
     app.add_exception_handler(ServeError, lambda request, error: error.response())
-    app.add_exception_handler(RequestValidationError, _invalid)
-    app.include_router(_openai_routes(policy))
+    app.include_router(_openai_routes(policy, options))
     if dev_endpoints:
-        app.include_router(_dev_routes(policy))
+        app.include_router(dev_routes(policy))
     return app
 
 
 # ---- checks ------------------------------------------------------------------------------------
 
+# What each sampling control may be, as `Sampling` (and so `dew serve`'s launch flags) accepts it.
+SAMPLING_RANGES = {
+    "temperature": ("a number >= 0 (under 1e-5 is greedy)", lambda v: v >= 0 and math.isfinite(v)),
+    "top_p": ("a number in (0, 1]", lambda v: 0 < v <= 1),
+    "min_p": ("a number in [0, 1)", lambda v: 0 <= v < 1),
+    "top_k": ("-1 or 0 (none) or a positive integer", lambda v: v >= -1),
+}
+
+
 def check_sampling(request: Any, served: Sampling) -> None:
-    """Refuse a sampling control that differs from the served one, naming both values."""
+    """Refuse a sampling control that is out of range or differs from the served one, saying what
+    the server accepts."""
     def close(a, b):
         return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
 
@@ -91,8 +110,14 @@ def check_sampling(request: Any, served: Sampling) -> None:
         ("top_k", request.top_k, top_k, served.top_k, "--top-k", lambda a, b: a == b),
     )
     for name, sent, given, value, flag, same in checks:
-        if sent is not None and not same(given, value):
-            shown = "none (null, 0 or -1)" if value is None else repr(value)
+        if sent is None:
+            continue
+        shown = "none (null, 0 or -1)" if value is None else repr(value)
+        rule, valid = SAMPLING_RANGES[name]
+        if not valid(sent):
+            raise ServeError(f"{name}={sent!r} is out of range: {name} is {rule}. This server draws every request "
+                             f"with {name}={shown}; leave {name} out or send that value", param=name)
+        if not same(given, value):
             raise ServeError(
                 f"{name}={sent!r} differs from the served {name}={shown}: dew serve draws every request "
                 f"with the sampling fixed at launch; leave {name} out or send the served value, or "
@@ -129,6 +154,19 @@ def _check_stream_options(request: CompletionRequest | ChatCompletionRequest) ->
                              f"understands {' and '.join(stream.STREAM_OPTIONS)})", param=f"stream_options.{name}")
         if value is not None and not isinstance(value, bool):
             raise ServeError(f"stream_options.{name} must be a boolean, got {value!r}", param=f"stream_options.{name}")
+
+
+def _max_tokens(sent: tuple[tuple[str, int | None], ...], default: int, options: ServeOptions) -> int:
+    """The budget of a request: the first field it sends, else `default`, both within the server's
+    --max-tokens-limit (a sent value above it is refused, the default is lowered to it)."""
+    limit = options.max_tokens_limit
+    for name, value in sent:
+        if value is not None:
+            if limit is not None and value > limit:
+                raise ServeError(f"{name}={value} is more than this server draws for one request ({limit}, its "
+                                 f"--max-tokens-limit); send {name} <= {limit}", param=name)
+            return value
+    return default if limit is None else min(default, limit)
 
 
 def _check_prompt(policy: ServedPolicy, prompt: Sequence[int], max_tokens: int, seed: int | None) -> None:
@@ -252,6 +290,7 @@ def _text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _chat_prompt(policy: ServedPolicy, request: ChatCompletionRequest) -> list[int]:
+    """The prompt the checkpoint's own chat template makes of the request (on the text thread)."""
     try:
         text = policy.tokenizer.apply_chat_template(
             _text_messages(request.messages), tools=request.tools, tokenize=False,
@@ -261,7 +300,22 @@ def _chat_prompt(policy: ServedPolicy, request: ChatCompletionRequest) -> list[i
         raise
     except Exception as error:  # noqa: BLE001 - a template's own refusal (jinja2 raise_exception) included
         raise ServeError(f"the chat template could not render these messages: {error}", param="messages") from None
-    ids = policy.tokenizer(text, add_special_tokens=request.add_special_tokens)["input_ids"]
+    return _encoded_chat(policy, text, request.add_special_tokens)
+
+
+async def _templated_prompt(policy: ServedPolicy, request: ChatCompletionRequest, template: str, param: str,
+                            renderer: TemplateRenderer) -> list[int]:
+    """The prompt the request's own template makes of it, rendered in a sandboxed process."""
+    kwargs = {k: v for k, v in (request.chat_template_kwargs or {}).items() if k != "chat_template"}
+    text = await renderer.render(
+        template, _text_messages(request.messages), tools=request.tools, param=param,
+        add_generation_prompt=request.add_generation_prompt, continue_final_message=request.continue_final_message,
+        variables={**policy.tokenizer.special_tokens_map, **kwargs})  # as apply_chat_template: kwargs win
+    return await policy.text(_encoded_chat, policy, text, request.add_special_tokens)
+
+
+def _encoded_chat(policy: ServedPolicy, text: str, add_special_tokens: bool) -> list[int]:
+    ids = policy.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
     if not ids:
         raise ServeError("the chat template rendered these messages to no token ids", param="messages")
     return list(ids)
@@ -289,8 +343,8 @@ def _chat_role(request: ChatCompletionRequest) -> str:
     return str(request.messages[-1].get("role"))
 
 
-def _check_chat(request: ChatCompletionRequest, policy: ServedPolicy) -> None:
-    if policy.tokenizer is None or not getattr(policy.tokenizer, "chat_template", None):
+def _check_chat(request: ChatCompletionRequest, policy: ServedPolicy, templated: bool) -> None:
+    if policy.tokenizer is None or not (templated or getattr(policy.tokenizer, "chat_template", None)):
         raise ServeError(f"{policy.directory} has no tokenizer with a chat template, so messages cannot "
                          "be rendered; use /v1/completions with token ids", param="messages")
     if request.top_logprobs not in (None, 0):
@@ -309,8 +363,9 @@ def _check_chat(request: ChatCompletionRequest, policy: ServedPolicy) -> None:
 
 # ---- routes ------------------------------------------------------------------------------------
 
-def _openai_routes(policy: ServedPolicy) -> APIRouter:
+def _openai_routes(policy: ServedPolicy, options: ServeOptions) -> APIRouter:
     router = APIRouter()
+    renderer = TemplateRenderer(timeout=options.template_timeout, max_chars=options.template_max_chars)
 
     @router.get("/health")
     async def health() -> Response:
@@ -334,7 +389,8 @@ def _openai_routes(policy: ServedPolicy) -> APIRouter:
         if tokenizer_needed and policy.tokenizer is None:
             raise ServeError(f"{policy.directory} has no tokenizer to name tokens with; send "
                              "return_tokens_as_token_ids=true", param="return_tokens_as_token_ids")
-        max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        sent = request.max_tokens if "max_tokens" in request.model_fields_set else None
+        max_tokens = _max_tokens((("max_tokens", sent),), 16, options)
         prompts = await _completion_prompts(policy, request)
         for prompt in prompts:
             _check_prompt(policy, prompt, max_tokens, request.seed)
@@ -350,11 +406,18 @@ def _openai_routes(policy: ServedPolicy) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
         _check_request(request, policy)
-        _check_chat(request, policy)
-        prompt = await policy.text(_chat_prompt, policy, request)
-        max_tokens = next((m for m in (request.max_completion_tokens, request.max_tokens) if m is not None), None)
-        if max_tokens is None:  # vLLM's default: whatever the context has left
-            max_tokens = max(policy.capacity - len(prompt), 1)
+        template = request_template(request, options.trust_request_chat_template)
+        _check_chat(request, policy, templated=template is not None)
+        sent = (("max_completion_tokens", request.max_completion_tokens), ("max_tokens", request.max_tokens))
+        _max_tokens(sent, 1, options)  # a budget over the ceiling is refused before rendering
+        if template is None:
+            prompt = await policy.text(_chat_prompt, policy, request)
+        else:  # a client that leaves stops its template's rendering too
+            prompt = await _unless_disconnected(raw, _templated_prompt(policy, request, *template, renderer))
+            if prompt is None:
+                return _gone()
+        # vLLM's default: whatever the context has left
+        max_tokens = _max_tokens(sent, max(policy.capacity - len(prompt), 1), options)
         _check_prompt(policy, prompt, max_tokens, request.seed)
         if request.stream:
             return _events(stream.ChatStream(policy, request, prompt, _chat_role(request)).events(max_tokens))
@@ -369,66 +432,18 @@ def _openai_routes(policy: ServedPolicy) -> APIRouter:
     return router
 
 
-def _dev_routes(policy: ServedPolicy) -> APIRouter:
-    router = APIRouter()
+class _EventStream(StreamingResponse):
+    """Server-sent events whose generator is closed however the sending ends: a write that fails
+    (a stalled reader cut off by the write timeout) leaves it suspended at a `yield`, and only
+    closing it runs its `finally`, which cancels the draws and frees their slots now."""
 
-    @router.post("/pause")
-    async def pause(mode: Literal["abort", "wait", "keep"] = "abort", wait_for_inflight_requests: bool = False,
-                    clear_cache: bool = True) -> JSONResponse:
-        if mode != "wait" and not wait_for_inflight_requests:
-            raise ServeError(f"mode={mode}: dew serve pauses with mode=wait only (in-flight requests finish, "
-                             "new ones wait for /resume); it cannot abort or freeze a draw", param="query.mode")
-        await policy.pause()
-        return JSONResponse({"status": "paused"})
-
-    @router.post("/resume")
-    async def resume() -> JSONResponse:
-        policy.resume()
-        return JSONResponse({"status": "resumed"})
-
-    @router.get("/is_paused")
-    async def is_paused() -> JSONResponse:
-        return JSONResponse({"is_paused": policy.paused})
-
-    @router.post("/collective_rpc")
-    async def collective_rpc(raw: Request) -> JSONResponse:
-        try:
-            body = await raw.json()
-        except ValueError as error:
-            raise ServeError(f"JSON decode error: {error}") from None
-        method = body.get("method") if isinstance(body, dict) else None
-        if method is None:
-            raise ServeError("Missing 'method' in request body", param="method")
-        if method != "reload_weights":
-            raise ServeError(f"method={method!r}: dew serve answers reload_weights only (re-read the launch "
-                             "directory)", param="method")
-        if body.get("args") or body.get("kwargs"):
-            raise ServeError("reload_weights takes no args or kwargs here: it re-reads the launch directory",
-                             param="args" if body.get("args") else "kwargs")
-        try:
-            await policy.reload()
-        except (ReloadError, OSError, ValueError) as error:
-            raise ServeError(f"reload_weights failed: {error}", status=500, kind="InternalServerError") from None
-        return JSONResponse({"results": [None]})  # one engine, whose reload returns nothing
-
-    @router.post("/reset_prefix_cache")
-    async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False) -> JSONResponse:
-        return JSONResponse({"success": True})  # the native server keeps no prefix cache
-
-    @router.post("/update_weight_version")
-    async def update_weight_version(new_version: Annotated[str, Body(embed=True)]) -> JSONResponse:
-        policy.weight_version = new_version
-        return JSONResponse({"success": True, "new_version": new_version})
-
-    @router.get("/weight_info")
-    async def weight_info() -> JSONResponse:
-        return JSONResponse({"weight_version": policy.weight_version})
-
-    return router
+    async def stream_response(self, send) -> None:
+        async with contextlib.aclosing(self.body_iterator):
+            await super().stream_response(send)
 
 
 def _events(events) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream")
+    return _EventStream(events, media_type="text/event-stream")
 
 
 def _json(model: BaseModel) -> Response:
@@ -439,20 +454,6 @@ def _json(model: BaseModel) -> Response:
 def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens)
-
-
-def _param(loc: Sequence[Any]) -> str:
-    """A validation error's location as a dotted field path, without pydantic's union branches."""
-    parts = [str(p) for p in loc if not any(c in str(p) for c in "[]()") and str(p) not in ("str", "int", "list")]
-    return ".".join(parts) or ".".join(map(str, loc))
-
-
-async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-    errors = error.errors()
-    lines = [f"{_param(e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors[:10]]
-    message = f"{len(errors)} validation error{'s' if len(errors) != 1 else ''}: " + "; ".join(lines)
-    param = _param(errors[0].get("loc", ())) if errors else None
-    return error_response(message, param=param, status=400, kind="Bad Request")
 
 
 __all__ = ["check_sampling", "create_app"]

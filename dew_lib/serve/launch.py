@@ -3,11 +3,13 @@
 `serve(directory, ...)` is what the `dew serve` command runs; `running(app)` serves an app on a
 background thread for tests, benches and notebooks, and yields its URL.
 
-The development routes (pause, reload, weight version) have no authentication, so `serve`
-mounts them only where the launcher can vouch for every caller: on a loopback host by default,
-on any other host only with dev_endpoints=True (the `--dev-endpoints` flag, Dew's counterpart of
-vLLM's VLLM_SERVER_DEV_MODE=1), never with dev_endpoints=False. The OpenAI routes are served on
-whatever host is given, with no authentication either.
+`options` (`guard.ServeOptions`) are the limits on clients: an API key (`--api-key`), request
+size, read and write timeouts, a per-request max_tokens ceiling and whether request chat
+templates are rendered. The development routes (pause, reload, weight version) change what every
+client is served, so `serve` mounts them only with dev_endpoints=True (the `--dev-endpoints` flag,
+Dew's counterpart of vLLM's VLLM_SERVER_DEV_MODE=1), behind the API key when there is one.
+`serve` warns on stderr when it listens beyond loopback without a key, and when the development
+routes are on without one.
 
 A SIGTERM or SIGINT stops accepting connections, gives in-flight requests `grace` seconds to
 finish, cancels the rest, closes the engine and returns; `serve` then exits the process with
@@ -29,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dew_lib.sampling import Sampling
+from dew_lib.serve.guard import ServeOptions, protocol
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -44,8 +47,24 @@ def is_loopback(host: str) -> bool:
 
 
 def dev_endpoints_for(host: str, dev_endpoints: bool | None) -> bool:
-    """Whether to mount the development routes: None means only on a loopback host."""
-    return is_loopback(host) if dev_endpoints is None else bool(dev_endpoints)
+    """Whether to mount the development routes: only when asked for, on any host (None: no)."""
+    return bool(dev_endpoints)
+
+
+def launch_warnings(host: str, dev_endpoints: bool, options: ServeOptions) -> list[str]:
+    """What the launcher warns about before it listens: open doors, each in one line."""
+    found = []
+    if options.api_key is None and not is_loopback(host):
+        found.append(f"listening on {host} with no API key: anyone who can reach this port can draw from the "
+                     "model; set --api-key (or $DEW_SERVE_API_KEY), or bind 127.0.0.1")
+    if dev_endpoints and options.api_key is None:
+        where = "any process on this machine" if is_loopback(host) else "anyone who reaches this port"
+        found.append(f"the development routes are on with no API key: {where} can pause the server and swap "
+                     "its weights")
+    if options.trust_request_chat_template:
+        found.append("request chat templates are trusted: clients' templates run in a sandboxed process "
+                     f"(at most {options.template_timeout:g} s and {options.template_max_chars} characters each)")
+    return found
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -65,15 +84,16 @@ def bind(host: str, port: int) -> socket.socket:
 def _config(app, log_level: str, grace: float):
     import uvicorn
 
+    options = getattr(getattr(app, "state", None), "options", ServeOptions())  # create_app's, else the defaults
     return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace, access_log=False,
-                          lifespan="off")
+                          lifespan="off", http=protocol(options.read_timeout))
 
 
 def serve(directory: str | Path, *, host: str = "127.0.0.1", port: int = 8000, slots: int = 8,
           capacity: int | None = None, sampling: Sampling = Sampling(), dtype: str = "float32",
           logprobs_mode: str = "raw_logprobs", served_model_name: str | None = None,
           dev_endpoints: bool | None = None, steps: int = 16, seed: int = 0, grace: float = 5.0,
-          log_level: str = "info") -> None:
+          log_level: str = "info", options: ServeOptions = ServeOptions()) -> None:
     """Serve the Hugging Face checkpoint in `directory` over HTTP until SIGTERM or SIGINT.
 
     slots: requests decoded together. capacity: ids per request, prompt and completion (default:
@@ -81,7 +101,8 @@ def serve(directory: str | Path, *, host: str = "127.0.0.1", port: int = 8000, s
     (EOS ids from the checkpoint unless set). dtype: "float32" or "bfloat16". logprobs_mode:
     "raw_logprobs" (the model's log-softmax) or "processed_logprobs" (after temperature and
     filters). served_model_name: the model name clients send (default: the directory's name).
-    dev_endpoints: see the module docstring. Prints one line with the URL once listening.
+    dev_endpoints: mount the development routes (default no). options: the limits on clients
+    (`ServeOptions`). Prints one line with the URL once listening.
     """
     import uvicorn
 
@@ -89,9 +110,8 @@ def serve(directory: str | Path, *, host: str = "127.0.0.1", port: int = 8000, s
     from dew_lib.serve.policy import ServedPolicy
 
     mounted = dev_endpoints_for(host, dev_endpoints)
-    if mounted and not is_loopback(host):
-        print(f"dew serve: the development routes are on at {host}, with no authentication: anyone who "
-              "reaches this port can pause the server and swap its weights", file=sys.stderr, flush=True)
+    for line in launch_warnings(host, mounted, options):
+        print(f"dew serve: warning: {line}", file=sys.stderr, flush=True)
     sock = bind(host, port)  # before loading: a taken port fails fast
     policy = ServedPolicy.load(directory, slots=slots, capacity=capacity, sampling=sampling, dtype=dtype,
                                logprobs_mode=logprobs_mode, served_model_name=served_model_name,
@@ -99,10 +119,11 @@ def serve(directory: str | Path, *, host: str = "127.0.0.1", port: int = 8000, s
     terminate = signal.getsignal(signal.SIGTERM)
     try:
         policy.warm_up()
-        server = uvicorn.Server(_config(create_app(policy, dev_endpoints=mounted), log_level, grace))
+        server = uvicorn.Server(_config(create_app(policy, dev_endpoints=mounted, options=options), log_level, grace))
         shown = f"[{host}]" if ":" in host else host
         print(f"dew serve: {policy.name} on http://{shown}:{sock.getsockname()[1]} ({policy.native.server.slots} "
-              f"slots, capacity {policy.capacity}, development routes {'on' if mounted else 'off'})", flush=True)
+              f"slots, capacity {policy.capacity}, development routes {'on' if mounted else 'off'}, "
+              f"{'API key required' if options.api_key else 'no API key'})", flush=True)
         if threading.current_thread() is threading.main_thread():
             # uvicorn re-raises the SIGTERM it shut down for; exit with status 0 instead of dying by it
             signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
@@ -140,4 +161,4 @@ def running(app, *, host: str = "127.0.0.1", port: int = 0, grace: float = 2.0,
         sock.close()
 
 
-__all__ = ["bind", "dev_endpoints_for", "is_loopback", "running", "serve"]
+__all__ = ["bind", "dev_endpoints_for", "is_loopback", "launch_warnings", "running", "serve"]

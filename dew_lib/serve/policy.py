@@ -6,17 +6,18 @@ checkpoint the way vLLM takes them: the tokenizer's EOS id first, then the other
 generation_config.json (config.json when there is none).
 
 `draw` is what a route awaits: it submits the prompt and awaits the future without blocking the
-event loop; a cancelled await (a client that went away) cancels the future, and the native
-server frees the request's slot at its next call. A streaming route passes `on_ids`, which the
-native server calls on its own thread with each engine call's new ids. A request that finds the engine idle waits up
-to `window` seconds (until `quiet` seconds pass with no other arrival) for the rest of its burst:
-HTTP requests sent together arrive a fraction of a millisecond apart, and a request that joins
-after the engine started decoding waits for that whole call (`steps` ids), so without the wait a
-burst of 32 would decode its first arrival alone for a call and everyone else one call late. `pause` stops admitting requests (new ones
-wait, not fail) and returns once every request already submitted has finished, as vLLM's
-`/pause?mode=wait`; `resume` releases the waiting ones. `reload` re-reads the launch directory
-and hands the weights to the server under the next version. Tokenizer work runs on one worker
-thread of its own, so it neither blocks the event loop nor runs two encodes at once.
+event loop; a cancelled await (a client that went away) cancels the future, and the native server
+frees the request's slot at its next call. A streaming route passes `on_ids`, which the native
+server calls on its own thread with each engine call's new ids. A request that finds the engine
+idle waits up to `window` seconds (until `quiet` seconds pass with no other arrival) for the rest
+of its burst: HTTP requests sent together arrive a fraction of a millisecond apart, and a request
+that joins after the engine started decoding waits for that whole call (`steps` ids), so without
+the wait a burst of 32 would decode its first arrival alone for a call and everyone else one call
+late. `pause` stops admitting requests (new ones wait, not fail) and returns once every request
+already submitted has finished, as vLLM's `/pause?mode=wait`; `resume` releases the waiting ones.
+`reload` re-reads the launch directory and hands the weights to the server under the next version.
+Tokenizer work runs on one worker thread of its own, so it neither blocks the event loop nor runs
+two encodes at once.
 
 Not here: HTTP (`app`), the launcher (`launch`), the engine (`dew_lib.inference`).
 """

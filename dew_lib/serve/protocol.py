@@ -45,8 +45,10 @@ class ServeError(Exception):
         return error_response(self.message, param=self.param, status=self.status, kind=self.kind)
 
 
-def error_response(message: str, *, param: str | None, status: int, kind: str) -> JSONResponse:
-    return JSONResponse(error_body(message, param=param, status=status, kind=kind), status_code=status)
+def error_response(message: str, *, param: str | None, status: int, kind: str,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, param=param, status=status, kind=kind), status_code=status,
+                        headers=headers)
 
 
 def error_body(message: str, *, param: str | None, status: int, kind: str) -> dict:
@@ -131,7 +133,7 @@ class ChatCompletionRequest(_Request):
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool | None = False
-    chat_template: str | None = None
+    chat_template: str | None = None  # refused unless trusted (`template`)
     documents: list[dict[str, str]] | None = None
     reasoning_effort: str | None = None
 
@@ -146,7 +148,7 @@ NEUTRAL: dict[str, tuple] = {
     "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
     "truncate_prompt_tokens": (None,),
     "spaces_between_special_tokens": (None, True), "priority": (None, 0), "echo": (None, False),
-    "suffix": (None, ""), "best_of": (None, 1), "chat_template": (None,), "documents": (None, []),
+    "suffix": (None, ""), "best_of": (None, 1), "documents": (None, []),
     "reasoning_effort": (None,),
 }
 

@@ -25,7 +25,9 @@ Text is detokenized incrementally (`IncrementalText`): a UTF-8 character split a
 back until its last byte arrives, as vLLM's detokenizer does, and a draw's last chunk completes
 the text decoded at once, so the deltas concatenate to the non-streamed text. Tokenizer work runs
 on the policy's text thread. A client that goes away ends the iteration (Starlette cancels it
-when the connection closes), which cancels the draws; their slots free at the engine's next call.
+when the connection closes), and so does one that stops reading for longer than the write timeout
+(`guard`; the route's response then closes the generator): either cancels the draws, whose slots
+free at the engine's next call. The draws never wait for the reader.
 A draw that fails mid-stream ends the stream with a `data: {"error": ...}` chunk and `[DONE]`, as
 vLLM's generators do (the other prompts' draws are cancelled).
 

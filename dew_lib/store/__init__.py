@@ -20,8 +20,9 @@ from dew_lib.store.parts import StoreBusy, StoreError
 from dew_lib.store.prompts import Prompt
 from dew_lib.store.rows import Evaluation, Verdict, session_uid
 from dew_lib.store.schema import TABLES
-from dew_lib.store.store import Store, StoredSession, StoreNotFound
+from dew_lib.store.store import NotAQuery, Store, StoreDamaged, StoredSession, StoreNotFound
 from dew_lib.store.writer import RunWriter, StageWriter, StoreSink
 
-__all__ = ["CAUSES", "Evaluation", "Prompt", "RunWriter", "StageWriter", "Store", "StoreBusy", "StoreError",
-           "StoreNotFound", "StoreSink", "StoredSession", "TABLES", "Verdict", "session_uid"]
+__all__ = ["CAUSES", "Evaluation", "NotAQuery", "Prompt", "RunWriter", "StageWriter", "Store", "StoreBusy",
+           "StoreDamaged", "StoreError", "StoreNotFound", "StoreSink", "StoredSession", "TABLES", "Verdict",
+           "session_uid"]

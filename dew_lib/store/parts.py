@@ -229,7 +229,11 @@ def _decode_keys(raw: bytes) -> frozenset[int]:
 
 
 def _read(path: str) -> pa.Table:
-    return pq.ParquetFile(path).read().replace_schema_metadata(None)
+    try:
+        return pq.ParquetFile(path).read().replace_schema_metadata(None)
+    except (OSError, pa.ArrowException) as error:  # a damaged part: say which (damage.py)
+        raise StoreError(f"cannot read the part {path} ({type(error).__name__}: {error}); `dew store check` "
+                         "lists damaged files and `dew store repair` moves them aside") from error
 
 
 def _tier(size: int) -> int:

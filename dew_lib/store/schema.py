@@ -55,7 +55,8 @@ _SESSION = (
 
 TABLES: dict[str, Table] = {t.name: t for t in (
     Table("runs", None, _IDENTITY[:1] + (
-        ("status", pa.string(), "running, completed or failed (dew runs shows a running run whose writer is gone as interrupted)"),
+        ("status", pa.string(), "running, completed or failed (dew runs shows a running run whose writer is gone as "
+                                "interrupted)"),
         ("attempts", pa.int32(), "how many times the run was started"),
         ("params", pa.string(), "the run's parameters as JSON"),
         ("code_version", pa.string(), "version of the code that ran it (git commit when known)"),
@@ -79,13 +80,15 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         ("updated_at", _ts, "when this row was written"),
     ), "one row per stage of a run"),
     Table("sessions", "update", _IDENTITY + _SESSION + (
-        ("session_uid", pa.int64(), "hash of run, stage, update, task, group_id, sample, attempt, trained: joins calls and verdicts"),
+        ("session_uid", pa.int64(), "hash of run, stage, update, task, group_id, sample, attempt, trained: joins "
+                                    "calls and verdicts"),
         ("status", pa.string(), "completed, truncated, agent_error, infra_error or cancelled"),
         ("reward", pa.float64(), "verifier reward; null when it never ran"),
         ("components", _floats, "reward broken down by name"),
         ("detail", pa.string(), "source's note on how the session ended"),
         ("trained", pa.bool_(), "whether the update trained on it"),
-        ("cause", pa.string(), "why it was or was not trained: pending, admitted, discarded, cancelled, resubmitted, abandoned, cut (null: not stated)"),
+        ("cause", pa.string(), "why it was or was not trained: pending, admitted, discarded, cancelled, resubmitted, "
+                               "abandoned, cut (null: not stated)"),
         ("latency", pa.float64(), "seconds from submission to finish"),
         ("num_calls", pa.int32(), "engine calls in the session"),
         ("prompt_tokens", pa.int32(), "prompt ids of its first call"),
@@ -112,9 +115,11 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         ("support", pa.list_(pa.list_(pa.int32())), "ids the sampler kept for each sampled id, when recorded"),
     ), "one row per engine call of a recorded session"),
     Table("prompts", "update", _IDENTITY + (
-        ("update", pa.int64(), "first update whose sessions the writer recorded with the task (a retry replaces by it)"),
+        ("update", pa.int64(), "first update whose sessions the writer recorded with the task (a retry replaces by "
+                               "it)"),
         ("task", pa.string(), "task id: sessions.task"),
-        ("prompt", pa.string(), "the prompt as text: decoded by the stage's decode (token ids separated by spaces without one); null when not given"),
+        ("prompt", pa.string(), "the prompt as text: decoded by the stage's decode (token ids separated by spaces "
+                                "without one); null when not given"),
         ("prompt_ids", pa.list_(pa.int32()), "its token ids, without padding; null when not given"),
         ("prompt_tokens", pa.int32(), "length of prompt_ids"),
         ("data_source", pa.string(), "the reward's data_source field"),
@@ -128,7 +133,8 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         ("context_tokens", pa.int32(), "ids of the context the action was sampled from"),
         ("action_ids", pa.list_(pa.int32()), "the ids the policy sampled, EOS included when EOS ended it"),
         ("terminated", pa.bool_(), "whether EOS ended the action (else it used its whole budget)"),
-        ("status", pa.string(), "the environment's answer: running, completed, truncated, cancelled or error; null when the action was not sent to it"),
+        ("status", pa.string(), "the environment's answer: running, completed, truncated, cancelled or error; null "
+                                "when the action was not sent to it"),
         ("detail", pa.string(), "what the environment said about it (a tool's result summary, an error)"),
         ("seconds", pa.float64(), "how long the environment took to answer (tool latency); null when not sent"),
         ("written_at", _ts, "when the row was written"),
@@ -220,6 +226,13 @@ def placeholder(root: str, table: str) -> str:
     """A zero-row part that keeps the `runs` and `stages` globs bindable before the first run.
     (Older Dews kept one per table; writers remove those once the table has parts.)"""
     return f"{root}/{table}/_/_/schema.parquet"
+
+
+def schema_file(root: str, table: str) -> str:
+    """A zero-row part with the table's exact schema, named first in every view's file list so
+    that DuckDB binds the view from it and never opens a part to publish a snapshot (a damaged
+    part then fails only the scans that read it)."""
+    return f"{root}/.gens/_schema/{table}.parquet"
 
 
 def empty(table: str) -> pa.Table:

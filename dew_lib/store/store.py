@@ -8,7 +8,15 @@ writing once it is published, so any number of processes can query while runs wr
 `Store.connect()` gives a fresh in-memory DuckDB connection with the same views (over the snapshot
 current when it connected, attached read-only) and a memory limit (DuckDB's default, 80% of RAM,
 would compete with JAX); use one connection or cursor per thread. `Store.sql` runs a query and
-returns an Arrow table, each query on the snapshot current when it starts.
+returns an Arrow table, each query on the snapshot current when it starts. `sql` (with `rows`,
+`dew sql` and `dew runs`) reads only: it refuses every statement but one query, and runs it on a
+connection that reaches no file outside the store's parts and snapshots and cannot change its
+settings (readonly.py). A `connect()` connection is the caller's own, like the duckdb client.
+
+A query that fails the way a damaged file makes it fail has the parts it read checked; what is
+damaged is recorded and the query runs again on a snapshot that routes around it (damage.py), so
+it fails with `StoreDamaged` naming the file (path, table, run, stage) only if it needs that
+file's run and stage. A damaged snapshot is replaced by a new one (health.py).
 
 Not here: writing (writer.py), the command line (cli.py).
 """
@@ -17,24 +25,41 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import threading
+import time
 import weakref
 from typing import Any, NamedTuple
 
 import duckdb
 import pyarrow as pa
 
+from dew_lib.store import damage, health, snapshot
 from dew_lib.store import rows as _rows
-from dew_lib.store import snapshot
 from dew_lib.store.parts import FileLock, StoreError, held, replace_file, write_json
+from dew_lib.store.readonly import NotAQuery, lock_down, only_queries
 from dew_lib.store.schema import FORMAT, TABLES, empty, placeholder
+
+__all__ = ["NotAQuery", "Store", "StoreDamaged", "StoreNotFound", "StoredSession", "only_queries"]
 
 DEFAULT_MEMORY_LIMIT = "1GB"
 
 
 class StoreNotFound(StoreError):
     """There is no run store at the given path."""
+
+
+class StoreDamaged(StoreError):
+    """A query needs a damaged file (the message names it: path, table, run and stage); queries
+    that leave its run and stage out still read. `dew store repair` moves it aside."""
+
+
+# Errors a damaged file never causes: the query's own (its SQL, its types, its size).
+_QUERY_ERRORS = (duckdb.ParserException, duckdb.BinderException, duckdb.CatalogException,
+                 duckdb.ConversionException, duckdb.OutOfMemoryException, duckdb.InterruptException,
+                 duckdb.PermissionException, duckdb.SyntaxException, duckdb.NotImplementedException,
+                 duckdb.OutOfRangeException, duckdb.TypeMismatchException, duckdb.InvalidTypeException)
 
 
 def _release(held: list) -> None:
@@ -48,6 +73,8 @@ class _Reader:
 
     def __init__(self, connection):
         self.connection, self.held, self.link = connection, [None], None
+        self.clean: set[tuple[str, str]] = set()  # (snapshot, table) checked whole after a failure
+        self.listed, self.bad = None, set()  # row files the snapshot names one by one, damaged files
         weakref.finalize(self, _release, self.held)
 
 
@@ -72,6 +99,9 @@ class Store:
     def __init__(self, path: str | os.PathLike = "runs", *, memory_limit: str | None = None,
                  threads: int | None = None):
         path = os.path.abspath(os.fspath(path))
+        if "?" in path:  # DuckDB's ATTACH reads what follows a `?` as options
+            raise StoreError(f"the run store's path {path!r} holds a '?', which DuckDB cannot open; "
+                             "use a project directory without one")
         if path.endswith(".duckdb"):
             path = os.path.dirname(path)
         elif os.path.basename(path) == "store" and os.path.isfile(os.path.join(path, "format.json")):
@@ -84,6 +114,7 @@ class Store:
         self._code_version: str | None = None
         self.retries = 0  # kept for callers that print it: snapshots need no reruns
         self._local = threading.local()  # Store.sql's connection and its snapshot, one per thread
+        self._tidied = 0.0  # when this Store last collected what writers left past its grace
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "_local"}
@@ -126,6 +157,7 @@ class Store:
                         replace_file(empty(table), path, os.path.join(self.directory, ".gens", "_tmp"))
                 if not os.path.exists(format_path):
                     write_json(format_path, {"format": FORMAT})
+                damage.restore_schema_files(self.directory)
                 snapshot.sweep(self.directory)
                 snapshot.publish(self.directory)
             finally:
@@ -181,22 +213,26 @@ class Store:
         """A new in-memory DuckDB connection with a view per table over the current snapshot (one
         per thread). It sees parts appended to the generations that snapshot names; open a new one
         (or use `sql`) to see later compactions and stages."""
-        connection, held = self._open(), [None]
+        connection, held = self._open(locked=False), [None]
         weakref.finalize(connection, _release, held)
         self._bind(connection, held)
         return connection
 
-    def _open(self) -> duckdb.DuckDBPyConnection:
+    def _open(self, *, locked: bool = True) -> duckdb.DuckDBPyConnection:
         if not self.exists():
             raise StoreNotFound(
                 f"no run store at {self.project} (expected {self.directory}/format.json); run a "
                 "stage first, or point --store at a project directory such as runs/"
             )
         self._check_format()
-        config = {"memory_limit": self.memory_limit}
+        config = {"memory_limit": self.memory_limit, "autoinstall_known_extensions": False,
+                  "autoload_known_extensions": False}
         if self.threads:
             config["threads"] = self.threads
-        return duckdb.connect(":memory:", config=config)
+        connection = duckdb.connect(":memory:", config=config)
+        if locked:
+            lock_down(connection, self.directory)
+        return connection
 
     def _current(self) -> str | None:
         """The snapshot to read: the current one, published first when it is missing, was made for
@@ -205,7 +241,7 @@ class Store:
         path = snapshot.current(self.directory)
         found = snapshot.manifest(path) if path else None
         fits = snapshot.fits(found, self.directory)
-        if fits and found.get("gens") == snapshot.live(self.directory):
+        if fits and snapshot.named(found) == snapshot.state(self.directory):
             return path
         try:
             if fits:
@@ -224,14 +260,24 @@ class Store:
         for _ in range(3):
             path = self._current()
             if path is None:
-                statements = snapshot.view_statements(connection, self.directory, snapshot.live(self.directory))
+                now = snapshot.state(self.directory)
+                statements = snapshot.view_statements(connection, self.directory, now["gens"], now["damaged"],
+                                                      now["listed"])
                 break
             if path == held[0]:
                 return
             alias = "dew_" + os.path.basename(path)[: -len(".duckdb")]
             try:
-                connection.execute(f"ATTACH '{path}' AS {alias} (READ_ONLY)")
-            except duckdb.IOException:  # superseded and collected since we read the link
+                connection.execute(f"ATTACH {snapshot.quote(path)} AS {alias} (READ_ONLY)")
+            except duckdb.Error as error:
+                if os.path.exists(path):  # not collected since we read the link: damaged
+                    why = " ".join(str(error).split())
+                    try:
+                        health.replace_snapshot(self.directory, path, why)
+                    except (StoreError, OSError) as failed:
+                        raise StoreError(f"the snapshot {path} is damaged ({why}) and no new one can be "
+                                         f"published ({failed}); run `dew store repair` where the store "
+                                         "is writable") from None
                 continue
             snapshot.hold(path)
             statements = [f"CREATE OR REPLACE VIEW main.{t} AS SELECT * FROM {alias}.{t}" for t in TABLES]
@@ -245,15 +291,67 @@ class Store:
             connection.execute(f"DETACH dew_{os.path.basename(old)[: -len('.duckdb')]}")
             snapshot.release(old)
 
-    def _run(self, query: str, parameters, fetch):
+    def _reader(self) -> _Reader:
+        """This thread's query connection, bound to the current snapshot."""
         reader = getattr(self._local, "reader", None)
         link = snapshot.current(self.directory)
         if reader is None:
             reader = self._local.reader = _Reader(self._open())
-        if reader.link is None or link != reader.link[0]:
+        moved = reader.link is None or link != reader.link[0]
+        if moved or (reader.listed and reader.listed != self._listed(reader)):  # a new run, listed
             reader.link = [link]  # views bind their globs at every query: new parts show at once
             self._bind(reader.connection, reader.held)
-        return fetch(reader.connection.sql(query, params=parameters))
+            found = (snapshot.manifest(reader.held[0]) if reader.held[0] else None) or {}
+            reader.listed, reader.bad = found.get("listed"), {d["path"] for d in found.get("damaged") or []}
+        if time.monotonic() - self._tidied > snapshot.GRACE_SECONDS / 2:
+            self._tidied = time.monotonic()  # the last writer may be gone: collect in its place
+            snapshot.tidy(self.directory)
+        return reader
+
+    def _listed(self, reader: _Reader) -> dict:
+        """The row files the bound snapshot's `runs`/`stages` views would name now (damage.py)."""
+        return {t: [f for f in snapshot.row_files(self.directory, t) if f not in reader.bad] for t in reader.listed}
+
+    def _run(self, query: str, parameters, fetch):
+        statement = only_queries(query) or query
+        for attempt in range(2):
+            reader = self._reader()
+            try:
+                return fetch(reader.connection.sql(statement, params=parameters))
+            except duckdb.Error as error:
+                if damage.REPAIR in str(error):  # a view's branch for a damaged file
+                    if attempt == 0:  # restored since, or repaired? The rebind republishes then
+                        reader.link = None
+                        continue
+                    raise StoreDamaged(str(error).split("Error: ", 1)[-1]) from None
+                if attempt or isinstance(error, _QUERY_ERRORS) or not self._find_damage(query, error, reader):
+                    raise
+                reader.link = None  # rebind: the new snapshot routes around what was found
+        raise AssertionError("unreachable")
+
+    def _find_damage(self, query: str, error: duckdb.Error, reader: _Reader) -> bool:
+        """Check the files a failed query may have read: those its error names, else every part
+        of the tables it names (once per snapshot). Record what is damaged and publish a snapshot
+        that routes around it; False when nothing was."""
+        bound = snapshot.manifest(reader.held[0]) if reader.held[0] else None
+        if bound is not None and snapshot.named(bound) != snapshot.state(self.directory):
+            return True  # the store changed under the bound snapshot (a generation deleted): rebind
+        found = health.failed_reads(self.directory, query, str(error), reader.held[0], reader.clean)
+        if not found:
+            return False
+        try:
+            damage.record(self.directory, found)
+            snapshot.publish(self.directory)
+        except (StoreError, OSError):  # a read-only store: name them, route around none
+            raise StoreDamaged("; ".join(damage.message(self.directory, f) for f in found)) from error
+        return True
+
+    def damaged(self) -> list[dict[str, Any]]:
+        """The damaged files queries route around now (damage.py): path (absolute), table, run,
+        stage and reason of each."""
+        held_now = self._reader().held[0]
+        found = snapshot.manifest(held_now) if held_now else snapshot.state(self.directory)
+        return [{**d, "path": os.path.join(self.directory, d["path"])} for d in (found or {}).get("damaged") or []]
 
     def sql(self, query: str, parameters: Any = None) -> pa.Table:
         """Run one query and return its result as an Arrow table."""
@@ -316,7 +414,14 @@ class Store:
         evaluation's greedy accuracy (`accuracy`) and that of its sampled answers (`sampled`).
         A run or stage recorded as running whose writer no longer holds its lock shows as
         interrupted; such a stage's `seconds` run until its last record."""
-        columns, found = self.rows(RUNS_QUERY)
+        for attempt in range(2):  # a damaged file found by the first is routed around by the second
+            damaged = self.damaged()
+            try:
+                columns, found = self.rows(runs_query(damaged))
+                break
+            except StoreDamaged:
+                if attempt:
+                    raise
         run_at, stage_at = columns.index("status"), columns.index("stage_status")
         seconds_at, until_last = columns.index("seconds"), columns.index("until_last")
         out = []
@@ -368,3 +473,13 @@ LEFT JOIN accuracy a USING (run, stage)
 LEFT JOIN written w USING (run, stage)
 ORDER BY r.started_at DESC, r.run, s.started_at
 """
+
+
+def runs_query(damaged: list[dict[str, Any]]) -> str:
+    """RUNS_QUERY reading every table without the streams of `damaged` files (whose view branches
+    would fail it): `dew runs` lists what it can and names what it left out."""
+    def keep(match: re.Match) -> str:
+        condition = damage.leave_out(damaged, match[2])
+        return match[0] if condition == "TRUE" else f"{match[1]} (SELECT * FROM {match[2]} WHERE {condition})"
+
+    return re.sub(rf"\b(FROM|JOIN)\s+({'|'.join(TABLES)})\b", keep, RUNS_QUERY)

@@ -258,8 +258,9 @@ class StageWriter:
         `truncation`. verdicts: None, or one list of Verdict records per session (the programs
         a code reward ran for it), stored with the session's `session_uid`. episodes: None, or
         the tool episode (`dew_lib.records.Episode`) behind each session, whose actions land in
-        `turns` (store/turns.py); None in place of a session's episode records no turns for it. Calls, verdicts and turns are committed before their sessions,
-        so a visible session always has them.
+        `turns` (store/turns.py); None in place of a session's episode records no turns for it.
+        Calls, verdicts and turns are committed before their sessions, so a visible session
+        always has them.
         """
         update = _step("update", update)
         sessions = tuple(sessions)
@@ -448,11 +449,21 @@ class StageWriter:
 
 
 class StoreSink:
-    """A Trainer sink: each delivered window of metrics becomes `metrics` rows at its step, and
-    each checkpoint the Trainer saves becomes a `checkpoints` row. `close` flushes."""
+    """A Trainer sink (the hooks of `dew_lib.train.sinks.Sink`, which this package may not
+    import): each delivered window of metrics becomes `metrics` rows at its step, and each
+    checkpoint the Trainer saves becomes a `checkpoints` row. `close` flushes."""
 
     def __init__(self, stage: StageWriter):
         self.stage = stage
+
+    def begin(self, first_step: int, total_steps: int) -> None:
+        return None
+
+    def before_step(self, step: int, state: Any) -> None:
+        return None
+
+    def note(self, step: int, text: str) -> None:
+        return None
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         self.stage.metrics(step, metrics)

@@ -1,32 +1,77 @@
 """Where training metrics go once the Trainer reads them back from the device.
 
-A sink is any object with `write(step, metrics)` and `close()`. Metrics arrive late, a window at
-a time, so writing never stalls the device. `ProgressBar` redraws one terminal line;
+A sink subclasses `Sink`: it implements `write(step, metrics)` and may override the hooks.
+Metrics arrive late, a window at a time, so writing never stalls the device. `ProgressBar` redraws one terminal line;
 `LineLog` prints one line per window (for logs and CI); `MemorySink` keeps everything (tests,
 notebooks); `JsonlSink` appends to a file; `dew_lib.store.StoreSink` writes to the run store.
 """
 
 from __future__ import annotations
 
+import abc
 import json
 import math
 import os
 import sys
 import time
 from collections.abc import Mapping
-from typing import Protocol, TextIO
+from typing import Any, TextIO
 
 
-class Sink(Protocol):
-    """Receives metrics. A sink may also define `begin(first_step, total_steps)`, which `fit`
-    calls once before training (the progress displays use it), `checkpoint(step, path)`, which
-    `fit` calls after each checkpoint it saves (the run store's sink records it), and
-    `note(step, text)`, which receives what `fit` decided without training: resuming from a
-    checkpoint, or finding nothing to train because `steps` is already reached."""
+class Sink(abc.ABC):
+    """Receives what `fit` reports. `write` is the one method a sink must implement; the others
+    are hooks with nothing to do by default, called by `fit` at fixed points:
 
-    def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
+    - `begin(first_step, total_steps)`, once before training (the progress displays use it);
+    - `before_step(step, state)`, on the host before each update, with the state it updates
+      (nothing is read back: a sink that reads the state's arrays here waits for the device;
+      the image stages' previews sample the live model this way);
+    - `checkpoint(step, path)`, after each checkpoint `fit` saves (the run store records it);
+    - `note(step, text)`, what `fit` decided without training: resuming from a checkpoint, or
+      finding nothing to train because `steps` is already reached;
+    - `close()`, once at the end, whatever happened.
 
-    def close(self) -> None: ...
+    `dew_lib.store.StoreSink` (the store may not import this package) declares the same methods.
+    """
+
+    @abc.abstractmethod
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        """A window's metric means, labelled with its last step."""
+
+    def begin(self, first_step: int, total_steps: int) -> None:
+        """Training starts at `first_step` of `total_steps`."""
+        return None
+
+    def before_step(self, step: int, state: Any) -> None:
+        """The update of `step` (0-based) is about to run on `state`."""
+        return None
+
+    def checkpoint(self, step: int, path: str) -> None:
+        """A checkpoint of `step` was saved at `path`."""
+        return None
+
+    def note(self, step: int, text: str) -> None:
+        """What `fit` decided at `step` without training."""
+        return None
+
+    def close(self) -> None:
+        """Flush and release what the sink holds."""
+        return None
+
+
+HOOKS = ("write", "begin", "before_step", "checkpoint", "note", "close")
+
+
+def check_sinks(sinks) -> list:
+    """`sinks` as a list, each checked to have every method of `Sink`, so a sink missing one
+    fails before training rather than at the first checkpoint."""
+    sinks = list(sinks)
+    for sink in sinks:
+        missing = [name for name in HOOKS if not callable(getattr(sink, name, None))]
+        if missing:
+            raise TypeError(f"{type(sink).__name__} is not a sink: it lacks {missing}; subclass "
+                            "dew_lib.train.sinks.Sink, which gives every hook but write a default")
+    return sinks
 
 
 def _format(metrics: Mapping[str, float], keys=None) -> str:
@@ -37,7 +82,7 @@ def _format(metrics: Mapping[str, float], keys=None) -> str:
 _HEADLINE = ("loss", "val/loss", "accuracy", "tokens_per_second")
 
 
-class ProgressBar:
+class ProgressBar(Sink):
     """One redrawn line: a bar, step/total, rate and the headline metrics."""
 
     def __init__(self, stream: TextIO | None = None, width: int = 24):
@@ -78,7 +123,7 @@ class ProgressBar:
             self.drawn = False
 
 
-class LineLog:
+class LineLog(Sink):
     """One plain line per delivered window."""
 
     def __init__(self, stream: TextIO | None = None, prefix: str = ""):
@@ -101,7 +146,7 @@ class LineLog:
         pass
 
 
-class MemorySink:
+class MemorySink(Sink):
     """Keeps `(step, metrics)` pairs in `.history` and `(step, text)` notes in `.notes`."""
 
     def __init__(self):
@@ -121,7 +166,7 @@ class MemorySink:
         pass
 
 
-class JsonlSink:
+class JsonlSink(Sink):
     """Appends `{"step": ..., **metrics}` lines to a file; non-finite values become null."""
 
     def __init__(self, path: str | os.PathLike):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -33,10 +32,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew_lib.data.dataset import Batch, Dataset, Partition
-from dew_lib.objectives.base import Metrics, Objective
+from dew_lib.objectives.base import Metrics, Objective, average
 from dew_lib.train import distributed
 from dew_lib.train.checkpoint import CheckpointMismatch, Checkpoints
-from dew_lib.train.sinks import Sink, default_sinks
+from dew_lib.train.sinks import Sink, check_sinks, default_sinks
 
 _LOG = logging.getLogger(__name__)
 
@@ -77,12 +76,6 @@ class TrainingDiverged(FloatingPointError):
         )
 
 
-def _averaged(objective, params):
-    """The part of `params` the objective keeps a moving average (or frozen reference) of."""
-    select = getattr(objective, "reference_params", None)
-    return params if select is None else select(params)
-
-
 def _replicated(mesh):
     return NamedSharding(mesh, PartitionSpec())
 
@@ -101,6 +94,11 @@ class Trainer:
                  devices: Sequence[jax.Device] | None = None):
         if accumulate < 1:
             raise ValueError(f"Trainer.accumulate must be >= 1, got {accumulate}")
+        if not isinstance(objective, Objective):
+            raise TypeError(f"Trainer needs a dew_lib.objectives.Objective, got {type(objective).__name__}: "
+                            "subclass Objective, which declares init, terms, evaluate and check_batch and the "
+                            "optional hooks the Trainer calls (ema_decay, reference_params, derive, "
+                            "derive_training)")
         if jax.process_count() > 1 and devices is not None:
             raise ValueError("Trainer(devices=...) is for single-process runs; multi-process "
                              "training uses every device of every process")
@@ -126,13 +124,13 @@ class Trainer:
     def _build_state(self, key) -> TrainState:
         self.compilations["init"] += 1
         params = self.objective.init(key)
-        decay = getattr(self.objective, "ema_decay", None)
+        decay = self.objective.ema_decay
         accumulating = self.accumulate > 1
         zeros = jax.tree.map(jnp.zeros_like, params) if accumulating else None
         return TrainState(
             params=params,
             opt_state=self.optimizer.init(params),
-            ema=None if decay is None else jax.tree.map(jnp.copy, _averaged(self.objective, params)),
+            ema=None if decay is None else jax.tree.map(jnp.copy, self.objective.reference_params(params)),
             step=jnp.zeros((), jnp.int32),
             updates=jnp.zeros((), jnp.int32),
             grads=zeros,
@@ -149,7 +147,7 @@ class Trainer:
     # ----- compiled update ---------------------------------------------------------------------
     def _make_step(self, apply: bool):
         objective, optimizer, accumulate = self.objective, self.optimizer, self.accumulate
-        decay = getattr(objective, "ema_decay", None)
+        decay = objective.ema_decay
 
         def total_and_aux(params, batch, step, reference, key):
             terms = objective.terms(params, batch, step=step, reference=reference, key=key)
@@ -178,7 +176,7 @@ class Trainer:
             ema = state.ema
             if decay is not None and decay != 1.0:
                 ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema,
-                                   _averaged(objective, params))
+                                   objective.reference_params(params))
             new = state.replace(
                 params=params, opt_state=opt_state, ema=ema,
                 step=state.step + 1, updates=state.updates + 1,
@@ -236,7 +234,7 @@ class Trainer:
             raise ValueError(f"fit(log_every=...) must be >= 1, got {log_every}")
         if eval_every is not None and (eval_every < 1 or data.val is None):
             raise ValueError("fit(eval_every=...) needs a positive interval and a Dataset with val")
-        sinks = list(default_sinks() if sinks is None else sinks)
+        sinks = check_sinks(default_sinks() if sinks is None else sinks)
         if not distributed.is_primary():  # every process has the same metrics; process 0 writes them
             for sink in sinks:
                 sink.close()
@@ -299,18 +297,16 @@ class _Run:
         return state, int(state.step), None
 
     def _note(self, step: int, text: str) -> None:
-        """Tell the sinks (those with a `note` method) and the log what fit is doing."""
+        """Tell the sinks and the log what fit is doing."""
         _LOG.info("step %d: %s", step, text)
         for sink in self.sinks:
-            if hasattr(sink, "note"):
-                sink.note(step, text)
+            sink.note(step, text)
 
     def execute(self, state):
         trainer = self.trainer
         state, position, stream_state = self._start_state(state)
         for sink in self.sinks:
-            if hasattr(sink, "begin"):
-                sink.begin(position, self.steps)
+            sink.begin(position, self.steps)
         if position >= self.steps:
             if self.last_checkpoint is not None:
                 self._note(position, f"nothing to train: the checkpoint {self.last_checkpoint} is "
@@ -331,6 +327,8 @@ class _Run:
             state = trainer._init(trainer.init_key)
         for step in range(position, self.steps):
             batch, first = (first, None) if first is not None else (self._next(stream, step), None)
+            for sink in self.sinks:
+                sink.before_step(step, state)
             if trainer.rollout is not None:
                 batch = trainer.rollout(state, batch, jax.random.fold_in(trainer.rollout_key, step))
             self._check(batch)
@@ -357,8 +355,7 @@ class _Run:
                 self.store.save(done, state, info)
                 self.last_checkpoint = f"{self.store.directory}/{done}"
                 for sink in self.sinks:  # e.g. the run store records where the checkpoint is
-                    if hasattr(sink, "checkpoint"):
-                        sink.checkpoint(done, self.last_checkpoint)
+                    sink.checkpoint(done, self.last_checkpoint)
                 self.clock = time.perf_counter()
         self._deliver(include_open=True)
         return state
@@ -392,11 +389,9 @@ class _Run:
             for step, metrics in zip(window.steps, values, strict=True):
                 if metrics["finite"][0] < 1:
                     raise TrainingDiverged(step, self.last_metrics, self.last_checkpoint)
-            means = _window_means(values)
+            means = average(values)
             means.pop("finite", None)
-            derive = getattr(self.trainer.objective, "derive_training", None)  # ratios of window means
-            if derive is not None:
-                means = derive(means)
+            means = self.trainer.objective.derive_training(means)  # ratios of window means
             means["steps_per_second"] = len(window.steps) / max(seconds, 1e-9)
             if "tokens" in means:
                 means["tokens_per_second"] = means["tokens"] * means["steps_per_second"]
@@ -407,31 +402,13 @@ class _Run:
 
     def _evaluate(self, state, step: int) -> None:
         trainer = self.trainer
-        sums: dict[str, list[float]] = {}
+        batches = []
         for batch in self.data.val(self.partition):
             self._check(batch)
-            metrics = jax.device_get(trainer._eval(state.params, trainer._shard(batch)))
-            for name, (total, count) in metrics.items():
-                acc = sums.setdefault(name, [0.0, 0.0])
-                acc[0] += float(total)
-                acc[1] += float(count)
-        means = {name: total / count if count else math.nan for name, (total, count) in sums.items()}
-        derive = getattr(trainer.objective, "derive", None)
-        if derive is not None:
-            means = derive(means)
+            batches.append(trainer._eval(state.params, trainer._shard(batch)))
+        means = trainer.objective.derive(average(jax.device_get(batches)))
         for sink in self.sinks:
             sink.write(step, {f"val/{k}": v for k, v in means.items()})
-
-
-def _window_means(values: list[Metrics]) -> dict[str, float]:
-    """Average `(sum, count)` metrics over a window of steps."""
-    sums: dict[str, list[float]] = {}
-    for metrics in values:
-        for name, (total, count) in metrics.items():
-            acc = sums.setdefault(name, [0.0, 0.0])
-            acc[0] += float(total)
-            acc[1] += float(count)
-    return {name: (total / count if count else 0.0) for name, (total, count) in sums.items()}
 
 
 def _field(path) -> str:

@@ -35,7 +35,8 @@ class JournalSquare:
         if len(said) == 2 and said[0] == CALL and 5 <= said[1] < 15:
             k = said[1] - 5
             result = 5 + (k * k + self.episode["seed"]) % 10
-            answer = [*request["context"], *request["tokens"], RESULT, result], "running", f"square({k}) call #{self.calls}"
+            ids = [*request["context"], *request["tokens"], RESULT, result]
+            answer = ids, "running", f"square({k}) call #{self.calls}"
         elif len(said) == 2 and said[0] == ANSWER:
             answer = [], "completed", f"answered {said[1] - 5} call #{self.calls}"
         else:

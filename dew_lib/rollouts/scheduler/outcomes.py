@@ -20,7 +20,10 @@ def outcome(attempt: Attempt) -> Session:
     stand-in when it was cancelled and has none. A source that raised or returned something
     other than a Session for an attempt nobody cancelled is broken: that raises."""
     sample, group, future = attempt.sample, attempt.sample.group, attempt.future
-    labels = dict(task=group.task.id, group=group.id, sample=sample.index, attempt=attempt.number)
+    labels: dict[str, Any] = dict(task=group.task.id, group=group.id, sample=sample.index,
+                                  attempt=attempt.number)
+    if future is None:
+        raise ValueError(f"attempt {attempt.number} of task {group.task.id!r} was never submitted")
     if future.cancelled():
         return Session(**labels, status=Status.CANCELLED, detail="cancelled before it finished")
     error = future.exception()

@@ -6,7 +6,7 @@ from typing import Any
 
 from dew_lib.objectives import algorithms
 from dew_lib.objectives.grpo import GRPOObjective
-from dew_lib.options import choice, integer, number
+from dew_lib.options import choice, group_size, integer, lag_bound, number
 from dew_lib.records.sessions import TRUNCATION
 
 
@@ -14,19 +14,15 @@ def check_options(objective: Any, source: Any, weights: Any, *, width, rows, tas
                   oversample, admit, max_lag, ahead, sync_every, max_attempts, timeout, estimator,
                   truncation) -> None:
     """Refuse a schedule that cannot run: see RolloutScheduler's docstring."""
-    for name, value, low in (("width", width, 2), ("rows", rows, 1), ("groups", groups, 1),
+    for name, value, low in (("width", width, 2), ("rows", rows, 1),
                              ("oversample", oversample, 0), ("max_lag", max_lag, 0),
                              ("ahead", ahead, 0), ("sync_every", sync_every, 1),
                              ("max_attempts", max_attempts, 1)):
         integer(f"RolloutScheduler.{name}", value, at_least=low)
+    group_size("RolloutScheduler.groups", groups)
     integer("RolloutScheduler.admit", admit, optional=True)
     number("RolloutScheduler.timeout", timeout, above=0, optional=True)
-    if max_lag < ahead + sync_every - 1:
-        raise ValueError(
-            f"RolloutScheduler.max_lag={max_lag} is below ahead + sync_every - 1 = "
-            f"{ahead + sync_every - 1}: a rollout submitted {ahead} batches ahead under weights "
-            f"up to {sync_every - 1} updates old would always be discarded. Raise max_lag to "
-            f"{ahead + sync_every - 1} or lower ahead or sync_every")
+    lag_bound("RolloutScheduler", max_lag, ahead, sync_every)
     choice("RolloutScheduler.truncation", truncation, TRUNCATION)
     algorithms.advantage_function(estimator)
     objective_width = getattr(objective, "width", None)
