@@ -34,6 +34,21 @@ def sessions_for(update: int, prompts: int = PROMPTS) -> list[Session]:
     return out
 
 
+def two_runs(path, loss=lambda update: 1.0) -> Store:
+    """Runs a and b of `path`'s store, each a finished stage `grpo` of 3 updates of two prompts'
+    sessions with their calls, and a `loss` metric per update."""
+    store = Store(path)
+    for run in ("a", "b"):
+        with store.writer(run, background=False) as writer:
+            writer.start()
+            with writer.stage("grpo", kind="grpo") as stage:
+                for update in range(3):
+                    stage.sessions(sessions_for(update, 2), update=update)
+                    stage.metrics(update, {"loss": loss(update)})
+            writer.finish()
+    return store
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("path")

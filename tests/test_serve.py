@@ -107,11 +107,17 @@ def checkpoint(tmp_path_factory):
     return directory, stop, probe, pretrained, loaded
 
 
-@pytest.fixture(scope="module")
-def served(checkpoint):
+def warm_policy(checkpoint) -> ServedPolicy:
+    """The tiny checkpoint served as every serve test serves it, compiled before the first request."""
     policy = ServedPolicy.load(checkpoint[0], slots=SLOTS, capacity=CAPACITY, sampling=SAMPLING, steps=STEPS,
                                served_model_name=NAME)
     policy.warm_up()
+    return policy
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    policy = warm_policy(checkpoint)
     try:
         with running(create_app(policy, dev_endpoints=True)) as url:
             yield policy, url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)

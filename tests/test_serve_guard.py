@@ -28,10 +28,10 @@ import httpx
 import openai
 import pytest
 import test_serve
-from test_serve import NAME, ROOT, SLOTS, STEPS, slowed
+from test_serve import NAME, ROOT, SLOTS, slowed
 
 from dew_lib.sampling import Sampling
-from dew_lib.serve import ServedPolicy, ServeOptions, check_sampling, create_app, launch, running
+from dew_lib.serve import ServeOptions, check_sampling, create_app, launch, running
 from dew_lib.serve.protocol import CompletionRequest, ServeError
 
 checkpoint = test_serve.checkpoint  # the same tiny checkpoint
@@ -42,9 +42,7 @@ ERROR_FIELDS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def policy(checkpoint):
-    served = ServedPolicy.load(checkpoint[0], slots=SLOTS, capacity=test_serve.CAPACITY,
-                               sampling=test_serve.SAMPLING, steps=STEPS, served_model_name=NAME)
-    served.warm_up()
+    served = test_serve.warm_policy(checkpoint)
     yield served
     served.close()
 

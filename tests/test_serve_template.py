@@ -22,9 +22,9 @@ import httpx
 import openai
 import pytest
 import test_serve
-from test_serve import NAME, SLOTS, STEPS, reference
+from test_serve import NAME, reference
 
-from dew_lib.serve import ServedPolicy, ServeOptions, create_app, running
+from dew_lib.serve import ServeOptions, create_app, running
 from dew_lib.serve.template import WORKER, TemplateRenderer
 
 checkpoint = test_serve.checkpoint  # the same tiny checkpoint
@@ -34,9 +34,7 @@ LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% e
 
 @pytest.fixture(scope="module")
 def policy(checkpoint):
-    served = ServedPolicy.load(checkpoint[0], slots=SLOTS, capacity=test_serve.CAPACITY,
-                               sampling=test_serve.SAMPLING, steps=STEPS, served_model_name=NAME)
-    served.warm_up()
+    served = test_serve.warm_policy(checkpoint)
     yield served
     served.close()
 

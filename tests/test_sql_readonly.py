@@ -16,7 +16,7 @@ import sys
 
 import duckdb
 import pytest
-from store_worker import sessions_for
+from store_worker import two_runs
 
 from dew_lib import cli
 from dew_lib.store import NotAQuery, Store, StoreError, readonly, snapshot
@@ -43,15 +43,7 @@ def project(tmp_path, monkeypatch):
     """Two runs of a GRPO stage; one snapshot left (the grace set to 0), so nothing changes later."""
     monkeypatch.setattr(snapshot, "GRACE_SECONDS", 0.0)
     path = tmp_path / "runs"
-    store = Store(path)
-    for run in ("a", "b"):
-        with store.writer(run, background=False) as writer:
-            writer.start()
-            with writer.stage("grpo", kind="grpo") as stage:
-                for update in range(3):
-                    stage.sessions(sessions_for(update, 2), update=update)
-                    stage.metrics(update, {"loss": 1.0})
-            writer.finish()
+    store = two_runs(path)
     Store(path).sql("SELECT count(*) FROM sessions")  # publish and collect what the writers left
     snapshot.tidy(store.directory)
     return path

@@ -16,7 +16,7 @@ import sys
 import duckdb
 import pyarrow.parquet as pq
 import pytest
-from store_worker import sessions_for
+from store_worker import sessions_for, two_runs
 
 from dew_lib import cli
 from dew_lib.store import Store, StoreDamaged, snapshot
@@ -30,15 +30,7 @@ PER_UPDATE = 2 * 4  # store_worker's sessions_for(update, prompts=2): 2 prompts 
 def project(tmp_path):
     """Runs a and b, each a stage `grpo` of 3 updates of sessions, calls and metrics."""
     path = tmp_path / "runs"
-    store = Store(path)
-    for run in ("a", "b"):
-        with store.writer(run, background=False) as writer:
-            writer.start()
-            with writer.stage("grpo", kind="grpo") as stage:
-                for update in range(3):
-                    stage.sessions(sessions_for(update, 2), update=update)
-                    stage.metrics(update, {"loss": 1.0 / (update + 1)})
-            writer.finish()
+    two_runs(path, loss=lambda update: 1.0 / (update + 1))
     return path
 
 

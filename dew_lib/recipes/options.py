@@ -209,21 +209,26 @@ class PPOOptions(Options):
                                                "the policy's learning_rate; verl's critic learns 10x faster)")
 
 
-class FlowPretrainOptions(TrainOptions):
+class ImageTrainOptions(TrainOptions):
+    """The image stages' training: plain Adam, unclipped (their checkpoints hold Adam's state)."""
+
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay (0: plain Adam)")
+    max_grad_norm: float | None = Field(None, gt=0, description="clip the update's global gradient "
+                                        "norm to this (empty: no clipping)")
+
+
+class FlowPretrainOptions(ImageTrainOptions):
     """Flow-matching pre-training of an image model."""
 
     steps: int = Field(800, ge=1, description="optimizer steps")
     batch: int = Field(32, ge=1, description="images per step")
     learning_rate: float = Field(2e-3, gt=0, description="Adam learning rate")
-    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay (0: plain Adam)")
-    max_grad_norm: float | None = Field(None, gt=0, description="clip the update's global gradient "
-                                        "norm to this (empty: no clipping)")
     log_every: int = Field(100, ge=1, description="steps per logged metric window and preview")
     checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints (a retry resumes there)")
     preview_steps: int = Field(11, ge=2, description="time points of the deterministic preview sampler")
 
 
-class FlowGRPOOptions(TrainOptions):
+class FlowGRPOOptions(ImageTrainOptions):
     """Flow-GRPO on an unconditioned image model: SDE rollouts scored by a reward."""
 
     steps: int = Field(40, ge=1, description="optimizer steps (one rollout each)")
@@ -231,9 +236,6 @@ class FlowGRPOOptions(TrainOptions):
     groups: int = Field(4, ge=2, description="samples per group (>= 2: a group of one has no relative "
                         "advantage)")
     learning_rate: float = Field(1e-3, gt=0, description="Adam learning rate")
-    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay (0: plain Adam)")
-    max_grad_norm: float | None = Field(None, gt=0, description="clip the update's global gradient "
-                                        "norm to this (empty: no clipping)")
     log_every: int = Field(5, ge=1, description="steps per logged metric window and preview")
     checkpoint_every: int = Field(20, ge=1, description="steps between checkpoints (a retry resumes there)")
     rollout_steps: int = Field(6, ge=2, description="time points of a rollout path (both ends: 6 is "
