@@ -26,6 +26,20 @@ from tasks.lifetimes import (  # noqa: E402
 )
 
 
+def deployment_names() -> list[str]:
+    """The deployments serve.py serves, as deployments/prefect.yaml declares them (the same set:
+    tests/test_deployments.py), read without importing the flows into this process."""
+    import yaml
+
+    with open(os.path.join(ROOT, "deployments", "prefect.yaml"), encoding="utf-8") as handle:
+        return [deployment["name"] for deployment in yaml.safe_load(handle)["deployments"]]
+
+
+def banner(url: str) -> str:
+    """The line that says where the UI is and which deployments it serves."""
+    return f"Prefect UI: {url}  (deployments: {', '.join(deployment_names())}; Ctrl-C stops)"
+
+
 def main() -> int:
     port = int(os.environ.get("DEW_UI_PORT", "4200"))
     url = f"http://127.0.0.1:{port}"
@@ -41,8 +55,7 @@ def main() -> int:
         wait_until_healthy(f"{url}/api", server, 120)
         served = bound_child([sys.executable, os.path.join(ROOT, "deployments", "serve.py")], env=env,
                              cwd=ROOT)
-        print(f"Prefect UI: {url}  (deployments: pipeline, flow-grpo, retrain-nightly; Ctrl-C stops)",
-              flush=True)
+        print(banner(url), flush=True)
         while True:
             if served.poll() is not None:
                 return served.returncode

@@ -262,8 +262,9 @@ def _health(store, args, out) -> int:
 
     if not store.exists():
         raise StoreNotFound(f"no run store at {store.project} (expected {store.directory}/format.json)")
+    left: list[dict[str, Any]] = []  # what repair could not move aside
     if args.action == "check":
-        found, left = health.check(store), []
+        found = health.check(store)
     else:
         found, left = health.repair(store)
     if args.form:

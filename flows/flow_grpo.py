@@ -6,7 +6,8 @@
 runs the pipeline on the embedded defaults: 8x8 coloured shapes, 800 flow-matching steps, then
 40 Flow-GRPO updates that make the samples redder. A rerun with the same name and inputs reuses
 every finished stage; a failed stage is retried by Prefect and continues from its checkpoint,
-and a rerun after a kill continues the same run in the store.
+and a rerun with the same name and parameters, after a kill or a finish, is the same run in the
+store (its next attempt). A run refused before it trains prints why once and exits with status 1.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tasks.images import dit_ref, prepare_images
 from tasks.manifests import DiTRef, ImageStageResult
 from tasks.params import FlowGRPOParams, FlowPipelineParams, command_line
 from tasks.records import pipeline_run
+from tasks.refusals import refusal_exit
 from tasks.ui import artifact_key
 
 
@@ -43,7 +45,7 @@ def flow_grpo_pipeline(params: FlowPipelineParams = FlowPipelineParams()) -> dic
     results: list[ImageStageResult] = []
     with pipeline_run(store_root, directory, params.name, params.model_dump(mode="json")) as (run, continued):
         if continued:
-            logger.info("continuing run %s, which stopped before it finished", run)
+            logger.info("continuing run %s (same name and parameters) as its next attempt", run)
         start = None if params.model.pretrained is None else dit_ref(params.model.pretrained)
         if "flow_pretrain" in params.stages:
             data = prepare_images(params.data, os.path.join(directory, "data"), params.seed)
@@ -97,10 +99,12 @@ def main(argv: list[str]) -> int:
     configured Prefect API, on a temporary server that dies with this process."""
     if not {"-h", "--help"} & set(argv):
         lifetimes.temporary_prefect_server()
-    outcome = flow_grpo_pipeline(command_line(argv, FlowPipelineParams(), prog="python -m flows.flow_grpo",
-                                              description=__doc__.split("\n")[0]))
-    print({k: outcome[k] for k in ("run", "model", "seconds")})
-    return 0
+    def run() -> None:
+        outcome = flow_grpo_pipeline(command_line(argv, FlowPipelineParams(), prog="python -m flows.flow_grpo",
+                                                  description=__doc__.split("\n")[0]))
+        print({k: outcome[k] for k in ("run", "model", "seconds")})
+
+    return refusal_exit("python -m flows.flow_grpo", run)
 
 
 if __name__ == "__main__":

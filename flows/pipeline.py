@@ -5,13 +5,15 @@ reference). Each stage works in the directory of its inputs, runs/<name>/<stage>
 (tasks/storage.py): a rerun with the same name and inputs reuses every finished stage, a failed
 or killed stage continues from its last checkpoint there, and a stage whose inputs changed (its
 parameters, the data, the policy it starts from, the seed) trains from step 0, and so does every
-stage after it. A rerun of a run that never finished continues that run in the store
-(tasks/records.py).
+stage after it. A rerun with the same name, parameters and data files as the last run under
+that name is that run in the store, finished or not: its next attempt (tasks/records.py).
 """
 
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import sys
 import time
 
@@ -24,9 +26,10 @@ from flows.evaluate import evaluate
 from flows.grpo import grpo, ppo
 from flows.sft import sft
 from tasks.lengths import check_lengths
-from tasks.params import PipelineParams, command_line
+from tasks.params import DataParams, PipelineParams, command_line
 from tasks.policy import initial_policy
 from tasks.records import pipeline_run
+from tasks.refusals import refusal_exit
 from tasks.ui import artifact_key
 
 STAGES = {"sft": sft, "dpo": dpo, "grpo": grpo, "ppo": ppo}
@@ -38,16 +41,17 @@ def pipeline(params: PipelineParams = PipelineParams()) -> dict:
     started = time.perf_counter()
     directory = os.path.abspath(os.path.join(params.root, params.name))
     store_root = os.path.abspath(params.root)
-    with pipeline_run(store_root, directory, params.name, params.model_dump(mode="json")) as (run, continued):
+    with pipeline_run(store_root, directory, params.name, params.model_dump(mode="json"),
+                      inputs=data_files(params.data)) as (run, continued):
         if continued:
-            logger.info("continuing run %s, which stopped before it finished (same name and "
-                        "parameters): its stages pick up where they were", run)
+            logger.info("continuing run %s (same name, parameters and data files) as its next attempt: "
+                        "its finished stages are reused, an interrupted one resumes", run)
         table, policy = _stages(params, directory, store_root, run)
     seconds = time.perf_counter() - started
     create_table_artifact(table, key=artifact_key(run, "accuracy"),
                           description="held-out accuracy after each stage")
     last = os.path.join(directory, params.stage_name(params.stages[-1])) if params.stages else None
-    summary = _summary(table, policy.path, last, store_root, directory, seconds)
+    summary = _summary(table, policy.path, last, store_root, directory, seconds, run)
     create_markdown_artifact(summary, key=artifact_key(run, "summary"),
                              description="what the pipeline produced")
     logger.info("\n%s", summary)
@@ -55,6 +59,15 @@ def pipeline(params: PipelineParams = PipelineParams()) -> dict:
             "sampled_accuracy": {r["stage"]: r["sampled_accuracy"] for r in table},
             "reused": {r["stage"]: r["reused"] for r in table}, "policy": policy.path,
             "seconds": seconds}
+
+
+def data_files(data: DataParams) -> dict[str, list]:
+    """Size and modification time of each file the data parameters name: with the parameters,
+    what makes a rerun the same run, as they key the prepared data (tasks/data.py)."""
+    fields = ("chat_path", "pairs_path", "prompts_path", "eval_path", "code_path")
+    paths = {field: getattr(data, field) for field in fields}
+    return {field: [os.path.getsize(path), os.path.getmtime(path)] for field, path in paths.items()
+            if path and os.path.isfile(path)}
 
 
 def _stages(params: PipelineParams, directory: str, store_root: str, run: str):
@@ -89,8 +102,31 @@ def _percent(value: float | None) -> str:
     return "" if value is None else f"{100 * value:.1f}%"
 
 
+def shown_path(path: str) -> str:
+    """`path` as a shell in this working directory reaches it: relative under it, else absolute."""
+    relative = os.path.relpath(path)
+    return shlex.quote(os.path.abspath(path) if relative.split(os.sep)[0] == os.pardir else relative)
+
+
+def dew_command() -> str:
+    """The `dew` of this environment as a shell here runs it (`.venv/bin/dew` after `make run`):
+    the plain name only when PATH finds that very file."""
+    script = os.path.join(os.path.dirname(sys.executable), "dew")
+    if not os.path.exists(script):
+        return f"{shown_path(sys.executable)} -m dew_lib.cli"
+    found = shutil.which("dew")
+    return "dew" if found and os.path.samefile(found, script) else shown_path(script)
+
+
+def store_commands(store_root: str, run: str) -> list[str]:
+    """Commands that list the run store's runs and query this run's stages, ready to paste."""
+    dew, root = dew_command(), shown_path(store_root)
+    query = f"SELECT stage, kind, status, attempt FROM stages WHERE run = '{run}' ORDER BY started_at"
+    return [f"{dew} runs --store {root}", f'{dew} sql --store {root} "{query}"']  # a run id needs no quoting
+
+
 def _summary(table, policy: str, last: str | None, store_root: str, directory: str,
-             seconds: float) -> str:
+             seconds: float, run: str) -> str:
     lines = ["| stage | held-out accuracy, greedy | sampled (mean of the drawn answers) | reused |",
              "| --- | --- | --- | --- |"]
     lines += [f"| {r['stage']} | {_percent(r['accuracy'])} | {_percent(r['sampled_accuracy'])} | "
@@ -99,16 +135,17 @@ def _summary(table, policy: str, last: str | None, store_root: str, directory: s
               + (f", also `{last}/policy` until that stage runs with other inputs" if last else ""),
               f"Each stage's files: `{directory}/<stage>/latest/` (its last inputs; older input sets "
               f"beside it, see docs/pipeline.md)",
-              f"Run store: `{os.path.join(store_root, 'dew.duckdb')}` (try `dew runs`)",
-              f"Curves: `{directory}/<stage>/curves.png`", f"Wall time: {seconds:.0f} s"]
+              f"Curves: `{directory}/<stage>/curves.png`", f"Wall time: {seconds:.0f} s",
+              f"Run store: `{store_root}` (this run: `{run}`); list its runs, and query it (read-only):",
+              *[f"- `{command}`" for command in store_commands(store_root, run)]]
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
-    """Run the pipeline with its defaults, `--name`, `--seed` and `--root` overridable."""
-    pipeline(command_line(argv, PipelineParams(), prog="python -m flows",
-                          description=__doc__.split("\n")[0]))
-    return 0
+    """Run the pipeline with its defaults, `--name`, `--seed` and `--root` overridable; a run
+    refused before it trains (tasks/refusals.py) prints why once and exits with status 1."""
+    return refusal_exit("python -m flows", lambda: pipeline(command_line(
+        argv, PipelineParams(), prog="python -m flows", description=__doc__.split("\n")[0])))
 
 
 if __name__ == "__main__":

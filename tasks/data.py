@@ -30,6 +30,7 @@ from dew_lib.data.arithmetic import Problem, near_misses, problems, solution
 from dew_lib.data.byte_bpe import train_byte_bpe
 from tasks.manifests import DataManifest, fingerprint
 from tasks.params import DataParams
+from tasks.refusals import RunRefused, retry_unless_refused
 from tasks.storage import read_json, write_json, write_lines
 
 GENERATOR_VERSION = 2  # bump when the files below would come out differently
@@ -103,7 +104,7 @@ def generate_arithmetic(params: DataParams, directory: str, seed: int) -> DataMa
 def user_files(params: DataParams) -> DataManifest:
     """A manifest over files the user gave; their size and modification time key reruns."""
     if params.eval_path is None:
-        raise ValueError("DataParams(source='files') needs eval_path: every pipeline ends in an "
+        raise RunRefused("DataParams(source='files') needs eval_path: every pipeline ends in an "
                          "evaluation on held-out prompts")
     paths = [params.chat_path, params.pairs_path, params.prompts_path, params.eval_path]
     stats = [None if p is None else (os.path.abspath(p), os.path.getsize(p), os.path.getmtime(p))
@@ -149,14 +150,14 @@ class _Mapped:
     def need(self, *names: str) -> None:
         for name in names:
             if not self.has(name):
-                raise ValueError(f"{PATH_FIELDS[self.kind]} {self.path} has no {self.describe(name)}; "
+                raise RunRefused(f"{PATH_FIELDS[self.kind]} {self.path} has no {self.describe(name)}; "
                                  f"its fields are {list(self.rows.columns)}. Set DataParams.columns, "
                                  f"e.g. for GSM8K {_GSM8K}")
 
     def value(self, index: int, name: str, required: bool = True):
         value = self.records[index].get(self.field(name))
         if value is None and required:
-            raise ValueError(f"{self.rows.where(index)}: no value in {self.origin(name)}, which the "
+            raise RunRefused(f"{self.rows.where(index)}: no value in {self.origin(name)}, which the "
                              f"{PATH_FIELDS[self.kind]} rows need")
         return value
 
@@ -189,13 +190,13 @@ def _ground_truth(source: _Mapped, index: int) -> str:
     if marker is None:
         return text
     if marker not in text:
-        raise ValueError(f"{source.rows.where(index)}: {source.origin('ground_truth')} has no "
+        raise RunRefused(f"{source.rows.where(index)}: {source.origin('ground_truth')} has no "
                          f"{marker!r} (DataParams.ground_truth_after) to take the reference answer "
                          "after; give the marker your answers use, or leave ground_truth_after empty "
                          "to take the whole field")
     answer = text.rsplit(marker, 1)[1].strip()
     if not answer:
-        raise ValueError(f"{source.rows.where(index)}: nothing follows {marker!r} in "
+        raise RunRefused(f"{source.rows.where(index)}: nothing follows {marker!r} in "
                          f"{source.origin('ground_truth')}; the reference answer cannot be empty")
     return answer
 
@@ -242,7 +243,7 @@ def _chat_rows(source: _Mapped) -> list[dict]:
     if source.has("completion"):
         source.need("prompt")
     elif not source.has("messages"):
-        raise ValueError(f"chat_path {source.path} has neither the {source.describe('completion')} "
+        raise RunRefused(f"chat_path {source.path} has neither the {source.describe('completion')} "
                          f"nor the {source.describe('messages')}; its fields are "
                          f"{list(source.rows.columns)}. SFT reads a prompt and a completion, or "
                          f"conversations as messages: set DataParams.columns, e.g. for GSM8K {_GSM8K}")
@@ -254,7 +255,7 @@ def mapped_files(params: DataParams, directory: str) -> DataManifest:
     """The user's files rewritten in the pipeline's layout under `directory`, their fields read
     through DataParams.columns and the reference answer through ground_truth_after."""
     if params.eval_path is None:
-        raise ValueError("DataParams(source='files') needs eval_path: every pipeline ends in an "
+        raise RunRefused("DataParams(source='files') needs eval_path: every pipeline ends in an "
                          "evaluation on held-out prompts")
     given = {kind: getattr(params, field) for kind, field in PATH_FIELDS.items()}
     stats = {kind: None if p is None else (os.path.abspath(p), os.path.getsize(p), os.path.getmtime(p))
@@ -295,7 +296,7 @@ def read_code_rows(path: str) -> list[dict]:
         try:
             return [json.loads(line) for line in handle if line.strip()]
         except json.JSONDecodeError as error:
-            raise ValueError(f"{path} is not JSON lines ({error}); DataParams.code_path takes MBPP's "
+            raise RunRefused(f"{path} is not JSON lines ({error}); DataParams.code_path takes MBPP's "
                              "mbpp.jsonl or HumanEval's HumanEval.jsonl(.gz)") from None
 
 
@@ -310,7 +311,7 @@ def code_layout(rows: list[dict], layout: str, path: str) -> str:
         return layout
     found = sorted(rows[0]) if rows else "no rows"
     wanted = needs.get(layout) or " or ".join(f"{k}: {v}" for k, v in needs.items())
-    raise ValueError(f"{path} does not have the columns of code_layout={layout!r} ({wanted}); its first "
+    raise RunRefused(f"{path} does not have the columns of code_layout={layout!r} ({wanted}); its first "
                      f"row has {found}")
 
 
@@ -347,7 +348,7 @@ def code_splits(rows: list[dict], layout: str, params: DataParams) -> tuple[list
     else:
         held, train = rows[: params.code_test_problems], rows[params.code_test_problems:]
     if not held:
-        raise ValueError(f"{params.code_path} has no rows to hold out for evaluation (MBPP's test split "
+        raise RunRefused(f"{params.code_path} has no rows to hold out for evaluation (MBPP's test split "
                          "is task_id 11-510); give the published file or another code_layout")
     return train[: params.code_train_problems], held
 
@@ -387,7 +388,8 @@ def prepare_code(params: DataParams, directory: str, seed: int) -> DataManifest:
     return manifest
 
 
-@task(retries=1, retry_delay_seconds=1, task_run_name="prepare-{params.source}")
+@task(retries=1, retry_delay_seconds=1, retry_condition_fn=retry_unless_refused,
+      task_run_name="prepare-{params.source}")
 def prepare_data(params: DataParams, directory: str, seed: int) -> DataManifest:
     """Generate or check the run's data and return where each part lives."""
     logger = get_run_logger()
@@ -411,7 +413,7 @@ def read_eval(path: str) -> list[dict]:
         rows = [json.loads(line) for line in handle if line.strip()]
     for index, row in enumerate(rows):
         if "prompt" not in row or "ground_truth" not in row:
-            raise ValueError(f"{path} line {index + 1}: an evaluation row needs 'prompt' and "
+            raise RunRefused(f"{path} line {index + 1}: an evaluation row needs 'prompt' and "
                              "'ground_truth'")
     return rows
 

@@ -11,6 +11,7 @@ answer's `evaluations` row (`update` = step, `group_id` = item).
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import jax
@@ -25,6 +26,7 @@ from tasks.manifests import DataManifest, EvalResult, PolicyRef, fingerprint
 from tasks.params import EvalParams, RewardParams, ToolParams
 from tasks.policy import load_policy
 from tasks.records import open_stage, stage_completed
+from tasks.refusals import retry_unless_refused
 from tasks.rewards import TaskReward, score_all, verdicts
 from tasks.storage import read_json, write_json
 from tasks.tool_task import episode_answers
@@ -94,7 +96,7 @@ def publish_transcripts(stage: str, results: list[Evaluation]) -> None:
                              description=f"{stage}: tool episodes on held-out prompts")
 
 
-@task(retries=1, retry_delay_seconds=1, task_run_name="evaluate-{stage}")
+@task(retries=1, retry_delay_seconds=1, retry_condition_fn=retry_unless_refused, task_run_name="evaluate-{stage}")
 def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: EvalParams,
                     directory: str, store_root: str, run: str, step: int = 0,
                     reward: RewardParams | None = None, tools: ToolParams | None = None) -> EvalResult:
@@ -106,6 +108,7 @@ def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: E
     evaluation's `detail`, and a few greedy transcripts the `<run>-<stage>-transcripts` artifact.
     """
     logger = get_run_logger()
+    began = datetime.datetime.now(datetime.UTC)  # the stage is recorded once graded: its seconds start here
     episodes = (tools or ToolParams()) if data.tool is not None else None
     shaped = () if episodes is None else (episodes,)  # tool episodes: their shape changes the answers
     key = fingerprint("evaluate", policy.fingerprint, data.fingerprint, params, *shaped)
@@ -142,9 +145,9 @@ def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: E
     accuracy = float(np.mean([r.correct for r in results[:len(rows)]]))
     sampled = float(np.mean([r.correct for r in results[len(rows):]])) if k else None
     if not (cached and stage_completed(store_root, run, f"eval-{stage}")):  # else recorded already
-        with open_stage(store_root, run, f"eval-{stage}", "evaluate") as writer:
+        with open_stage(store_root, run, f"eval-{stage}", "evaluate", started_at=began) as writer:
             writer.evaluations(results, step=step, verdicts=[verdicts(r) for r in runs])
-            writer.finish("completed", {"accuracy": accuracy,
+            writer.finish("completed", {"greedy_accuracy": accuracy,  # held-out: not a training `accuracy`
                                         **({} if sampled is None else {"sampled_accuracy": sampled})})
     if not cached:
         write_json(saved_path, {"fingerprint": key, "answers": answers, "sampled": drawn,

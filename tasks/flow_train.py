@@ -47,6 +47,7 @@ from tasks.lifecycle import Start, begin, conclude, stage_sinks, write_result
 from tasks.manifests import DiTRef, ImageManifest, ImageStageResult, fingerprint, keyed
 from tasks.params import DiTParams, FlowGRPOParams, FlowPretrainParams, StageParams
 from tasks.records import open_stage
+from tasks.refusals import RunRefused, retry_unless_refused
 from tasks.ui import keep_last_checkpoint, publish_images
 
 LINKS = ("model", "checkpoints", "previews", "metrics.jsonl", "curves.png")  # also under runs/<name>/<stage>/
@@ -167,7 +168,7 @@ def _fit(stage: str, kind: str, params: StageParams, key: str, inputs: dict, dir
     return result
 
 
-@task(retries=2, retry_delay_seconds=1, task_run_name="train-{stage}")
+@task(retries=2, retry_delay_seconds=1, retry_condition_fn=retry_unless_refused, task_run_name="train-{stage}")
 def pretrain_stage(stage: str, params: FlowPretrainParams, data: ImageManifest, model: DiTParams,
                    directory: str, store_root: str, run: str, seed: int) -> ImageStageResult:
     """Flow-matching pre-training of a SimpleDiT on `data`, saved under `directory`/<key[:12]>/model
@@ -181,12 +182,12 @@ def pretrain_stage(stage: str, params: FlowPretrainParams, data: ImageManifest, 
         if model.pretrained is not None:
             dit, variables, shape, process = load_dit(model.pretrained)
             if tuple(shape) != tuple(data.shape):
-                raise ValueError(f"model.pretrained {model.pretrained} was trained on {tuple(shape)} "
+                raise RunRefused(f"model.pretrained {model.pretrained} was trained on {tuple(shape)} "
                                  f"images but the data are {tuple(data.shape)}")
         else:
             dit, variables, process = build_dit(model, data.shape[-1]), None, presets.Flow()()
         if data.shape[0] % dit.patch_size or data.shape[1] % dit.patch_size:
-            raise ValueError(f"model.patch_size={dit.patch_size} does not divide the images' "
+            raise RunRefused(f"model.patch_size={dit.patch_size} does not divide the images' "
                              f"{data.shape[0]}x{data.shape[1]} pixels; pick a divisor")
         built = build_flow_pretrain(dit, process, variables, load_images(data), params, seed=seed)
         previews = Previews(stage, built.objective, params.preview_rows, data.shape, directory)
@@ -201,7 +202,7 @@ def pretrain_stage(stage: str, params: FlowPretrainParams, data: ImageManifest, 
     return _fit(stage, "flow_pretrain", params, key, inputs, directory, store_root, run, build)
 
 
-@task(retries=2, retry_delay_seconds=1, task_run_name="train-{stage}")
+@task(retries=2, retry_delay_seconds=1, retry_condition_fn=retry_unless_refused, task_run_name="train-{stage}")
 def grpo_stage(stage: str, params: FlowGRPOParams, start: DiTRef, directory: str, store_root: str,
                run: str, seed: int) -> ImageStageResult:
     """Flow-GRPO from the SimpleDiT at `start` against the named reward, saved under

@@ -30,6 +30,7 @@ from dew_lib.diffusion import presets
 from dew_lib.diffusion.toy import coloured_shapes, redness
 from tasks.manifests import DiTRef, ImageManifest, fingerprint
 from tasks.params import DiTParams, ImageDataParams
+from tasks.refusals import RunRefused, retry_unless_refused
 from tasks.storage import read_json, write_json
 
 GENERATOR_VERSION = 1  # bump when the shapes would come out differently
@@ -41,7 +42,7 @@ PICTURES = (".png", ".jpg", ".jpeg")
 
 def _needs_colour(name: str, images: np.ndarray) -> None:
     if images.shape[-1] != 3:
-        raise ValueError(f"the reward {name!r} scores colour and needs RGB images; these have "
+        raise RunRefused(f"the reward {name!r} scores colour and needs RGB images; these have "
                          f"{images.shape[-1]} channel(s). Use reward='brightness'")
 
 
@@ -75,7 +76,7 @@ REWARDS: dict[str, Callable] = {
 
 def reward_named(name: str) -> Callable:
     if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}; the rewards are {sorted(REWARDS)}")
+        raise RunRefused(f"unknown reward {name!r}; the rewards are {sorted(REWARDS)}")
     return REWARDS[name]
 
 
@@ -88,7 +89,7 @@ def read_folder(path: str, size: int, channels: int) -> np.ndarray:
     files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
                    if f.lower().endswith(PICTURES))
     if not files:
-        raise ValueError(f"{path} holds no {'/'.join(PICTURES)} files; give a folder of images")
+        raise RunRefused(f"{path} holds no {'/'.join(PICTURES)} files; give a folder of images")
     out = np.zeros((len(files), size, size, channels), np.uint8)
     for i, name in enumerate(files):
         with Image.open(name) as image:
@@ -102,10 +103,10 @@ def read_npz(path: str) -> np.ndarray:
     with np.load(path) as archive:
         names = list(archive.keys())
         if "images" not in names and len(names) != 1:
-            raise ValueError(f"{path} holds {names}; name the image array 'images'")
+            raise RunRefused(f"{path} holds {names}; name the image array 'images'")
         images = archive["images" if "images" in names else names[0]]
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3) or not len(images):
-        raise ValueError(f"{path}: the images must be a non-empty uint8 array [N, H, W, 1 or 3], got "
+        raise RunRefused(f"{path}: the images must be a non-empty uint8 array [N, H, W, 1 or 3], got "
                          f"{images.dtype} {images.shape} (scale floats to 0..255 and cast to uint8)")
     return images
 
@@ -116,7 +117,7 @@ def _source_stats(path: str) -> list:
              os.path.getmtime(f)) for f in files if os.path.isfile(f)]
 
 
-@task(retries=1, retry_delay_seconds=1, task_run_name="images-{params.source}")
+@task(retries=1, retry_delay_seconds=1, retry_condition_fn=retry_unless_refused, task_run_name="images-{params.source}")
 def prepare_images(params: ImageDataParams, directory: str, seed: int) -> ImageManifest:
     """Write the training images as `directory`/images.npz (or reuse an identical earlier set)."""
     logger = get_run_logger()
@@ -124,7 +125,7 @@ def prepare_images(params: ImageDataParams, directory: str, seed: int) -> ImageM
         key = fingerprint("shapes", GENERATOR_VERSION, params.count, seed)
     else:
         if params.path is None:
-            raise ValueError(f"ImageDataParams(source={params.source!r}) needs path")
+            raise RunRefused(f"ImageDataParams(source={params.source!r}) needs path")
         key = fingerprint(params.source, params.size, params.channels, _source_stats(params.path))
     manifest_path = os.path.join(directory, "manifest.json")
     existing = read_json(manifest_path)
@@ -197,9 +198,9 @@ def load_dit(directory: str):
     """`(model, variables, image_shape, process)` of a SimpleDiT saved by `save_dit`."""
     config = read_json(os.path.join(directory, "config.json"))
     if config is None or config.get("model") != "SimpleDiT":
-        raise ValueError(f"{directory} has no SimpleDiT config.json; give a directory flow_pretrain wrote")
+        raise RunRefused(f"{directory} has no SimpleDiT config.json; give a directory flow_pretrain wrote")
     if config.get("format") != DIT_FORMAT:
-        raise ValueError(f"{directory}/config.json has format {config.get('format')}; this Dew reads "
+        raise RunRefused(f"{directory}/config.json has format {config.get('format')}; this Dew reads "
                          f"format {DIT_FORMAT}")
     model = models.SimpleDiT(**{k: config[k] for k in ("output_channels", "patch_size", "emb_features",
                                                         "num_layers", "num_heads", "mlp_ratio")})

@@ -2,9 +2,9 @@
 anything trains.
 
 `check_lengths` tokenizes what each stage reads, as it reads it, and counts the SFT
-conversations longer than sft.seq_len + 1 ids (cut at the end), the GRPO prompts longer than
+conversations longer than sft.max_length ids (cut at the end), the GRPO prompts longer than
 grpo.max_prompt_len (cut at the start) and the DPO pairs from the policy whose prompt and reference
-solution exceed dpo.seq_len (dropped). Each count is logged; more than DataParams.max_truncated of
+solution exceed dpo.max_length (dropped). Each count is logged; more than DataParams.max_truncated of
 the rows cut refuses the run, naming the field, the count, the share and the values that fit. A
 held-out prompt that cannot be answered within the model's context, or a GRPO budget longer than
 it, refuses the run too. The counts are kept beside the data (lengths.json) while the data and the
@@ -24,6 +24,7 @@ from prefect import get_run_logger, task
 from tasks.data import jsonable, read_eval
 from tasks.manifests import DataManifest, fingerprint
 from tasks.params import PipelineParams
+from tasks.refusals import RunRefused
 from tasks.storage import read_json, write_json
 
 LENGTHS_VERSION = 1  # bump when the measured lengths would come out differently
@@ -33,7 +34,7 @@ LENGTHS_VERSION = 1  # bump when the measured lengths would come out differently
 class LengthCheck:
     """The token counts of the rows one length parameter applies to.
 
-    field: the parameter (`sft.seq_len`); value: its value; limit: the most ids a row keeps at
+    field: the parameter (`sft.max_length`); value: its value; limit: the most ids a row keeps at
     that value; offset: a row of n ids needs the parameter at n - offset; rows: what the rows are
     ("SFT conversations"); verb: what happens to a longer one ("cuts"); ids: each row's count.
     """
@@ -82,7 +83,7 @@ class LengthCheck:
 def _tokenizer_for(data: DataManifest, params: PipelineParams) -> str:
     tokenizer = data.tokenizer or params.model.pretrained
     if tokenizer is None:
-        raise ValueError("the run's data names no tokenizer and model.pretrained is empty; set "
+        raise RunRefused("the run's data names no tokenizer and model.pretrained is empty; set "
                          "data.tokenizer to a tokenizer directory")
     return tokenizer
 
@@ -174,7 +175,7 @@ def measure_lengths(data: DataManifest, params: PipelineParams) -> dict[str, lis
     out = {"eval": _prompt_lengths(renderer, [row["prompt"] for row in
                                               read_eval(data.eval_path)[: params.evaluation.limit]])}
     if "sft" in params.stages and data.chat_path is not None:
-        out["chat"] = _chat_lengths(data.chat_path, tokenizer, params.sft.seq_len)
+        out["chat"] = _chat_lengths(data.chat_path, tokenizer, params.sft.max_length - 1)
     if "grpo" in params.stages and data.prompts_path is not None:
         out["prompts"] = _prompt_lengths(renderer, read_rows(data.prompts_path).column("prompt"))
     if "dpo" in params.stages and params.dpo.pairs == "policy" and data.prompts_path is not None:
@@ -186,14 +187,14 @@ def length_checks(data: DataManifest, params: PipelineParams,
                   measured: dict[str, list[int]]) -> list[LengthCheck]:
     checks = []
     if measured.get("chat"):
-        checks.append(LengthCheck("sft.seq_len", params.sft.seq_len, params.sft.seq_len + 1, 1,
+        checks.append(LengthCheck("sft.max_length", params.sft.max_length, params.sft.max_length, 0,
                                   "SFT conversations", "cuts", data.chat_path, tuple(measured["chat"])))
     if measured.get("prompts"):
         checks.append(LengthCheck("grpo.max_prompt_len", params.grpo.max_prompt_len,
                                   params.grpo.max_prompt_len, 0, "GRPO prompts", "cuts the start of",
                                   data.prompts_path, tuple(measured["prompts"])))
     if measured.get("pairs"):
-        checks.append(LengthCheck("dpo.seq_len", params.dpo.seq_len, params.dpo.seq_len, 0,
+        checks.append(LengthCheck("dpo.max_length", params.dpo.max_length, params.dpo.max_length, 0,
                                   "DPO pairs from the policy (prompt and reference solution)", "drops",
                                   data.prompts_path, tuple(measured["pairs"])))
     return checks
@@ -207,8 +208,8 @@ def length_refusals(data: DataManifest, params: PipelineParams,
     for check in length_checks(data, params, measured):
         notes.append(check.summary())
         needs = ""
-        if context is not None and check.field == "sft.seq_len":
-            needs = f"; {setting}={context} must hold sft.seq_len too"
+        if context is not None and check.field == "sft.max_length":
+            needs = f"; {setting}={context} must hold sft.max_length - 1 too"
         elif context is not None and check.field == "grpo.max_prompt_len":
             needs = (f"; {setting}={context} must hold grpo.max_prompt_len + grpo.max_new_tokens "
                      f"({params.grpo.max_new_tokens})")
@@ -228,9 +229,10 @@ def length_refusals(data: DataManifest, params: PipelineParams,
             f"{setting}={context} cannot hold {len(over):,} of the {len(held):,} held-out prompts in "
             f"{data.eval_path} with their answers (evaluation.max_new_tokens={budget}): the longest "
             f"prompt has {max(held):,} ids. To fix it, {fix}, or evaluate fewer rows with evaluation.limit")
-    if "sft" in params.stages and measured.get("chat") and params.sft.seq_len > context:
-        refusals.append(f"sft.seq_len={params.sft.seq_len} is longer than {setting}={context}; raise "
-                        f"{setting} to at least {params.sft.seq_len} or lower sft.seq_len")
+    if "sft" in params.stages and measured.get("chat") and params.sft.max_length - 1 > context:
+        refusals.append(f"sft.max_length={params.sft.max_length} trains {params.sft.max_length - 1} positions, "
+                        f"more than {setting}={context}; raise {setting} to at least "
+                        f"{params.sft.max_length - 1} or lower sft.max_length to {context + 1}")
     if "grpo" in params.stages and params.grpo.max_prompt_len + params.grpo.max_new_tokens > context:
         refusals.append(f"grpo.max_prompt_len + grpo.max_new_tokens = {params.grpo.max_prompt_len} + "
                         f"{params.grpo.max_new_tokens} is longer than {setting}={context}; raise "
@@ -272,7 +274,7 @@ def check_lengths_now(data: DataManifest, params: PipelineParams, logger,
     for note in notes:
         logger.info("%s", note)
     if refusals:
-        raise ValueError("the run's lengths do not fit its data:\n- " + "\n- ".join(refusals))
+        raise RunRefused("the run's lengths do not fit its data:\n- " + "\n- ".join(refusals))
     return measured
 
 

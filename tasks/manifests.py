@@ -8,6 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from dew_lib.recipes.options import Options
+
 
 class Manifest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -83,8 +85,11 @@ class ImageStageResult(Manifest):
 
 
 def fingerprint(*parts: Any) -> str:
-    """A short stable hash of JSON-able parts (pydantic models are dumped first)."""
+    """A short stable hash of JSON-able parts (pydantic models are dumped first, options with
+    renamed fields under their earlier names, so a rename changes no key)."""
     def plain(value):
+        if isinstance(value, Options):
+            return value.key_fields()
         return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
     text = json.dumps([plain(p) for p in parts], sort_keys=True, default=str)
@@ -93,11 +98,14 @@ def fingerprint(*parts: Any) -> str:
 
 def keyed(params: BaseModel) -> dict:
     """A stage's parameters as its fingerprint reads them: every field but those added since
-    stages were first keyed (the options' `LATER`) while they keep their defaults, and
-    `processes` only above 1 (each process reads its own share, so the data order changes); so
-    a stage's key is what it was before those fields existed."""
+    stages were first keyed (the options' `LATER`) while they keep their defaults, `processes`
+    only above 1 (each process reads its own share, so the data order changes), and renamed
+    fields under their earlier names (`Options.key_fields`); so a stage's key is what it was
+    before those fields existed or were renamed."""
     fields = type(params).model_fields
     later = getattr(type(params), "LATER", frozenset()) | {"processes"}
     unset = {name for name in later if name in fields
              and getattr(params, name) == fields[name].get_default(call_default_factory=True)}
+    if isinstance(params, Options):
+        return params.key_fields(exclude=unset)
     return params.model_dump(mode="json", exclude=unset)

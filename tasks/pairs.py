@@ -22,15 +22,16 @@ from tasks.evaluate import draw_answers, prompt_ids
 from tasks.manifests import DataManifest, PolicyRef, fingerprint
 from tasks.params import DPOParams, EvalParams
 from tasks.policy import load_policy
+from tasks.refusals import RunRefused, retry_unless_refused
 from tasks.storage import read_json, write_json, write_lines
 
 
-@task(retries=1, retry_delay_seconds=1, task_run_name="pairs-from-policy")
+@task(retries=1, retry_delay_seconds=1, retry_condition_fn=retry_unless_refused, task_run_name="pairs-from-policy")
 def policy_pairs(params: DPOParams, data: DataManifest, start: PolicyRef, directory: str,
                  seed: int = 0) -> str:
     """Write pairs (reference chosen, the policy's wrong answer rejected); return their path."""
     logger = get_run_logger()
-    key = fingerprint("pairs", params.pair_prompts, params.seq_len, params.pair_temperature, seed,
+    key = fingerprint("pairs", params.pair_prompts, params.max_length, params.pair_temperature, seed,
                       data.fingerprint, start.fingerprint)
     path = os.path.join(directory, "pairs.jsonl")
     record = read_json(os.path.join(directory, "pairs.json"))
@@ -40,14 +41,14 @@ def policy_pairs(params: DPOParams, data: DataManifest, start: PolicyRef, direct
         rows = [json.loads(line) for _, line in zip(range(params.pair_prompts), handle, strict=False)]
     missing = [i for i, row in enumerate(rows) if "solution" not in json.loads(row.get("extra_info") or "{}")]
     if missing:
-        raise ValueError(f"{data.prompts_path} row {missing[0]} has no extra_info.solution, which "
+        raise RunRefused(f"{data.prompts_path} row {missing[0]} has no extra_info.solution, which "
                          "DPOParams(pairs='policy') uses as the chosen answer; give pairs_path and "
                          "pairs='data' instead")
     pretrained, variables = load_policy(start, data.tokenizer)
     tokenizer, reward = pretrained.tokenizer, MathReward()
     prompts = [prompt_ids(tokenizer, row["prompt"]) for row in rows]
     answers = draw_answers(pretrained.model, variables, tokenizer, prompts,
-                           EvalParams(batch=128, max_new_tokens=params.seq_len // 2),
+                           EvalParams(batch=128, max_new_tokens=params.max_length // 2),
                            temperature=params.pair_temperature, seed=seed)
     pairs = []
     for row, prompt, (text, sampled, stopped) in zip(rows, prompts, answers, strict=True):
@@ -55,13 +56,13 @@ def policy_pairs(params: DPOParams, data: DataManifest, start: PolicyRef, direct
             continue
         solution = json.loads(row["extra_info"])["solution"]
         chosen = tokenizer.encode(solution, add_special_tokens=False) + [tokenizer.eos_token_id]
-        if len(prompt) + max(len(chosen), len(sampled)) > params.seq_len:
+        if len(prompt) + max(len(chosen), len(sampled)) > params.max_length:
             continue
         pairs.append({"chosen": prompt + chosen, "rejected": prompt + sampled,
                       "chosen_mask": [0] * len(prompt) + [1] * len(chosen),
                       "rejected_mask": [0] * len(prompt) + [1] * len(sampled)})
     if len(pairs) < params.batch:
-        raise ValueError(f"the starting policy got {len(rows) - len(pairs)} of {len(rows)} prompts "
+        raise RunRefused(f"the starting policy got {len(rows) - len(pairs)} of {len(rows)} prompts "
                          f"right, leaving {len(pairs)} pairs, fewer than one batch of {params.batch}; "
                          "raise pair_prompts or use pairs='data'")
     write_lines(path, pairs)

@@ -22,6 +22,7 @@ from dew_lib.recipes.options import (
     GRPOOptions,
     Options,
     PPOOptions,
+    Renamed,
     SFTOptions,
     TrainOptions,
 )
@@ -96,8 +97,8 @@ class DataParams(Params):
         "occurrence of this marker in the ground_truth field (GSM8K: \"####\"); empty: the whole field")
     max_truncated: float = Field(
         0.01, ge=0, le=1, description="share of the rows a length may cut (SFT conversations longer "
-        "than sft.seq_len + 1, GRPO prompts longer than grpo.max_prompt_len, DPO pairs from the "
-        "policy longer than dpo.seq_len) before the run is refused; the pipeline counts them after "
+        "than sft.max_length, GRPO prompts longer than grpo.max_prompt_len, DPO pairs from the "
+        "policy longer than dpo.max_length) before the run is refused; the pipeline counts them after "
         "preparing the data, before training. 1: never refuse")
 
     _exists = field_validator("chat_path", "pairs_path", "prompts_path", "eval_path", "tokenizer",
@@ -164,7 +165,8 @@ class TextStageParams(StageParams):
     processes: int = Field(1, ge=1, description="train as a job of this many processes on this host "
                            "(tasks/stage_job.py), each reading its own share of every batch, so the "
                            "data order differs from one process and this is part of the stage's "
-                           "inputs; 1: in the task's own process. GRPO: sync one-turn prompts only")
+                           "inputs; 1: in the task's own process. Every stage: SFT, DPO, and the RL "
+                           "stage sync or async, on prompts or tool episodes, GRPO or PPO (docs/pipeline.md)")
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TextStageParams:
@@ -176,11 +178,17 @@ class TextStageParams(StageParams):
 
 
 class SFTParams(SFTOptions, TextStageParams):
-    seq_len: int = Field(96, ge=8, description="tokens per packed row, less one")
+    max_length: int = Field(97, ge=9, description="ids per packed row (TRL's max_length); each row "
+                            "trains its max_length - 1 next-token predictions")
+
+    RENAMED = {"seq_len": Renamed("max_length", shift=1)}  # seq_len was the row less one
 
 
 class DPOParams(DPOOptions, TextStageParams):
-    seq_len: int = Field(40, ge=4, description="ids per chosen or rejected row")
+    max_length: int = Field(40, ge=4, description="ids per chosen or rejected row, prompt included "
+                            "(TRL's max_length)")
+    RENAMED = {"seq_len": Renamed("max_length")}
+
     pairs: Literal["policy", "data"] = Field(
         "policy", description="'policy': reference answers against the starting policy's own wrong "
         "answers (drawn at pair_temperature) to the GRPO prompts; 'data': the prepared pairs file")
@@ -228,10 +236,6 @@ class GRPOParams(GRPOOptions, TextStageParams):
 
     @model_validator(mode="after")
     def _where(self) -> GRPOParams:
-        if self.processes > 1 and self.mode != "sync":
-            raise ValueError(f"processes={self.processes} trains sync GRPO only: mode='async' draws on one "
-                             "rollout server (native or remote) beside one trainer process; set "
-                             "mode='sync', or processes=1")
         if self.rollout.remote and self.mode != "async":
             raise ValueError(f"rollout.server={self.rollout.server!r} is a remote engine, which draws ahead "
                              "of the trainer: set mode='async'")
@@ -325,21 +329,11 @@ class PipelineParams(Params):
         return self
 
     @model_validator(mode="after")
-    def _episodes_in_one_process(self) -> PipelineParams:
-        if "grpo" in self.stages and self.grpo.processes > 1 and (self.rl == "ppo" or self.data.source == "tools"):
-            what = ("rl='ppo' trains episodes with a critic" if self.rl == "ppo" else
-                    "data.source='tools' trains tool episodes")
-            raise ValueError(f"grpo.processes={self.grpo.processes}, but {what}, which the pipeline "
-                             "trains in one process only; set grpo.processes=1 (several processes train "
-                             "one-turn prompts with rl='grpo' and mode='sync')")
-        return self
-
-    @model_validator(mode="after")
     def _episodes_fit(self) -> PipelineParams:
-        width = self.tools.max_context + max(self.grpo.max_new_tokens, self.evaluation.max_new_tokens)
+        width = self.tools.max_prompt_len + max(self.grpo.max_new_tokens, self.evaluation.max_new_tokens)
         if self.data.source == "tools" and self.model.pretrained is None and width > self.model.max_seq_len:
-            raise ValueError(f"tools.max_context + the response budget ({width} ids) exceeds "
-                             f"model.max_seq_len={self.model.max_seq_len}; lower tools.max_context or raise "
+            raise ValueError(f"tools.max_prompt_len + the response budget ({width} ids) exceeds "
+                             f"model.max_seq_len={self.model.max_seq_len}; lower tools.max_prompt_len or raise "
                              "model.max_seq_len")
         return self
 

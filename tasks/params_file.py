@@ -61,7 +61,9 @@ def command_line(argv: list[str], defaults: P, *, prog: str, description: str) -
     given = dict(defaults)
     if args.params is not None:
         try:
-            given = _merged(defaults.model_dump(), read_params_file(args.params))
+            # Only what `defaults` set explicitly: a field the file gives under an earlier name
+            # (Options.RENAMED) must not meet the default of its name now.
+            given = _merged(defaults.model_dump(exclude_unset=True), read_params_file(args.params))
         except (OSError, ValueError) as error:
             parser.error(str(error))
     given = {**given, **{field: getattr(args, field) for field in ("name", "root", "seed")

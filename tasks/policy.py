@@ -14,6 +14,7 @@ from dew_lib.data.tokenizer import load_tokenizer
 from dew_lib.models import Pretrained, load_pretrained
 from tasks.manifests import DataManifest, PolicyRef, fingerprint
 from tasks.params import ModelParams
+from tasks.refusals import RunRefused, retry_unless_refused
 from tasks.storage import read_json, write_json
 
 
@@ -38,12 +39,12 @@ def load_policy(policy: PolicyRef, tokenizer_dir: str | None = None):
         pretrained = Pretrained(pretrained.model, pretrained.config, load_tokenizer(tokenizer_dir),
                                 pretrained.generation_config)
     if pretrained.tokenizer is None:
-        raise ValueError(f"the policy at {policy.path} has no tokenizer and the data names none; "
+        raise RunRefused(f"the policy at {policy.path} has no tokenizer and the data names none; "
                          "save one beside the checkpoint or set DataParams.tokenizer")
     return pretrained, variables
 
 
-@task(retries=1, retry_delay_seconds=1)
+@task(retries=1, retry_delay_seconds=1, retry_condition_fn=retry_unless_refused)
 def initial_policy(params: ModelParams, data: DataManifest, directory: str, seed: int) -> PolicyRef:
     """The policy the first stage starts from: the given checkpoint, or a fresh small decoder."""
     logger = get_run_logger()

@@ -1,15 +1,17 @@
 """The run store from flows and tasks: the run a pipeline records under, and one writer per stage.
 
-A run ends when it completes. Starting a pipeline again with the same name and parameters after
-it was killed or failed continues that run (its next attempt) instead of opening a new one, so a
-resumed stage carries on its own rows: what a later attempt redid replaces what the earlier one
-wrote under the same step (dew_lib/store/writer.py), and the store's queries answer as if the run
-had never stopped.
+A run is its name, parameters and inputs (the data files): starting a pipeline again with the
+same ones as the last run in its directory is that run's next attempt, whether it finished, was
+killed or failed, instead of a new run. A stage an earlier attempt finished keeps its record (the
+rerun reuses it); a resumed stage carries on its own rows: what a later attempt redid replaces what
+the earlier one wrote under the same step (dew_lib/store/writer.py), and the store's queries answer
+as if the run had never stopped. Anything else changed starts a new run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import os
@@ -28,10 +30,12 @@ MARKER = "run.json"  # in the pipeline's directory: its current run, parameters 
 
 @contextlib.contextmanager
 def open_stage(store_root: str, run: str, stage: str, kind: str,
-               params: Mapping[str, Any] | None = None) -> Iterator[Any]:
-    """A StageWriter for `stage` of `run`; marked failed, with the error, if the body raises."""
+               params: Mapping[str, Any] | None = None, started_at: datetime.datetime | None = None
+               ) -> Iterator[Any]:
+    """A StageWriter for `stage` of `run`; marked failed, with the error, if the body raises.
+    started_at: when the stage's work began, for a stage recorded once it is done (evaluations)."""
     with Store(store_root).writer(run) as run_writer:
-        with run_writer.stage(stage, kind=kind, params=params) as writer:
+        with run_writer.stage(stage, kind=kind, params=params, started_at=started_at) as writer:
             yield writer
 
 
@@ -59,10 +63,18 @@ def new_run_id(name: str) -> str:
     return f"{name}-{str(identity).replace('-', '')[:8]}"
 
 
+def run_digest(params: Mapping[str, Any], inputs: Mapping[str, Any] | None = None) -> str:
+    """What identifies a run: its parameters and, when there are any, its inputs."""
+    identity = {"params": params, "inputs": inputs} if inputs else params
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+
 @contextlib.contextmanager
-def pipeline_run(store_root: str, directory: str, name: str,
-                 params: Mapping[str, Any]) -> Iterator[tuple[str, bool]]:
-    """(run id, whether it continues an unfinished run) for a pipeline working in `directory`.
+def pipeline_run(store_root: str, directory: str, name: str, params: Mapping[str, Any],
+                 inputs: Mapping[str, Any] | None = None) -> Iterator[tuple[str, bool]]:
+    """(run id, whether it continues the last run in `directory`) for a pipeline working there: the
+    same run, as its next attempt, when `params` and `inputs` (what else decides the stages' work,
+    e.g. the data files' sizes and times) are those of the last run, finished or not.
 
     The run is marked running for the whole body (its writer's lock tells `dew runs` it is alive),
     then completed, or failed with the error. A second live pipeline in the same directory is
@@ -73,9 +85,9 @@ def pipeline_run(store_root: str, directory: str, name: str,
                      what=f"pipeline {name!r} (directory {directory})")
     try:
         marker = os.path.join(directory, MARKER)
-        digest = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()
+        digest = run_digest(params, inputs)
         previous = read_json(marker) or {}
-        continued = previous.get("status") == "running" and previous.get("params") == digest
+        continued = "run" in previous and previous.get("params") == digest
         run = previous["run"] if continued else new_run_id(name)
         write_json(marker, {"run": run, "params": digest, "status": "running"})
         with Store(store_root).writer(run) as writer:

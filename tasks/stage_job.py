@@ -1,5 +1,5 @@
-"""A text stage (SFT, DPO, sync GRPO) as a multi-process JAX job: the job file, launching it from
-the training task, and the entry point each process runs.
+"""A text stage (SFT, DPO, the RL stage in any mode) as a multi-process JAX job: the job file,
+launching it from the training task, and the entry point each process runs.
 
 `train_stage` (tasks/train.py) with `processes > 1` writes a `StageJob` to `job.json` in the
 stage's directory and runs `python -m tasks.stage_job <job.json>` as that many processes through
@@ -12,13 +12,14 @@ logger, and process 0's metric lines move the task's progress artifact. A failed
 job, and the task raises with the end of the log, so its retries relaunch the job, which resumes
 from the checkpoints the processes wrote together in the same directory.
 
-A sync GRPO stage records its sessions through `GatheredWriter`: each step, every process's
-prompts and sessions are gathered (pickled, all-gathered: each process holds every process's rows
-for a moment), and process 0 records them all, so the store holds every session of the global
-batch, as one process drawing it would record them.
+A sync RL stage (GRPO or PPO, on prompts or tool episodes) records its sessions through
+`GatheredWriter`: each step, every process's prompts and sessions (with their episodes) are
+gathered (pickled, all-gathered: each process holds every process's rows for a moment), and
+process 0 records them all, so the store holds every session of the global batch, as one process
+drawing it would record them.
 
-Not here: the stage body (tasks/train.py), joining and launching a job (dew_lib/train), async
-GRPO, episodes and PPO, which run in one process only (tasks/params.py refuses them).
+Not here: the stage body (tasks/train.py), joining and launching a job (dew_lib/train), what an
+asynchronous stage records through (tasks/job_records.py).
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def _joined(values: Sequence[Any], counts: Sequence[int]) -> Any:
 
 
 class GatheredWriter:
-    """What a GRPO stage's rollout records through in a job: every process calls `prompts` and
+    """What a sync RL stage's rollout records through in a job: every process calls `prompts` and
     `sessions` with its own rows, in the same order (RecordedRollout does, once a step), and
     process 0 writes every process's rows, in process order, to the stage's writer.
 
@@ -178,17 +179,17 @@ class GatheredWriter:
 
     def sessions(self, sessions, *, update: int, latencies=None, causes=None, trained=None,
                  truncation: str = "mask", verdicts=None, episodes=None) -> None:
-        if episodes is not None:
-            raise ValueError("tool episodes run in one process; a job records sessions without them")
-        given = (latencies, causes, trained, verdicts)
+        given = (latencies, causes, trained, verdicts, episodes)
         parts = distributed.every_process(
             (list(sessions), *(list(x) if isinstance(x, (list, tuple)) else x for x in given)))
         if self.writer is None:
             return
         counts = [len(part[0]) for part in parts]
-        latencies, causes, trained, verdicts = (_joined([part[i] for part in parts], counts) for i in range(1, 5))
+        latencies, causes, trained, verdicts, episodes = (_joined([part[i] for part in parts], counts)
+                                                          for i in range(1, 6))
         self.writer.sessions([s for part in parts for s in part[0]], update=update, latencies=latencies,
-                             causes=causes, trained=trained, truncation=truncation, verdicts=verdicts)
+                             causes=causes, trained=trained, truncation=truncation, verdicts=verdicts,
+                             episodes=episodes)
 
 
 class JobEnded(RuntimeError):

@@ -155,7 +155,7 @@ def episode_answers(model, variables, tokenizer, tokenizer_dir: str, prompts: li
     rollout = EpisodeRollout(
         TextGeneration(model, pad_id=tokenizer.pad_token_id or 0),
         calculator_environment(tokenizer, tokenizer_dir, tools), _graded_later,
-        max_prompt_tokens=tools.max_context, max_new_tokens=max_new_tokens, max_turns=tools.max_turns,
+        max_prompt_tokens=tools.max_prompt_len, max_new_tokens=max_new_tokens, max_turns=tools.max_turns,
         groups=groups, sampling=Sampling(temperature=temperature, eos_id=tokenizer.eos_token_id),
         workers=tools.workers)
     width = max(map(len, prompts))

@@ -52,11 +52,13 @@ from dew_lib.recipes import (
 from dew_lib.store import Store
 from dew_lib.train import distributed
 from dew_lib.train.trainer import Trainer
+from tasks.job_records import DeferredWriter
 from tasks.lifecycle import Start, begin, conclude, stage_sinks, write_result
 from tasks.manifests import DataManifest, PolicyRef, StageResult, fingerprint, keyed
 from tasks.params import DPOParams, GRPOParams, PPOParams, RewardParams, SFTParams, StageParams, ToolParams
 from tasks.policy import load_policy, save_policy
 from tasks.records import open_stage
+from tasks.refusals import RunRefused, retry_unless_refused
 from tasks.rewards import TaskReward, verdicts
 from tasks.stage_job import GatheredWriter, StageJob, run_job
 from tasks.tool_task import EpisodeVerifier, calculator_environment
@@ -79,7 +81,7 @@ def completion_text(tokenizer):
 
 def _needs(path: str | None, kind: str, what: str) -> str:
     if path is None:
-        raise ValueError(f"the {kind} stage needs {what}, and this run's data has none; give it in "
+        raise RunRefused(f"the {kind} stage needs {what}, and this run's data has none; give it in "
                          "DataParams or leave the stage out of PipelineParams.stages")
     return path
 
@@ -99,7 +101,7 @@ def _build_episodes(params: GRPOParams, pretrained, variables, data: DataManifes
         shape = tools = tools or ToolParams()
         environment = calculator_environment(tokenizer, tokenizer_dir, tools)
     else:
-        shape = EpisodeOptions(max_turns=1, max_context=params.max_prompt_len)
+        shape = EpisodeOptions(max_turns=1, max_prompt_len=params.max_prompt_len)
         environment = OneTurn
     return build_episode_grpo(
         pretrained.model, variables, spec, params, shape, environment=environment,
@@ -118,14 +120,14 @@ def _build(kind: str, params: StageParams, pretrained, variables, data: DataMani
     if kind == "sft":
         assert isinstance(params, SFTParams)
         spec = ChatMessages(path=_needs(data.chat_path, kind, "conversations (chat_path)"),
-                            tokenizer=tokenizer_dir, seq_len=params.seq_len,
+                            tokenizer=tokenizer_dir, seq_len=params.max_length - 1,
                             val_path=data.chat_val_path, loading=_loading(seed))
         return build_sft(model, variables, spec, params,
                          eval_every=max(params.steps // 2, 1) if data.chat_val_path else None)
     if kind == "dpo":
         assert isinstance(params, DPOParams)
         spec = PreferencePairs(path=_needs(data.pairs_path, kind, "preference pairs (pairs_path)"),
-                               seq_len=params.seq_len,
+                               seq_len=params.max_length,
                                pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
         return build_dpo(model, variables, spec, params)
     assert isinstance(params, GRPOParams)
@@ -179,20 +181,18 @@ def stage_inputs(kind: str, params: StageParams, data: DataManifest, start: Poli
         if kind == "ppo":
             groups["ppo"] = ppo or PPOParams()
     # The groups enter the key in this order (reward, tools, ppo), as they always have.
-    key = fingerprint(kind, dumped, data.fingerprint, start.fingerprint, seed, *groups.values())
+    key = fingerprint(kind, dumped, data.fingerprint, start.fingerprint, seed, *map(keyed, groups.values()))
     inputs = {"params": dumped, "data": data.fingerprint, "start": start.fingerprint, "seed": seed,
-              **{name: group.model_dump(mode="json") for name, group in groups.items()}}
+              **{name: keyed(group) for name, group in groups.items()}}
     return key, inputs
 
 
-def _one_process_only(kind: str, params: StageParams, data: DataManifest) -> None:
-    """Refuse a job of several processes for what trains in one process only (PipelineParams
-    refuses it earlier; a flow called on its own reaches this)."""
-    processes = getattr(params, "processes", 1)
-    if processes > 1 and kind in RL and (data.tool is not None or kind == "ppo"):
-        what = "a PPO stage" if kind == "ppo" else f"a stage on tool episodes (data.tool={data.tool!r})"
-        raise ValueError(f"{kind} processes={processes}, but {what} trains in one process only; set "
-                         "processes=1, or train one-turn prompts with sync GRPO")
+def _recorder(writer, params: StageParams):
+    """What the stage records through: its writer in one process; in a job, every process's
+    rows gathered onto process 0's writer, once a step (sync) or after each trainer call (async)."""
+    if jax.process_count() == 1:
+        return writer
+    return DeferredWriter(writer) if getattr(params, "mode", "sync") == "async" else GatheredWriter(writer)
 
 
 def run_stage(job: StageJob, logger, *, progress: bool = True, publish=None) -> StageResult | None:
@@ -209,17 +209,19 @@ def run_stage(job: StageJob, logger, *, progress: bool = True, publish=None) -> 
     recording = (open_stage(job.store_root, job.run, stage, kind, params.model_dump(mode="json")) if primary
                  else contextlib.nullcontext())
     with recording as writer, TaskReward(job.reward or RewardParams()) as grader:
-        recorder = writer if jax.process_count() == 1 else GatheredWriter(writer)
+        recorder = _recorder(writer, params)
         pretrained, variables = load_policy(job.start, job.data.tokenizer)
         tokenizer_dir = job.data.tokenizer or job.start.path
         built = _build(kind, params, pretrained, variables, job.data, tokenizer_dir, job.seed, recorder, grader,
                        job.tools, job.ppo)
         optimizer = recipes.optimizer(params, job.ppo.critic_learning_rate if kind == "ppo" and job.ppo else None)
-        trainer = Trainer(built.objective, optimizer, key=jax.random.key(job.seed), rollout=built.rollout)
+        rollout = recorder.after_each(built.rollout) if isinstance(recorder, DeferredWriter) else built.rollout
+        trainer = Trainer(built.objective, optimizer, key=jax.random.key(job.seed), rollout=rollout)
         if job.resumed is not None:
             if isinstance(built.rollout, ScheduledRollout):  # before the killed attempt's rows go
                 earlier, offered = built.rollout.reuse_from(
-                    Store(job.store_root), job.run, stage, job.resumed, os.path.join(job.written, str(job.resumed)))
+                    Store(job.store_root) if primary else None, job.run, stage, job.resumed,
+                    os.path.join(job.written, str(job.resumed)))
                 logger.info("%s reuses up to %d finished rollouts that run %s did not train on",
                             stage, offered, earlier)
             if writer is not None:
@@ -232,6 +234,8 @@ def run_stage(job: StageJob, logger, *, progress: bool = True, publish=None) -> 
                                 checkpoint_every=params.checkpoint_every, sinks=sinks)
         finally:
             built.close()
+            if isinstance(recorder, DeferredWriter):
+                recorder.write_own()  # what process 0's scheduler settled at close
         if not primary:
             return None
         trained = state.params["policy"] if isinstance(built.objective, PPOObjective) else state.params
@@ -243,7 +247,7 @@ def run_stage(job: StageJob, logger, *, progress: bool = True, publish=None) -> 
     return result
 
 
-@task(retries=2, retry_delay_seconds=1, task_run_name="train-{stage}")
+@task(retries=2, retry_delay_seconds=1, retry_condition_fn=retry_unless_refused, task_run_name="train-{stage}")
 def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, start: PolicyRef,
                 directory: str, store_root: str, run: str, seed: int,
                 reward: RewardParams | None = None, tools: ToolParams | None = None,
@@ -259,7 +263,6 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
     relaunches it and it resumes from the same checkpoints.
     """
     logger = get_run_logger()
-    _one_process_only(kind, params, data)
     key, inputs = stage_inputs(kind, params, data, start, seed, reward, tools, ppo)
     # a schedule that spans the steps (SFT's warmup-cosine) cannot train on from a shorter run
     start_at = begin(stage, kind, params, key, inputs, directory, store_root, run, links=LINKS,

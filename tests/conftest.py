@@ -70,6 +70,13 @@ def pytest_xdist_make_scheduler(config, log):
     return make_scheduler(config, log)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first: under xdist each worker then ends on short tests, not one of them on a
+    two-minute run while the other idles (longest first). xdist orders the work units by their
+    size and keeps this order within one size, and every worker reorders alike."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture
 def shared_data():
     if not os.path.isdir(SHARED_DATA):

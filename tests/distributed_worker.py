@@ -6,7 +6,9 @@ per process, each on its own native server), async-fail (the same with a reward 
 process 1 only), episodes (EpisodeRollout: process 0's episodes take one turn, process 1's three),
 episodes-fail (the same with a tool that fails on process 1; each process logs its environments'
 enters and exits to OUT-environments-<process>.log), episodes-mismatch (max_turns 2 on
-process 1); each trains a tiny model on a fixed sequence of global
+process 1), episodes-journal (the episodes with an EpisodeJournal per process in
+DIRECTORY/journal; see kill_here for DEW_TEST_KILL), ppo (PPORollout over the episodes, with a
+critic, two epochs per collection); each trains a tiny model on a fixed sequence of global
 batches, of which each process reads its own rows, and process 0 writes the final state's
 leaves to OUT-<recipe>.npz. --directory checkpoints every step (one recipe); --pause sleeps
 before each step so a test can kill the job mid-run. Prints `pid <n>` first and one line per
@@ -15,6 +17,7 @@ finished step.
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -34,9 +37,17 @@ from conftest import tiny_model  # noqa: E402
 from dew_lib import Dataset, Field, InputSpec, Trainer, models, presets  # noqa: E402
 from dew_lib.diffusion import FlowGRPOObjective, FlowRollout  # noqa: E402
 from dew_lib.inference import NativeRolloutServer, Server, ServeTask, TextGeneration  # noqa: E402
-from dew_lib.objectives import DPOObjective, GRPOObjective, LMObjective  # noqa: E402
+from dew_lib.objectives import DPOObjective, GRPOObjective, LMObjective, PPOObjective, ValueHead  # noqa: E402
 from dew_lib.records import EpisodeStatus, Observation  # noqa: E402
-from dew_lib.rollouts import EpisodeRollout, PromptSource, RolloutScheduler, SampledRollout, prompt_tasks  # noqa: E402
+from dew_lib.rollouts import (  # noqa: E402
+    EpisodeJournal,
+    EpisodeRollout,
+    PPORollout,
+    PromptSource,
+    RolloutScheduler,
+    SampledRollout,
+    prompt_tasks,
+)
 from dew_lib.sampling import Sampling  # noqa: E402
 from dew_lib.train.sinks import LineLog  # noqa: E402
 
@@ -106,12 +117,28 @@ def episodes_batch(rng):
     return {"task_id": np.array([3 * i, 3 * i + 3, 3 * i + 2, 3 * i + 5])}
 
 
+def kill_here(identity, where: str, pause: float = 0.0) -> None:
+    """With DEW_TEST_KILL=MARKER:STEP:WHERE, process 1 kills itself (SIGKILL) once, unless MARKER
+    exists, at `where` in the collection of trainer step STEP (0-based), after `pause` seconds."""
+    spec = os.environ.get("DEW_TEST_KILL")
+    if not spec or jax.process_index() != 1:
+        return
+    marker, step, at = spec.rsplit(":", 2)
+    if at == where and identity.step == int(step) and not os.path.exists(marker):
+        open(marker, "w").close()
+        time.sleep(pause)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Tool:
     """Answers each action with [10, 11] for `1 + task_id % 3` turns, then completes; with `fail`,
-    every answer on process 1 raises. Logs every enter and exit to `log`."""
+    every answer on process 1 raises. Logs every enter and exit to `log`. Its state (turns
+    answered) is saved and restored for a journal. Process 1 may be killed a second after leaving
+    an environment (`kill_here` "release"), when process 0 has finished the collection."""
 
-    def __init__(self, task, log, fail):
+    def __init__(self, task, log, fail, identity):
         self.turns, self.log, self.fail, self.answered = 1 + int(task.id) % 3, log, fail, 0
+        self.identity = identity
 
     def __enter__(self):
         print("enter", file=self.log, flush=True)
@@ -119,6 +146,7 @@ class Tool:
 
     def __exit__(self, *exc):
         print("exit", file=self.log, flush=True)
+        kill_here(self.identity, "release", pause=1.0)
 
     def reset(self):
         return Observation([1, 3])
@@ -131,20 +159,45 @@ class Tool:
             return Observation(status=EpisodeStatus.COMPLETED)
         return Observation([*action.context, *action.tokens, 10, 11])
 
+    def get_state(self):
+        return str(self.answered).encode()
 
-def episodes(model, out, fail, turns=3):
+    def set_state(self, state):
+        self.answered = int(state)
+
+
+def verify(task, episode):
+    """The last action's ids summed, mod 3; process 1 may be killed here (`kill_here` "verify"),
+    while process 0 waits for every process's verdicts."""
+    kill_here(episode.identity, "verify")
+    return float(sum(episode.transitions[-1].action.tokens) % 3)
+
+
+def episodes(model, out, fail, turns=3, journal=None, policy=None):
     objective = GRPOObjective(model, seq_len=19)
     log = open(f"{out}-environments-{jax.process_index()}.log", "a")
-    rollout = EpisodeRollout(TextGeneration(model), lambda task, identity: Tool(task, log, fail),
-                             lambda task, episode: float(sum(episode.transitions[-1].action.tokens) % 3),
+    rollout = EpisodeRollout(policy or TextGeneration(model), lambda task, identity: Tool(task, log, fail, identity),
+                             verify,
                              max_prompt_tokens=16, max_new_tokens=4, max_turns=turns, groups=2,
-                             sampling=Sampling(temperature=1.0, eos_id=2), truncation="score")
+                             sampling=Sampling(temperature=1.0, eos_id=2), truncation="score", journal=journal)
     return objective, episodes_batch, rollout
 
 
-def setup(recipe, out):
+def ppo(model, out):
+    """PPO over the episodes: a critic on the policy's model, advantages whitened over the job's
+    batch, each collection trained twice (two epochs)."""
+    objective = PPOObjective(model, seq_len=19, critic=ValueHead(model), beta=0.01)
+    _, batch, collected = episodes(model, out, fail=False, policy=objective.policy())
+    return objective, batch, PPORollout(objective, collected, epochs=2)
+
+
+def setup(recipe, out, directory=None):
     """The objective, the global batch maker, and the rollout, for one recipe."""
     model = tiny_model()
+    if recipe == "ppo":
+        return ppo(model, out)
+    if recipe == "episodes-journal":
+        return episodes(model, out, fail=False, journal=EpisodeJournal(os.path.join(directory, "journal")))
     if recipe.startswith("episodes"):
         mismatched = recipe == "episodes-mismatch" and jax.process_index() == 1
         return episodes(model, out, fail=recipe == "episodes-fail", turns=2 if mismatched else 3)
@@ -186,7 +239,7 @@ def main():
     args = parser.parse_args()
     print("pid", os.getpid(), flush=True)
     for recipe in args.recipes.split(","):
-        objective, make, rollout = setup(recipe, args.out)
+        objective, make, rollout = setup(recipe, args.out, args.directory)
 
         def step(state, batch, key, rollout=rollout):
             time.sleep(args.pause)

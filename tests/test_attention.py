@@ -5,6 +5,8 @@ mask `causal & same segment`. Compared on plain, left-padded and packed batches,
 backward.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,8 +94,10 @@ def test_attention_kernel_keeps_no_weights_for_the_backward_pass_and_changes_no_
     assert max(x.size for x in jax.tree.leaves(pullback)) < weights  # queries, keys, values, mask
 
 
-def model_outputs(model, variables, layout):
-    segments, positions = LAYOUTS[layout]
+@functools.partial(jax.jit, static_argnums=0)
+def model_outputs(model, variables, segments, positions):
+    """The logits and the gradients of the summed log-likelihood of `model` on a layout's batch,
+    compiled: one program per model, which every layout (of the same shapes) runs."""
     inputs, targets = TOKENS[:, :-1], TOKENS[:, 1:]
     logits = model.apply(variables, inputs, segments, positions)
 
@@ -109,15 +113,15 @@ def test_decoder_logits_and_gradients_match_dense_attention_unrolled_and_without
     # one block: the dense mask; heads of 8, which the fused kernel tiles
     reference = tiny_model(attention_kernel="blockwise", attention_block=64, scan_layers=False,
                            head_dim=8)
-    variables = reference.init(jax.random.key(2), jnp.zeros((1, 8), jnp.int32))
-    want_logits, want_grads = model_outputs(reference, variables, layout)
+    variables = jax.jit(reference.init)(jax.random.key(2), jnp.zeros((1, 8), jnp.int32))
+    want_logits, want_grads = model_outputs(reference, variables, *LAYOUTS[layout])
     blockwise = {"attention_kernel": "blockwise"}
     for options in ({**blockwise, "attention_block": 4},
                     {**blockwise, "attention_block": 4, "scan_layers": True},
                     {**blockwise, "attention_block": 5, "scan_layers": True, "remat": True},
                     {**blockwise, "attention_block": 64, "scan_layers": False, "remat": True},
                     {"attention_kernel": "fused"}, {"attention_kernel": "fused", "remat": True}):
-        logits, grads = model_outputs(tiny_model(head_dim=8, **options), variables, layout)
+        logits, grads = model_outputs(tiny_model(head_dim=8, **options), variables, *LAYOUTS[layout])
         np.testing.assert_allclose(logits, want_logits, atol=2e-5, err_msg=str(options))
         jax.tree.map(lambda a, b, o=options: np.testing.assert_allclose(a, b, atol=2e-5, err_msg=str(o)),
                      grads, want_grads)

@@ -1,5 +1,6 @@
 """Multi-process training: `dew launch`, two CPU processes against one on the same devices,
-checkpoints across process counts, and a killed process ending the job.
+checkpoints across process counts, a killed process ending the job, and episode journals (one
+per process) that resume a killed job's collection.
 
 Two processes with two host devices each and one process with four train on the same four
 global devices and the same global batches (tests/distributed_worker.py). Their parameters agree
@@ -10,6 +11,7 @@ another order. Runs on the same topology are bit for bit equal.
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -27,13 +29,13 @@ pytestmark = pytest.mark.timeout(900)
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 ROUNDING = dict(rtol=1e-5, atol=1e-6)  # what the order of the cross-device sum moves
-RECIPES = ("sft", "dpo", "grpo", "flow", "async", "episodes")
+RECIPES = ("sft", "dpo", "grpo", "flow", "async", "episodes", "ppo")
 
 
-def run_job(processes, local_devices, recipes, out, *extra, check=True):
+def run_job(processes, local_devices, recipes, out, *extra, check=True, env=None):
     command = [sys.executable, "-m", "dew_lib.cli", "launch", "--processes", str(processes),
                "--local-devices", str(local_devices), "--", sys.executable, WORKER, recipes, str(out), *extra]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     if check:
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     return done
@@ -56,7 +58,8 @@ def assert_close(a, b, exact=False):
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """Three steps of SFT, DPO, GRPO, Flow-GRPO, scheduled GRPO (one RolloutScheduler per
-    process) and tool episodes, in one process on 4 devices and in 2 processes on 2 each."""
+    process), tool episodes and PPO over them, in one process on 4 devices and in 2 processes
+    on 2 each."""
     where = tmp_path_factory.mktemp("jobs")
     one = run_job(1, 4, ",".join(RECIPES), where / "one")
     two = run_job(2, 2, ",".join(RECIPES), where / "two")
@@ -67,7 +70,8 @@ def finished(tmp_path_factory):
 def test_two_processes_train_every_recipe_like_one_process_on_the_same_four_devices(finished):
     """Scheduled GRPO too: each process's scheduler draws its own tasks on its own server, under
     the group ids (and so the seeds) one process gives the same tasks. And episodes: process 0's
-    take one turn and process 1's three, and every turn draws the job's whole cohort."""
+    take one turn and process 1's three, and every turn draws the job's whole cohort. And PPO:
+    its advantages are whitened over the job's batch (each process's own batch would not do)."""
     where, one, two = finished
     for recipe in RECIPES:
         assert f"[0] {recipe} process 0 of 1 devices 4 step 3" in one
@@ -121,6 +125,36 @@ def test_processes_whose_episode_cohorts_differ_are_refused_on_every_process(tmp
     for process in (0, 1):
         assert (f"[{process}] episodes-mismatch process {process} raised: the processes' EpisodeRollouts "
                 "differ in max_turns (3, 2), by process") in refused.stdout
+
+
+def saved_rounds(directory, rank):
+    """(trainer step, finished, rounds with saved draws) of each collection in a rank's journal."""
+    path = directory / "journal" / f"rank-{rank}.sqlite"
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        return db.execute("SELECT step, finished, (SELECT count(DISTINCT turn) FROM draws d WHERE d.collection = c.id) "
+                          "FROM collections c ORDER BY id").fetchall()
+
+
+@pytest.mark.slow
+def test_journals_of_two_processes_resume_a_collection_together_as_if_it_never_stopped(finished, tmp_path):
+    """Each process keeps its own EpisodeJournal, and process 1 is killed twice where the two
+    disagree: leaving its environments at step 2, after process 0 finished that collection (the
+    rerun draws it afresh on both), and in its verifier at step 3, when its journal holds two
+    rounds and process 0's one, whose episodes all ended in round 0 (the rerun restores both
+    and draws nothing). The job ends where the uninterrupted one without journals does."""
+    where, _, _ = finished
+    directory, out = tmp_path / "run", tmp_path / "killed"
+    args = ("episodes-journal", out, "--steps", "3", "--directory", str(directory))
+    killed = run_job(2, 2, *args, check=False, env={"DEW_TEST_KILL": f"{tmp_path}/first:1:release"})
+    assert killed.returncode == 128 + signal.SIGKILL, killed.stdout[-3000:]
+    assert saved_rounds(directory, 0)[-1][:2] == (1, 1) and saved_rounds(directory, 1)[-1] == (1, 0, 1)
+    killed = run_job(2, 2, *args, check=False, env={"DEW_TEST_KILL": f"{tmp_path}/second:2:verify"})
+    assert killed.returncode == 128 + signal.SIGKILL, killed.stdout[-3000:]
+    assert "[0] resuming from the checkpoint" in killed.stdout
+    assert saved_rounds(directory, 0)[-1] == (2, 0, 1) and saved_rounds(directory, 1)[-1] == (2, 0, 2)
+    resumed = run_job(2, 2, *args)
+    assert "[0] episodes-journal process 0 of 2 devices 4 step 3" in resumed.stdout
+    assert_close(leaves(f"{out}-episodes-journal.npz"), leaves(where / "two-episodes.npz"), exact=True)
 
 
 def _alive(pid):

@@ -111,6 +111,24 @@ def test_at_the_rollout_parameters_the_loss_is_minus_the_mean_advantage():
     np.testing.assert_allclose(aux["ratio"], 1.0, atol=1e-5)
 
 
+def test_the_ratio_is_clipped_below_at_clip_range_and_above_at_clip_range_high():
+    symmetric, wider = objective(clip_range=0.2, adv_clip_max=10.0), objective(
+        clip_range=0.2, clip_range_high=0.7, adv_clip_max=10.0)
+    state = state_for(symmetric)
+    batch = FlowRollout(symmetric, brightness, groups=4, steps=5)(state, SOURCE, jax.random.key(2))
+    # Recorded densities lowered by log 1.5 per coordinate: every kept ratio is 1.5.
+    coordinates = 4 * 4 * 1
+    batch = {**batch, "old_log_probs": batch["old_log_probs"] - coordinates * np.log(1.5)}
+    advantages = batch["advantages"]
+    for obj, bounded, clipfrac in ((symmetric, 1.2, 1.0), (wider, 1.5, 0.0)):
+        loss, aux = jax.jit(lambda p, b, obj=obj: obj.loss(p, b, 0, reference=p))(state.params, batch)
+        # max(-A r, -A clip(r)): a positive advantage takes the bound, a negative one the ratio.
+        expected = np.where(advantages > 0, -advantages * bounded, -advantages * 1.5).mean()
+        np.testing.assert_allclose(loss, expected, rtol=1e-4)
+        np.testing.assert_allclose(aux["clipfrac"], clipfrac)
+        np.testing.assert_allclose(aux["ratio"], 1.5, rtol=1e-4)
+
+
 def test_zero_advantage_groups_and_deterministic_intervals_never_enter_the_loss():
     sde = FlowSDE(noise_level=0.7, window=(0.5, 1.0))  # times 1, .75, .5, .25, 0: two stochastic
     obj = objective(sde=sde)

@@ -172,13 +172,17 @@ def test_a_rerun_with_the_same_inputs_reuses_both_stages(finished):
     from flows.flow_grpo import flow_grpo_pipeline
 
     root, params, first, _, _ = finished
+    recorded = {table: query(root, f"SELECT count(*) FROM {table} WHERE run = '{first['run']}'")
+                for table in ("metrics", "samples")}
     again = flow_grpo_pipeline(params)
-    assert again["run"] != first["run"] and again["model"] == first["model"]
+    # The same run's next attempt: each stage keeps the record of the attempt that trained it.
+    assert again["run"] == first["run"] and again["model"] == first["model"]
     assert again["metrics"] == first["metrics"]
-    stages = query(root, f"SELECT stage, status FROM stages WHERE run = '{again['run']}'")
-    assert sorted(stages) == [("flow_grpo", "completed"), ("flow_pretrain", "completed")]
+    stages = query(root, f"SELECT stage, status, attempt FROM stages WHERE run = '{again['run']}'")
+    assert sorted(stages) == [("flow_grpo", "completed", 2), ("flow_pretrain", "completed", 1)]
+    assert query(root, f"SELECT attempts FROM runs WHERE run = '{again['run']}'") == [(2,)]
     for table in ("metrics", "samples"):
-        assert query(root, f"SELECT count(*) FROM {table} WHERE run = '{again['run']}'") == [(0,)]
+        assert query(root, f"SELECT count(*) FROM {table} WHERE run = '{again['run']}'") == recorded[table]
 
 
 def test_bad_flow_parameters_are_refused_before_anything_runs(tmp_path):

@@ -57,6 +57,33 @@ def test_a_later_option_enters_the_key_once_it_leaves_its_default():
     assert chosen != base and inputs["params"]["policy_loss"] == "gspo"
 
 
+def test_a_renamed_option_reads_its_earlier_name_and_keeps_its_key(tmp_path):
+    # sft.seq_len was the row less one; sft.max_length is the row (TRL's max_length).
+    with pytest.warns(FutureWarning, match=r"SFTParams.seq_len is now max_length \(= seq_len \+ 1\)"):
+        earlier = PipelineParams(sft=dict(seq_len=416), dpo=dict(seq_len=512), tools=dict(max_context=40))
+    assert (earlier.sft.max_length, earlier.dpo.max_length, earlier.tools.max_prompt_len) == (417, 512, 40)
+    assert earlier == PipelineParams(sft=dict(max_length=417), dpo=dict(max_length=512),
+                                     tools=dict(max_prompt_len=40))
+    # The key reads the earlier name and value, as runs before the rename wrote it.
+    key, inputs = stage_inputs("sft", earlier.sft, DATA, START, 0)
+    assert inputs["params"]["seq_len"] == 416 and "max_length" not in inputs["params"]
+    assert stage_inputs("sft", PipelineParams().sft, DATA, START, 0)[0] == "daafbca62bb880b8"
+    # A parameters file with the earlier name loads the same way; both names at once are refused.
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"params": {"sft": {"seq_len": 95}}}))
+    with pytest.warns(FutureWarning):
+        assert command_line(["--params", str(path)], PipelineParams(), prog="p", description="").sft.max_length == 96
+    with pytest.raises(ValidationError, match="given both 'seq_len' and 'max_length'"):
+        PipelineParams(sft=dict(seq_len=95, max_length=96))
+    # Flow-GRPO's one clip_range was both bounds; equal bounds are keyed as it, unequal ones apart.
+    with pytest.warns(FutureWarning, match="FlowGRPOParams.clip_range is now epsilon_low"):
+        flow = FlowPipelineParams(grpo=dict(clip_range=2e-4))
+    assert (flow.grpo.epsilon_low, flow.grpo.epsilon_high) == (2e-4, 2e-4)
+    assert keyed(flow.grpo)["clip_range"] == 2e-4 and "epsilon_high" not in keyed(flow.grpo)
+    wider = keyed(flow.grpo.model_copy(update={"epsilon_high": 3e-4}))
+    assert (wider["clip_range"], wider["epsilon_high"]) == (2e-4, 3e-4)
+
+
 def test_ppo_is_a_stage_of_its_own_keyed_with_its_critic_options():
     key, inputs = stage_inputs("ppo", GRPOParams(), DATA, START, 0, ppo=PPOOptions(gamma=0.9))
     assert key != stage_inputs("grpo", GRPOParams(), DATA, START, 0)[0]
@@ -162,20 +189,57 @@ def test_every_choice_reaches_the_objective_and_rollout_of_each_mode():
         assert lagged.rollout.scheduler.estimator == "rloo"
     finally:
         lagged.close()
-    episodes = build_episode_grpo(model, variables, prompts(), options, EpisodeOptions(max_turns=1, max_context=4),
+    episodes = build_episode_grpo(model, variables, prompts(), options, EpisodeOptions(max_turns=1, max_prompt_len=4),
                                   environment=OneTurn, verifier=lambda task, episode: 1.0, eos_id=2)
     assert_chosen(episodes.objective)
     assert episodes.rollout.estimator == "rloo"
     with pytest.raises(ValueError, match="PPO trains with policy_loss='ppo'"):
-        build_episode_grpo(model, variables, prompts(), options, EpisodeOptions(max_turns=1, max_context=4),
+        build_episode_grpo(model, variables, prompts(), options, EpisodeOptions(max_turns=1, max_prompt_len=4),
                            environment=OneTurn, verifier=lambda task, episode: 1.0, eos_id=2, ppo=PPOOptions())
     ppo_side = GRPOOptions(steps=1, batch=2, groups=2, max_new_tokens=4, epsilon_high=0.28, dual_clip=None,
                            kl_estimator="k2", beta=0.02)
-    ppo = build_episode_grpo(model, variables, prompts(), ppo_side, EpisodeOptions(max_turns=1, max_context=4),
+    ppo = build_episode_grpo(model, variables, prompts(), ppo_side, EpisodeOptions(max_turns=1, max_prompt_len=4),
                              environment=OneTurn, verifier=lambda task, episode: 1.0, eos_id=2,
                              ppo=PPOOptions(value_clip=0.5))
     assert tuple(ppo.objective.actor.clip) == (0.2, 0.28, None) and ppo.objective.actor.kl_estimator == "k2"
     assert ppo.objective.value_clip == 0.5
+
+
+def test_async_grpo_trains_in_verl_s_bypass_mode_when_chosen():
+    import optax
+
+    from dew_lib.train import Trainer
+
+    model = models_build()
+    variables = model.init(jax.random.key(0), np.zeros((1, 8), np.int32))
+    with pytest.raises(ValidationError, match="proximal='bypass' chooses the proximal policy of lagged"):
+        GRPOOptions(proximal="bypass")  # sync draws have no lag to correct
+    options = GRPOOptions(steps=2, batch=2, groups=2, max_new_tokens=3, mode="async", slots=4, proximal="bypass")
+    built = build_grpo(model, variables, prompts(), options, reward=lambda *a: 1.0, eos_id=2)
+    batches = []
+    try:
+        assert built.objective.behavior_importance is None  # the ratio is already current over behavior
+        assert built.rollout.scheduler.proximal == "bypass"
+        rollout = built.rollout
+
+        def recording(state, batch, key):
+            batches.append(rollout(state, batch, key))
+            return batches[-1]
+
+        state = Trainer(built.objective, optax.sgd(1e-3), key=jax.random.key(1), rollout=recording).fit(
+            built.dataset, steps=2, sinks=[])
+    finally:
+        built.close()
+    assert int(state.step) == 2 and [b.proximal for b in batches] == ["bypass", "bypass"]
+    assert all("old_log_probs" not in b for b in batches)
+    with pytest.raises(ValueError, match="PPO trains with .*proximal='in_update'"):
+        options.check_ppo()
+
+
+def models_build():
+    from dew_lib import models
+
+    return models.build("causal_transformer", **MODEL_OPTIONS)
 
 
 def test_a_recipe_stage_takes_the_same_options():

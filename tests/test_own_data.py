@@ -192,35 +192,35 @@ def test_lengths_that_cut_more_than_max_truncated_are_refused_with_the_length_th
     with pytest.raises(ValueError) as refused:
         check(data, params)
     message = str(refused.value)
-    found = re.search(r"sft.seq_len=96 cuts 4 of 40 SFT conversations \(10.0%\) in \S+/chat.jsonl, more "
-                      r"than data.max_truncated=0.01 allows. sft.seq_len=(\d+) cuts none of them \(the "
-                      r"longest has (\d+) ids\); model.max_seq_len=128 must hold sft.seq_len too. Raise "
-                      r"sft.seq_len, or accept the cut with data.max_truncated=0.1$", message)
+    found = re.search(r"sft.max_length=97 cuts 4 of 40 SFT conversations \(10.0%\) in \S+/chat.jsonl, more "
+                      r"than data.max_truncated=0.01 allows. sft.max_length=(\d+) cuts none of them \(the "
+                      r"longest has (\d+) ids\); model.max_seq_len=128 must hold sft.max_length - 1 too. Raise "
+                      r"sft.max_length, or accept the cut with data.max_truncated=0.1$", message)
     assert found, message
     fits, longest = int(found.group(1)), int(found.group(2))
-    assert fits == longest - 1  # a row holds seq_len + 1 ids
+    assert fits == longest  # a row holds max_length ids
     # The length it names fits every conversation; a larger share lets the cut through, logged.
-    fitted = params.model_copy(update={"sft": params.sft.model_copy(update={"seq_len": fits}),
-                                       "model": params.model.model_copy(update={"max_seq_len": fits + 1})})
-    assert any(line.startswith(f"sft.seq_len={fits} cuts 0 of 40 SFT conversations")
+    fitted = params.model_copy(update={"sft": params.sft.model_copy(update={"max_length": fits}),
+                                       "model": params.model.model_copy(update={"max_seq_len": fits})})
+    assert any(line.startswith(f"sft.max_length={fits} cuts 0 of 40 SFT conversations")
                for line in check(data, fitted))
     allowed = params.model_copy(update={"data": params.data.model_copy(update={"max_truncated": 0.1})})
-    assert any(line.startswith("sft.seq_len=96 cuts 4 of 40 SFT conversations (10.0%)")
+    assert any(line.startswith("sft.max_length=97 cuts 4 of 40 SFT conversations (10.0%)")
                for line in check(data, allowed))
 
 
 def test_grpo_prompts_dpo_pairs_and_held_out_prompts_are_counted_too(tmp_path, tokenizer):
     params = PipelineParams(root=str(tmp_path / "runs"),
                             data=files(tmp_path, tokenizer, long_every=10, max_truncated=0.1),
-                            sft=dict(seq_len=127), grpo=dict(max_prompt_len=4, max_new_tokens=8),
-                            dpo=dict(seq_len=24), evaluation=dict(max_new_tokens=120))
+                            sft=dict(max_length=128), grpo=dict(max_prompt_len=4, max_new_tokens=8),
+                            dpo=dict(max_length=24), evaluation=dict(max_new_tokens=120))
     data = prepared(tmp_path, params)
     with pytest.raises(ValueError) as refused:
         check(data, params)
     message = str(refused.value)
-    assert "sft.seq_len" not in message  # it cuts the 4 long answers of 40, which 0.1 allows
+    assert "sft.max_length" not in message  # it cuts the 4 long answers of 40, which 0.1 allows
     assert re.search(r"grpo.max_prompt_len=4 cuts the start of 40 of 40 GRPO prompts \(100.0%\)", message)
-    assert re.search(r"dpo.seq_len=24 drops \d+ of 40 DPO pairs from the policy", message)
+    assert re.search(r"dpo.max_length=24 drops \d+ of 40 DPO pairs from the policy", message)
     assert re.search(r"model.max_seq_len=128 cannot hold \d+ of the 10 held-out prompts in .*eval.jsonl "
                      r"with their answers \(evaluation.max_new_tokens=120\)", message)
     assert "or evaluate fewer rows with evaluation.limit" in message
@@ -257,8 +257,8 @@ def gsm8k_params(tmp_path) -> PipelineParams:
         data=dict(source="files", chat_path=str(paths["train"]), prompts_path=str(paths["train"]),
                   eval_path=str(paths["test"]), tokenizer=QWEN3, columns=GSM8K, ground_truth_after="####"),
         model=dict(emb_features=8, num_layers=1, num_heads=2, mlp_features=16, max_seq_len=512),
-        sft=dict(steps=2, batch=2, seq_len=447, log_every=1, checkpoint_every=100),
-        dpo=dict(steps=1, batch=2, seq_len=128, pair_prompts=2, log_every=1, checkpoint_every=100),
+        sft=dict(steps=2, batch=2, max_length=448, log_every=1, checkpoint_every=100),
+        dpo=dict(steps=1, batch=2, max_length=128, pair_prompts=2, log_every=1, checkpoint_every=100),
         grpo=dict(steps=1, batch=2, groups=2, max_prompt_len=128, max_new_tokens=8, log_every=1,
                   checkpoint_every=100),
         evaluation=dict(limit=8, batch=8, max_new_tokens=8, samples=1))
@@ -281,7 +281,7 @@ def test_gsm8k_as_published_runs_through_every_stage(harness, tmp_path):
         return check_lengths(data, params)
 
     # The lengths fit the first 64 rows: nothing is cut or dropped.
-    assert prepare_and_check() == {"sft.seq_len": 0, "grpo.max_prompt_len": 0, "dpo.seq_len": 0}
+    assert prepare_and_check() == {"sft.max_length": 0, "grpo.max_prompt_len": 0, "dpo.max_length": 0}
     outcome = pipeline(params)
     assert list(outcome["accuracy"]) == ["start", "sft", "dpo", "grpo"]
     run = outcome["run"]

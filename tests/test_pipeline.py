@@ -4,7 +4,9 @@ Flows run against Prefect's test harness (a temporary API and database) with a t
 a few steps per stage; what they write is checked through the run store, as a user would.
 """
 
+import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -66,6 +68,25 @@ def query(root, sql):
     return Store(str(root)).rows(sql)[1]
 
 
+@contextlib.contextmanager
+def flow_log():
+    """The messages the flow and task runs log while the block runs."""
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    keep, loggers = Keep(level=logging.INFO), [logging.getLogger(n) for n in ("prefect.flow_runs", "prefect.task_runs")]
+    for logger in loggers:
+        logger.addHandler(keep)
+    try:
+        yield lines
+    finally:
+        for logger in loggers:
+            logger.removeHandler(keep)
+
+
 @pytest.mark.slow
 def test_the_pipeline_trains_every_stage_and_records_it(finished):
     root, params, outcome = finished
@@ -97,6 +118,13 @@ def test_the_pipeline_trains_every_stage_and_records_it(finished):
         else:
             drawn = [a for s, n, _, _, a in answers if s == f"eval-{stage}" and n > 0]
             assert outcome["sampled_accuracy"][stage] == pytest.approx(sum(drawn) / 2)
+    # `dew runs`: a training stage's row has its batches' token accuracy, never as held-out; the
+    # held-out one is on its evaluation's row, whose seconds cover generating and grading.
+    columns, shown = Store(str(root)).runs()
+    shown = {row[columns.index("stage")]: dict(zip(columns, row)) for row in shown if row[0] == run}
+    assert shown["sft"]["accuracy"] is None and 0 <= shown["sft"]["train_accuracy"] <= 1
+    assert shown["eval-sft"]["accuracy"] == pytest.approx(outcome["accuracy"]["sft"], abs=1e-4)
+    assert all(shown[f"eval-{stage}"]["seconds"] > 0 for stage in outcome["accuracy"])
     # The final policy is a Hugging Face checkpoint that loads back; curves were plotted.
     from dew_lib.models import load_pretrained
 
@@ -106,21 +134,39 @@ def test_the_pipeline_trains_every_stage_and_records_it(finished):
         assert os.path.getsize(os.path.join(root, "demo", stage, "curves.png")) > 1000
 
 
+def closing_message(lines) -> str:
+    return next(line for line in lines if "| stage | held-out accuracy" in line)
+
+
 @pytest.mark.slow
-def test_a_rerun_with_the_same_inputs_reuses_every_finished_stage(finished):
+def test_a_rerun_with_the_same_inputs_is_the_same_run_and_reuses_every_finished_stage(finished):
     from flows.pipeline import pipeline
 
     root, params, first = finished
-    again = pipeline(params)
-    assert again["run"] != first["run"]
-    assert again["accuracy"] == first["accuracy"]
-    evaluated = query(root, f"SELECT step FROM evaluations WHERE run = '{again['run']}' AND stage = 'eval-dpo'")
+    counts = ("SELECT (SELECT count(*) FROM metrics), (SELECT count(*) FROM sessions), "
+              "(SELECT count(*) FROM evaluations), (SELECT count(*) FROM stages)")
+    before = query(root, counts)
+    with flow_log() as lines:
+        again = pipeline(params)
+    assert again["run"] == first["run"] and again["accuracy"] == first["accuracy"]
+    assert set(again["reused"].values()) == {True}
+    assert any(line.startswith(f"continuing run {first['run']} (same name, parameters and data files) as its "
+                               "next attempt") for line in lines)
+    assert query(root, f"SELECT status, attempts FROM runs WHERE run = '{first['run']}'") == [("completed", 2)]
+    # Each stage keeps the record of the attempt that did its work; nothing is recorded twice.
+    stages = query(root, f"SELECT stage, status, attempt FROM stages WHERE run = '{first['run']}'")
+    assert {(status, attempt) for _, status, attempt in stages} == {("completed", 1)}
+    evaluated = query(root, f"SELECT step FROM evaluations WHERE run = '{first['run']}' AND stage = 'eval-dpo'")
     assert {step for step, in evaluated} == {1}  # the reused stage's own step count
-    stages = query(root, f"SELECT stage, status FROM stages WHERE run = '{again['run']}'")
-    assert {status for _, status in stages} == {"completed"}
-    # Nothing trained: no metrics or sessions under the second run.
-    assert query(root, f"SELECT count(*) FROM metrics WHERE run = '{again['run']}'")[0][0] == 0
-    assert query(root, f"SELECT count(*) FROM sessions WHERE run = '{again['run']}'")[0][0] == 0
+    assert query(root, counts) == before
+    # The closing message names the store and its commands work exactly as printed.
+    summary = closing_message(lines)
+    assert f"Run store: `{root}` (this run: `{first['run']}`)" in summary
+    listed, queried = (subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120)
+                       for command in re.findall(r"^- `(.+)`$", summary, re.M))
+    assert listed.returncode == 0 and first["run"] in listed.stdout, listed.stderr
+    assert queried.returncode == 0 and queried.stdout.endswith("(7 rows)\n"), queried.stderr
+    assert queried.stdout.split()[:4] == ["stage", "|", "kind", "|"]
 
 
 @pytest.mark.slow

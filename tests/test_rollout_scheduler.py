@@ -268,9 +268,9 @@ def test_rollouts_that_keep_coming_back_stale_are_abandoned_after_max_attempts()
     assert sorted(causes["discarded"]) == [("7", 0, 0, "completed"), ("7", 0, 1, "completed"),
                                            ("7", 1, 0, "completed"), ("7", 1, 1, "completed")]
     # sample 0's third stale answer gives it up, which abandons the group: sample 1's third
-    # attempt, already drawn, is cancelled
-    assert causes["abandoned"] == [("7", 0, 2, "completed")]
-    assert causes["cancelled"] == [("7", 1, 2, "completed")]
+    # answer, back already but handled after, is a failed attempt of the abandoned group too
+    assert causes["abandoned"] == [("7", 0, 2, "completed"), ("7", 1, 2, "completed")]
+    assert "cancelled" not in causes
     details = [s.detail for log in logs for s, c in zip(log.sessions, log.causes, strict=True) if c == "abandoned"]
     assert all(d.startswith("stale: drawn under version 3, 2 updates behind update 5") for d in details)
 
@@ -312,11 +312,39 @@ def test_a_rollout_past_its_timeout_is_cancelled_and_counted_as_a_failed_attempt
 
 def test_timeouts_exhaust_attempts_and_abandon_the_group():
     source = FakeSource(lambda task, sample, attempt, version: None if (task, sample) == ("1", 0) else session(1.0))
-    records = []
-    sched, stream = scheduler(source, data=batches([1, 2]), timeout=0.02, max_attempts=2, records=records)
+    records, logs = [], []
+    sched, stream = scheduler(source, data=batches([1, 2]), timeout=0.02, max_attempts=2, records=records,
+                              logs=logs)
     step(sched, stream, 0)
     assert records[0].abandoned == 1 and dict(records[0].resubmitted) == {"timeout": 1}
     assert records[0].groups == 1
+    # the first timeout is cancelled and drawn again; the second, its sample's last attempt, is
+    # given up with its group
+    assert {cause: sorted(r for r in found if r[0] == "1") for cause, found in by_cause(logs).items()} == {
+        "cancelled": [("1", 0, 0, "cancelled")], "abandoned": [("1", 0, 1, "cancelled"), ("1", 1, 0, "completed")],
+        "admitted": []}
+
+
+@pytest.mark.parametrize("reports", [(0, 1), (1, 0), (0,)], ids=["0-then-1", "1-then-0", "1-still-running"])
+def test_every_failed_attempt_of_an_abandoned_group_is_abandoned_whatever_the_order_of_reports(reports):
+    """Task 1's two samples fail with max_attempts=1. The failure the scheduler handles first gives
+    its sample up and abandons the group; the other sample's attempt, failed already but handled
+    after, or still running and cancelled then, is a failed attempt of the same abandoned group."""
+    class Reporting(FakeSource):  # task 1's failures end, in `reports` order, once task 2 is submitted
+        def submit(self, task, **labels):
+            if task.id == "2" and labels["sample"] == 0:
+                for sample in reports:
+                    self.release(("1", 0, sample, 0), session(None, Status.INFRA_ERROR))
+            return super().submit(task, **labels)
+
+    source = Reporting(lambda task, sample, attempt, version: None if task == "1" else session(1.0))
+    logs, records = [], []
+    sched, stream = scheduler(source, data=batches([1, 2]), max_attempts=1, logs=logs, records=records)
+    step(sched, stream, 0)
+    assert records[0].abandoned == 1 and records[0].groups == 1
+    other = "infra_error" if len(reports) == 2 else "cancelled"  # a running one comes back cancelled
+    task_1 = {cause: sorted(r for r in found if r[0] == "1") for cause, found in by_cause(logs).items()}
+    assert task_1 == {"abandoned": [("1", 0, 0, "infra_error"), ("1", 1, 0, other)], "admitted": []}
 
 
 def test_weights_are_pushed_every_sync_every_updates():

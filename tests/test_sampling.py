@@ -1,5 +1,7 @@
 """Generation: cached log-probs equal rescoring, EOS stops rows, filters match their math."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,16 +23,25 @@ def left_padded(lengths, width, seed=0):
     return prompt, np.array(lengths, np.int32)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def full_log_probs(model, variables, ids):
+    """Raw log-probs of `ids[:, 1:]` from a full forward pass over `ids[:, :-1]`."""
+    return token_log_probs(model.apply(variables, ids[:, :-1]), ids[:, 1:])
+
+
 def rescore(prompt, lengths, generation, model=MODEL, variables=VARIABLES):
-    """Raw log-probs of each row's sampled ids from a full forward pass over that row alone."""
+    """Raw log-probs of each row's sampled ids from a full forward pass over its prompt and
+    sampled ids, unpadded at the start of a row of `model.max_seq_len`: attention is causal, so
+    the padding after them changes none of their logits, and every call has one shape."""
     width = prompt.shape[1]
-    scores = []
+    ids = np.zeros((len(lengths), model.max_seq_len), np.int32)
+    ends = []
     for row, length in enumerate(lengths):
         n = int(generation.lengths[row])
-        ids = np.concatenate([prompt[row, width - length:], np.asarray(generation.tokens[row, :n])])
-        logits = model.apply(variables, ids[None, :-1])
-        scores.append(np.asarray(token_log_probs(logits, ids[None, 1:]))[0, length - 1:])
-    return scores
+        ids[row, :length + n] = np.concatenate([prompt[row, width - length:], np.asarray(generation.tokens[row, :n])])
+        ends.append(length + n)
+    scores = np.asarray(full_log_probs(model, variables, ids))
+    return [scores[row, length - 1:end - 1] for row, (length, end) in enumerate(zip(lengths, ends, strict=True))]
 
 
 @pytest.mark.parametrize("sampling", [

@@ -2,7 +2,8 @@
 sync GRPO each train as two processes that the task launches and waits for; process 0 records the
 stage, its metrics and every process's GRPO sessions in the store and saves the policy; a job
 whose process is killed is retried by the task and resumes from its checkpoint; a rerun reuses
-the stages; what trains in one process only is refused before anything runs.
+the stages. PPO, tool episodes and asynchronous GRPO as jobs: tests/test_rl_processes.py, with
+the helpers here.
 
 One TINY pipeline (tests/test_pipeline.py), one host device per process, serves the slow tests:
 each job launch costs about 20 s of imports and compilation on two cores, so the kill happens in
@@ -32,22 +33,37 @@ TWO = dict(sft=dict(steps=4, batch=4, log_every=1, checkpoint_every=2, processes
            grpo=dict(steps=2, batch=2, groups=4, log_every=1, checkpoint_every=1, max_new_tokens=8, processes=2))
 
 
+def run_with_a_crash(params: PipelineParams, process: int, step: int):
+    """Run the pipeline `params` describes with every job's processes run by
+    tests/stage_job_worker.py: process `process` of the first job to read the batch of `step`
+    kills itself (SIGKILL) there, once. Returns the outcome and the run log's lines."""
+    from flows.pipeline import pipeline
+    from tasks import stage_job
+
+    marker = os.path.join(params.root, "crashed")
+    with pytest.MonkeyPatch.context() as patch, run_log() as lines:
+        patch.setattr(stage_job, "ENTRY", (WORKER,))
+        patch.setenv("DEW_TEST_CRASH", f"{marker}:{process}:{step}")
+        outcome = pipeline(params)
+    assert os.path.exists(marker), "no process was killed"
+    return outcome, lines
+
+
+def killed_and_resumed(lines, stage: str, checkpoint: int) -> bool:
+    """Whether the log says process 1 of `stage`'s job was killed and the retry resumed it
+    from the checkpoint of step `checkpoint`."""
+    return (any(f"process 1 exited with signal {signal.SIGKILL.name}; ended the other 1" in line for line in lines)
+            and bool(said(lines, stage, "trains from scratch"))
+            and bool(said(lines, stage, f"resumes from its checkpoint at step {checkpoint}")))
+
+
 @pytest.fixture(scope="module")
 def finished(prefect_harness, tmp_path_factory):
     """The TINY pipeline with every stage a job of two processes; process 1 of the SFT job is
     killed (SIGKILL) as it reads the batch of step 4, after the checkpoint of step 2, once
     (tests/stage_job_worker.py)."""
-    from flows.pipeline import pipeline
-    from tasks import stage_job
-
     root = tmp_path_factory.mktemp("runs")
-    marker = root / "crashed"
-    with pytest.MonkeyPatch.context() as patch, run_log() as lines:
-        patch.setattr(stage_job, "ENTRY", (WORKER,))
-        patch.setenv("DEW_TEST_CRASH", f"{marker}:1:4")
-        outcome = pipeline(tiny(root, **TWO))
-    assert marker.exists()
-    return root, outcome, lines
+    return root, *run_with_a_crash(tiny(root, **TWO), process=1, step=4)
 
 
 @pytest.mark.slow
@@ -92,8 +108,7 @@ def test_each_stage_trains_as_a_job_of_two_processes_and_process_0_records_it(fi
 @pytest.mark.slow
 def test_a_job_whose_process_was_killed_was_retried_and_resumed_from_its_checkpoint(finished):
     root, outcome, lines = finished
-    assert said(lines, "sft", "trains from scratch") and said(lines, "sft", "resumes from its checkpoint at step 2")
-    assert any(f"process 1 exited with signal {signal.SIGKILL.name}; ended the other 1" in line for line in lines)
+    assert killed_and_resumed(lines, "sft", checkpoint=2)
     run = outcome["run"]
     attempts = dict(query(root, f"SELECT stage, attempt FROM stages WHERE run = '{run}'"))
     assert (attempts["sft"], attempts["dpo"], attempts["grpo"]) == (2, 1, 1)
@@ -112,28 +127,26 @@ def test_a_rerun_with_the_same_inputs_reuses_the_stages_the_jobs_trained(finishe
     from flows.pipeline import pipeline
 
     root, first, _ = finished
+    recorded = query(root, f"SELECT count(*) FROM metrics WHERE run = '{first['run']}'")
     with run_log() as lines:
         again = pipeline(tiny(root, **TWO))
     assert again["reused"] == {"start": True, "sft": True, "dpo": True, "grpo": True}
     assert again["accuracy"] == first["accuracy"] and again["policy"] == first["policy"]
     assert not any("trains as a job" in line for line in lines)
-    assert query(root, f"SELECT count(*) FROM metrics WHERE run = '{again['run']}'") == [(0,)]
+    # The same run's next attempt, which records nothing twice.
+    assert again["run"] == first["run"]
+    assert query(root, f"SELECT count(*) FROM metrics WHERE run = '{again['run']}'") == recorded
 
 
-def test_processes_is_checked_and_what_trains_in_one_process_is_refused():
+def test_processes_is_checked_and_every_rl_stage_may_take_several():
     with pytest.raises(ValidationError, match="processes\n  Input should be greater than or equal to 1"):
         SFTParams(processes=0)
     with pytest.raises(ValidationError, match="batch=6 does not divide across processes=4"):
         DPOParams(batch=6, processes=4)
-    with pytest.raises(ValidationError, match="processes=2 trains sync GRPO only: mode='async'"):
-        GRPOParams(processes=2, mode="async")
-    with pytest.raises(ValidationError, match="grpo.processes=2, but rl='ppo' trains episodes with a critic"):
-        PipelineParams(rl="ppo", grpo=dict(processes=2))
-    with pytest.raises(ValidationError, match="grpo.processes=2, but data.source='tools' trains tool episodes"):
-        PipelineParams(data=dict(source="tools"), stages=("sft", "grpo"), grpo=dict(processes=2),
-                       tools=dict(max_context=40), model=dict(max_seq_len=128))
-    PipelineParams(data=dict(source="tools"), stages=("sft",), grpo=dict(processes=2),
-                   tools=dict(max_context=40))  # no GRPO stage: nothing to refuse
+    assert GRPOParams(processes=2, mode="async").processes == 2  # tests/test_rl_processes.py trains these
+    assert PipelineParams(rl="ppo", grpo=dict(processes=2)).grpo.processes == 2
+    PipelineParams(data=dict(source="tools"), stages=("sft", "grpo"), grpo=dict(processes=2),
+                   tools=dict(max_prompt_len=40), model=dict(max_seq_len=128))
     assert GRPOParams(processes=2).processes == 2 and SFTParams().processes == 1
 
 
@@ -153,18 +166,6 @@ def test_processes_enters_the_fingerprint_only_above_one():
     assert two != one and inputs["params"]["processes"] == 2
 
 
-def test_a_flow_called_on_its_own_refuses_episodes_in_a_job():
-    from tasks.train import _one_process_only
-
-    data = DataManifest(directory="d", tokenizer=None, chat_path=None, chat_val_path=None, pairs_path=None,
-                        prompts_path="p", eval_path="e", fingerprint="data", tool="calculator")
-    with pytest.raises(ValueError, match="tool episodes .* trains in one process only; set processes=1"):
-        _one_process_only("grpo", GRPOParams(processes=2), data)
-    with pytest.raises(ValueError, match="ppo processes=2, but a PPO stage trains in one process only"):
-        _one_process_only("ppo", GRPOParams(processes=2), data.model_copy(update={"tool": None}))
-    _one_process_only("grpo", GRPOParams(processes=1), data)
-
-
 def test_the_parameters_file_in_the_docs_sets_processes(tmp_path):
     text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "pipeline.md")).read()
     block = re.search(r"```yaml\n(# python -m flows --params processes.yaml\n.*?)```", text, re.S)[1]
@@ -182,3 +183,45 @@ def test_each_process_s_session_arguments_join_into_one_per_session():
     assert _joined([[0.5, 0.25], [0.125]], [2, 1]) == [0.5, 0.25, 0.125]
     assert _joined([True, [False]], [2, 1]) == [True, True, False]
     assert _joined(["admitted", "cut"], [1, 2]) == ["admitted", "cut", "cut"]
+
+
+def test_the_processes_scheduler_records_of_an_update_merge_into_one():
+    from dew_lib.records.scheduler import SchedulerRecord
+    from tasks.job_records import merged_record
+
+    def record(groups, version, waited, **metrics):
+        return SchedulerRecord(updates=5, version=version, lag=5 - version, groups=groups,
+                               resubmitted={"timeout": 1}, cancelled=1, abandoned=0, cut=groups - 1,
+                               waited=waited, metrics=metrics)
+
+    merged = merged_record([record(3, 4, 0.5, **{"reward/mean": 1.0, "latency/max": 2.0, "sessions/reused": 2.0}),
+                            record(1, 3, 1.5, **{"reward/mean": 0.0, "latency/max": 3.0, "sessions/reused": 1.0})])
+    assert (merged.updates, merged.version, merged.lag, merged.groups, merged.cut) == (5, 3, 2, 4, 2)
+    assert (merged.resubmitted, merged.cancelled, merged.waited) == ({"timeout": 2}, 2, 1.5)
+    assert merged.metrics == {"reward/mean": 0.75, "latency/max": 3.0, "sessions/reused": 3.0}
+
+
+def test_an_async_stage_s_records_wait_for_the_end_of_the_trainer_call():
+    from dew_lib.records.sessions import Task
+    from tasks.job_records import DeferredWriter
+
+    written = []
+
+    class Writer:
+        def prompts(self, prompts, *, update):
+            written.append(("prompts", [p.prompt for p in prompts], update))
+
+        def sessions(self, sessions, *, update, **given):
+            written.append(("sessions", sessions, update))
+
+        def record(self, record):
+            written.append(("record", record))
+
+    kept = DeferredWriter(Writer())
+    task = Task("7", {"prompt_ids": [1, 2]})
+    assert kept.prompts([task], update=0, decode=lambda ids: f"ids {ids.tolist()}") == 1
+    assert kept.has_prompt("7") and kept.prompts([task], update=0) == 0  # handed on once
+    kept.sessions(["s"], update=0, causes="admitted")
+    assert written == []  # nothing until the call ends
+    packed = kept.after_each(lambda state, batch, key: "packed")(None, None, None)
+    assert packed == "packed" and written == [("prompts", ["ids [1, 2]"], 0), ("sessions", ["s"], 0)]

@@ -131,7 +131,7 @@ def test_the_tool_task_has_no_dpo_and_its_episodes_must_fit_the_model():
     with pytest.raises(ValueError, match="no preference pairs"):
         PipelineParams(data=dict(source="tools"))
     with pytest.raises(ValueError, match="max_seq_len"):
-        PipelineParams(data=dict(source="tools"), stages=("sft", "grpo"), tools=dict(max_context=120))
+        PipelineParams(data=dict(source="tools"), stages=("sft", "grpo"), tools=dict(max_prompt_len=120))
 
 
 @pytest.fixture(scope="module")

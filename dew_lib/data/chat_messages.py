@@ -184,13 +184,13 @@ class ChatMessages:
                 out.append(Conversation(messages, tools, where, context))
                 continue
             (column,) = wanted
-            messages = record.get(column)
-            if messages is None:
+            stored = record.get(column)
+            if stored is None:
                 raise DataError(
                     f"{where}: missing column {column!r}; every record needs its messages there (set "
                     "ChatMessages(column=...) to the field that holds them)"
                 )
-            messages = formats.parse_json_field(messages, column, where)
+            messages = formats.parse_json_field(stored, column, where)
             check_messages(messages, where)
             out.append(Conversation(list(messages), tools, where))
         return out

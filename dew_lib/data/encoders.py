@@ -62,6 +62,9 @@ class PromptEncoder:
                 ids = prompt
             else:
                 if renderer is None:
+                    if self.spec is None:
+                        raise DataError(f"{where}: a {kind} prompt needs a tokenizer to encode it; pass one "
+                                        "or give token ids")
                     renderer = self.spec.renderer()
                 if kind == "text":
                     ids = np.asarray(renderer.encode_plain(prompt), np.int32)

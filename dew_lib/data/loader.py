@@ -55,8 +55,12 @@ class Encoder(Protocol):
 class Layout(Protocol):
     """How encoded items become one batch of `rows` rows, `width` slots each (1 for one item a row)."""
 
-    width: int
-    fixed_length: int | None  # every item's length in slots, when it is known without encoding
+    @property
+    def width(self) -> int: ...
+
+    @property
+    def fixed_length(self) -> int | None:  # every item's length in slots, when it is known without encoding
+        ...
 
     def length(self, item: Any) -> int: ...
 
@@ -260,7 +264,8 @@ class _Producer:
     def _run(self) -> None:
         pipeline, layout = self.pipeline, self.pipeline.layout
         try:
-            planner, placed, position = Planner(self.rows, layout.width), [], self.start
+            planner, position = Planner(self.rows, layout.width), self.start
+            placed: list[tuple[int, int, Any]] = []
             for records, items in pipeline.map_chunks(pipeline.encoder, self._chunks(), self.stop):
                 for record, item in zip(records, items, strict=True):
                     length = layout.length(item)
@@ -272,6 +277,9 @@ class _Producer:
                         planner.reset()
                         placed = []
                         spot = planner.place(length)
+                        if spot is None:
+                            raise ValueError(f"an encoded item of {length} slots does not fit in an empty batch "
+                                             f"of {self.rows} rows of {layout.width} slots")
                     placed.append((*spot, item))
                     position += 1
                 if self.stop.is_set():

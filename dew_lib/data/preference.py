@@ -104,6 +104,8 @@ def read_pairs(rows: Rows, width: int, columns: Mapping[str, str] | None = None,
             sequences.append((ids, _mask(field[f"{side}_mask"], ids.size, names[f"{side}_mask"], where)))
         pairs[index] = tuple(sequences)
     if texts:
+        if spec is None:  # each text record was refused above without one
+            raise DataError("text answers need a tokenizer; pass PreferencePairs(tokenizer=...) or give token ids")
         for index, pair in tokenize_pairs(spec.renderer(), texts, width, names):
             pairs[index] = pair
     return pairs

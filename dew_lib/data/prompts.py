@@ -91,7 +91,9 @@ def _metadata(record: Mapping[str, Any], where: str) -> tuple[bytes, bytes, byte
             raise DataError(f"{where}: has tools_kwargs but its extra_info is not a mapping to keep them in")
         extra = {**extra, "tools_kwargs": extra.get("tools_kwargs", tools_kwargs)}
     # `ability` and `agent_name` (verl) are read with the record and dropped here.
-    return tuple(json_text(value).encode("utf-8") for value in (record.get("data_source"), truth, extra))
+    source, truth_text, extra_text = (json_text(value).encode("utf-8")
+                                      for value in (record.get("data_source"), truth, extra))
+    return source, truth_text, extra_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +202,8 @@ class Prompts:
         if self.val_records is not None or self.val_path is not None:
             val_items = self.prompts(self.val_records, self.val_path)
         items = train_items + (val_items or [])
-        widths = tuple(max(len(item[4][f]) for item in items) for f in range(len(METADATA)))
+        source, truth, extra = (max(len(item[4][f]) for item in items) for f in range(len(METADATA)))
+        widths = (source, truth, extra)  # bytes of each METADATA field
         spec = self.spec()
         if spec is not None and any(item[0] == "messages" for item in items):
             spec.renderer()  # fails here, not in a worker, when the template is missing

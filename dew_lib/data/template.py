@@ -274,7 +274,9 @@ def label(renderer: Renderer, messages: Sequence[Mapping], tools: Sequence | Non
                 f"{' with the generation prompt' if generation else ''}: {type(error).__name__}: {error}"
             ) from None
 
-    plan, bases, previous = [], [], None
+    plan: list[tuple[int, int, str, int | None, int | None]] = []  # as _assemble reads it
+    bases: list[int | None] = []  # the render each one extends, as encode_extending reads it
+    previous: int | None = None
     for start, end, role, header, full, soft in _requests(messages, context):
         if header is not None:
             header = render(header, generation=True)
@@ -330,7 +332,7 @@ def label_many(renderer: Renderer, conversations: Sequence[tuple]) -> list[tuple
             out[i] = _assemble(renderer, plans[i], ids, conversations[i][2])
     for i, conversation in enumerate(conversations):
         if out[i] is None:
-            out[i] = label(renderer, *conversation[:3], _context(conversation))
+            out[i] = label(renderer, conversation[0], conversation[1], conversation[2], _context(conversation))
     return out
 
 

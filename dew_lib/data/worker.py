@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 _DATA = Path(__file__).resolve().parent
 # The worker registers dew_lib and dew_lib.data as bare namespace packages, so that importing an
@@ -38,13 +38,13 @@ main()
 """
 
 
-def _send(stream: BinaryIO, value: Any) -> None:
+def _send(stream: IO[bytes], value: Any) -> None:
     data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     stream.write(len(data).to_bytes(8, "little") + data)
     stream.flush()
 
 
-def _receive(stream: BinaryIO) -> Any:
+def _receive(stream: IO[bytes]) -> Any:
     header = stream.read(8)
     if len(header) < 8:
         raise EOFError
@@ -55,6 +55,13 @@ def _receive(stream: BinaryIO) -> Any:
     return pickle.loads(data)
 
 
+def _pipes(process: subprocess.Popen[bytes]) -> tuple[IO[bytes], IO[bytes]]:
+    """The worker's stdin and stdout: the pool starts every worker with both piped."""
+    if process.stdin is None or process.stdout is None:
+        raise RuntimeError("a data worker process was started without its stdin and stdout pipes")
+    return process.stdin, process.stdout
+
+
 class WorkerPool:
     """`workers` subprocesses; `submit(function, argument)` returns a Future, one task per worker.
 
@@ -63,14 +70,15 @@ class WorkerPool:
     """
 
     def __init__(self, workers: int, setup: Callable[[], list] | None = None):
-        self._setup, self._setup_calls, self._setup_lock = setup, None, threading.Lock()
+        self._setup, self._setup_lock = setup, threading.Lock()
+        self._setup_calls: list | None = None
         env = dict(os.environ)
         # The pool is the parallelism; one tokenizer thread per worker keeps it to `workers` cores.
         env["TOKENIZERS_PARALLELISM"] = "false"
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         self._tasks: queue.Queue = queue.Queue()
-        self._processes = []
-        self._threads = []
+        self._processes: list[subprocess.Popen[bytes]] = []
+        self._threads: list[threading.Thread] = []
         for index in range(workers):
             process = subprocess.Popen([sys.executable, "-c", _BOOT], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, env=env)
@@ -80,14 +88,16 @@ class WorkerPool:
             self._processes.append(process)
             self._threads.append(thread)
 
-    def _prepare(self, process: subprocess.Popen) -> BaseException | None:
+    def _prepare(self, process: subprocess.Popen[bytes]) -> BaseException | None:
         try:
+            stdin, stdout = _pipes(process)
             with self._setup_lock:
                 if self._setup_calls is None:
                     self._setup_calls = self._setup() if self._setup is not None else []
-            for function, argument in self._setup_calls:
-                _send(process.stdin, (function, argument))
-                ok, value = _receive(process.stdout)
+                setup_calls = self._setup_calls
+            for function, argument in setup_calls:
+                _send(stdin, (function, argument))
+                ok, value = _receive(stdout)
                 if not ok:
                     return value
         except (EOFError, OSError, ValueError) as error:
@@ -96,7 +106,7 @@ class WorkerPool:
             return error
         return None
 
-    def _serve(self, process: subprocess.Popen) -> None:
+    def _serve(self, process: subprocess.Popen[bytes]) -> None:
         failed = self._prepare(process)
         while True:
             task = self._tasks.get()
@@ -109,8 +119,9 @@ class WorkerPool:
                 future.set_exception(failed)
                 continue
             try:
-                _send(process.stdin, (function, argument))
-                ok, value = _receive(process.stdout)
+                stdin, stdout = _pipes(process)
+                _send(stdin, (function, argument))
+                ok, value = _receive(stdout)
             except (EOFError, OSError, ValueError) as error:  # ValueError: the pool was shut down
                 # The process is gone: fail this task and every later one this thread takes.
                 failed = RuntimeError(

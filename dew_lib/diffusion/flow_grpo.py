@@ -46,13 +46,16 @@ class FlowGRPOObjective(Objective):
 
     sde: how rollouts explore and how transitions are rescored. beta: weight of the transition
     KL to the frozen starting policy (0: no reference is kept). clip_range: PPO clip of the
-    per-coordinate ratio. adv_clip_max: advantages are clipped to +-this. guidance: CFG used in
-    rollouts and rescoring (needs a condition field). sampler, steps: deterministic sampling for
-    `evaluate` and `preview`. pretrained: starting variables as returned by model.init.
+    per-coordinate ratio, below at 1 - clip_range and above at 1 + clip_range_high (None: the
+    same bound; DAPO's clip-higher makes it wider). adv_clip_max: advantages are clipped to
+    +-this. guidance: CFG used in rollouts and rescoring (needs a condition field). sampler,
+    steps: deterministic sampling for `evaluate` and `preview`. pretrained: starting variables
+    as returned by model.init.
     """
 
     def __init__(self, model, process: Process, inputs: InputSpec, *, sde: FlowSDE = FlowSDE(),
-                 beta: float = 0.0, clip_range: float = 0.0001, adv_clip_max: float = 5.0,
+                 beta: float = 0.0, clip_range: float = 0.0001, clip_range_high: float | None = None,
+                 adv_clip_max: float = 5.0,
                  autoencoder: AutoEncoder | None = None, guidance: CFG | None = CFG(3.0),
                  sampler: Solver = Euler(), steps: int = 41, pretrained: Variables | None = None):
         if not isinstance(process, Process):
@@ -68,8 +71,11 @@ class FlowGRPOObjective(Objective):
             raise TypeError(f"sde must be a FlowSDE, got {type(sde).__name__}")
         if not (beta >= 0 and math.isfinite(beta)):
             raise ValueError(f"FlowGRPOObjective.beta must be a finite number >= 0, got {beta}")
-        if not clip_range > 0:
-            raise ValueError(f"FlowGRPOObjective.clip_range must be > 0, got {clip_range}")
+        if not 0 < clip_range < 1:
+            raise ValueError(f"FlowGRPOObjective.clip_range must be in (0, 1), got {clip_range}")
+        if clip_range_high is not None and not clip_range_high > 0:
+            raise ValueError(f"FlowGRPOObjective.clip_range_high must be > 0 (or None: clip_range), "
+                             f"got {clip_range_high}")
         if not adv_clip_max > 0:
             raise ValueError(f"FlowGRPOObjective.adv_clip_max must be > 0, got {adv_clip_max}")
         if steps < 2:
@@ -85,6 +91,7 @@ class FlowGRPOObjective(Objective):
         self.denoiser = Denoiser(model, process, inputs, autoencoder)
         self.model, self.process, self.inputs = model, process, inputs
         self.sde, self.beta, self.clip_range, self.adv_clip_max = sde, float(beta), clip_range, adv_clip_max
+        self.clip_range_high = clip_range if clip_range_high is None else clip_range_high
         self.autoencoder = self.denoiser.autoencoder
         self.guidance, self.sampler, self.steps = guidance, sampler, steps
         self.pretrained = pretrained
@@ -171,7 +178,8 @@ class FlowGRPOObjective(Objective):
             log_ratio = jnp.where(kept, log_ratio, 0.0)
             ratio = jnp.exp(log_ratio)
             advantage = jnp.clip(advantage, -self.adv_clip_max, self.adv_clip_max)
-            bounded = jnp.clip(ratio, 1.0 - self.clip_range, 1.0 + self.clip_range)
+            low, high = 1.0 - self.clip_range, 1.0 + self.clip_range_high
+            bounded = jnp.clip(ratio, low, high)
             surrogate = jnp.maximum(-advantage * ratio, -advantage * bounded)
             if kl_needed:
                 v_ref = jax.lax.stop_gradient(
@@ -180,7 +188,7 @@ class FlowGRPOObjective(Objective):
                 kl = transition_kl(mean, mean_ref, safe_std)
             else:
                 kl = jnp.zeros_like(surrogate)
-            clipped = jnp.abs(ratio - 1.0) > self.clip_range
+            clipped = (ratio < low) | (ratio > high)
             return None, (surrogate, kl, kept.astype(jnp.float32), clipped, ratio, log_ratio)
 
         _, out = jax.lax.scan(one, None, xs)

@@ -130,8 +130,8 @@ class NCCLLibrary:
         lib.ncclGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
         lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(_UniqueId)]
         lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, _UniqueId, ctypes.c_int]
-        collective = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                      ctypes.c_void_p, ctypes.c_void_p]
+        collective = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_void_p, ctypes.c_void_p)
         lib.ncclAllReduce.argtypes = collective
         lib.ncclBroadcast.argtypes = collective
         lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
@@ -384,10 +384,10 @@ class NCCLPush:
         if posting.done() and joining.done() and posting.exception() is None and joining.exception() is None:
             return joining.result()
         joining.add_done_callback(lambda opened: _abort_opened(communicator, opened))
-        if posting.done() and posting.exception() is not None:
-            raise posting.exception()
-        if joining.done() and joining.exception() is not None:
-            raise joining.exception()
+        for side in (posting, joining):
+            failed = side.exception() if side.done() else None
+            if failed is not None:
+                raise failed
         raise EndpointFailed(root, "POST /init_weight_transfer_engine",
                              f"did not open the NCCL group with the trainer within {self.timeout} s")
 

@@ -145,7 +145,7 @@ class OpenAICompletion:
             routing = _routing_shape(routing)
         body = self.request(prompt_ids, max_tokens=max_tokens, sampling=sampling, seed=seed,
                             routing=routing)
-        named = {key: body.pop(key) for key in ("model", "prompt", "max_tokens", "temperature",
+        named: dict[str, Any] = {key: body.pop(key) for key in ("model", "prompt", "max_tokens", "temperature",
                                                  "top_p", "logprobs", "seed") if key in body}
         answer = _post(self, named, body)
         choices = field(self.engine, answer, "choices", list)

@@ -87,7 +87,7 @@ class _State(NamedTuple):
     cache: KVCache
     last: jax.Array  # [S] int32: the id sampled last, fed to the next step
     keys: jax.Array  # [S] PRNG keys, one per request
-    count: jax.Array  # [S] int32: ids sampled so far
+    sampled: jax.Array  # [S] int32: ids sampled so far (not `count`, which is tuple's method)
     budget: jax.Array  # [S] int32: max_new_tokens
     live: jax.Array  # [S] bool: still decoding
 
@@ -125,10 +125,10 @@ def _decode(model, sampling, steps, variables, state: _State):
         i, _, state, (ids_out, raw_out, behavior_out, emitted_out) = carry
         logits, cache = model.apply(variables, state.last, state.cache, state.live, layers,
                                     method=model.decode)
-        keys = jax.vmap(jax.random.fold_in)(state.keys, state.count)
+        keys = jax.vmap(jax.random.fold_in)(state.keys, state.sampled)
         ids, raw, behavior = _sample_rows(logits, keys, sampling)
         live = state.live
-        count = state.count + live.astype(jnp.int32)
+        count = state.sampled + live.astype(jnp.int32)
         stop = live & (_is_eos(ids, sampling) | (count >= state.budget))
         state = _State(cache, jnp.where(live, ids, state.last), state.keys, count, state.budget,
                        live & ~stop)
@@ -177,7 +177,7 @@ def _prefill(model, sampling, variables, state: _State, prompts, lengths, slots,
         put(state.cache.lengths, lengths),
     )
     stop = _is_eos(ids, sampling) | (budgets <= 1)
-    state = _State(cache, put(state.last, ids), put(state.keys, keys), put(state.count, jnp.ones_like(ids)),
+    state = _State(cache, put(state.last, ids), put(state.keys, keys), put(state.sampled, jnp.ones_like(ids)),
                    put(state.budget, budgets), put(state.live, ~stop))
     return state, (ids, raw, behavior)
 
@@ -251,7 +251,8 @@ class Server:
         self._owners: list[_Request | None] = [None] * slots
         self._by_key: dict[Hashable, _Request] = {}
         self._joining: list[tuple[_Request, np.ndarray, int]] = []  # (request, prompt, seed) to prefill
-        self._events: deque = deque()  # dispatched calls whose ids are not read yet
+        # dispatched calls whose ids are not read yet: (each row's or slot's request, the call's output)
+        self._events: deque[tuple[tuple[Any, ...], Any]] = deque()
 
     @classmethod
     def from_task(cls, task: ServeTask, *, slots: int, capacity: int, steps: int = 16) -> Server:
@@ -421,8 +422,8 @@ class Server:
             self._owners[request.slot] = None
             del self._by_key[request.key]
             finished.append((request.key, Draw(
-                ids=np.array(request.ids, np.int32), behavior_log_probs=request.behavior,
-                raw_log_probs=request.raw, eos=eos, version=request.version)))
+                ids=np.array(request.ids, np.int32), behavior_log_probs=np.array(request.behavior, np.float32),
+                raw_log_probs=np.array(request.raw, np.float32), eos=eos, version=request.version)))
 
     # ---- weights ----------------------------------------------------------------------------
 
@@ -434,7 +435,9 @@ class Server:
         """
         served, structure = jax.tree.flatten(self.variables)
         leaves, given = jax.tree.flatten(variables)
-        if given != structure:
+        # jax annotates the treedefs as tree_util.PyTreeDef, an alias of an attribute of its compiled
+        # extension that mypy cannot resolve (it sees "PyTreeDef?", with no __ne__)
+        if given != structure:  # type: ignore[operator]
             raise ValueError(
                 f"load got a variables tree that differs from the served one; served {structure}, "
                 f"got {given}")

@@ -83,6 +83,8 @@ class VLLMGenerateServer(RemoteRolloutServer):
     def request(self, prompt_ids, max_new_tokens: int, seed: int | None) -> dict[str, Any]:
         """The JSON body of one request."""
         sampling = self.sampling
+        if sampling.top_k is None:  # refused at construction: vLLM builds no sampling_mask without it
+            raise ValueError("VLLMGenerateServer needs Sampling.top_k; set top_k (e.g. Sampling(top_k=50, top_p=0.95))")
         params: dict[str, Any] = {
             "max_tokens": int(max_new_tokens), "temperature": float(sampling.temperature),
             "top_p": float(sampling.top_p), "top_k": int(sampling.top_k),

@@ -353,7 +353,10 @@ class CausalTransformer(nn.Module):
         keys, values = [], []
         for i, (k_cache, v_cache) in enumerate(zip(cache.keys, cache.values, strict=True)):
             params = {"params": self._layer(i) if layers is None else layers[i]}
-            q, k, v = block.apply(params, x, rope, method=Block.qkv)  # [B, 1, H or KV, D]
+            # flax annotates apply's result as "output or (output, mutated variables)"; without
+            # `mutable` it is the method's output, here (q, k, v)
+            qkv: Any = block.apply(params, x, rope, method=Block.qkv)
+            q, k, v = qkv  # [B, 1, H or KV, D]
             k_cache = k_cache.at[rows, :, write_at].set(k[:, 0].astype(k_cache.dtype), mode="drop")
             v_cache = v_cache.at[rows, :, write_at].set(v[:, 0].astype(v_cache.dtype), mode="drop")
             x = block.apply(params, x, attend_cached(q, k_cache, v_cache, visible),

@@ -32,13 +32,14 @@ def inverse_frequencies(
     # The power is rounded once from float64: torch's float32 pow is within an ulp of that and
     # equal to it on the usual head sizes and thetas, where numpy's float32 pow often is not.
     inv = f32(1.0) / (np.float64(theta) ** exponents.astype(np.float64)).astype(f32)
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    config: Mapping[str, float | str] = scaling or {}
+    kind = config.get("rope_type", config.get("type", "default"))
     if kind == "default":
         pass
     elif kind == "linear":
-        inv = inv / f32(scaling["factor"])
+        inv = inv / f32(config["factor"])
     elif kind == "llama3":
-        inv = _llama3(inv, scaling)
+        inv = _llama3(inv, config)
     else:
         raise ValueError(
             f"rope_scaling type {kind!r} is not supported; use one of {SUPPORTED_SCALING}"

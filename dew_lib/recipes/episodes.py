@@ -12,7 +12,7 @@
 
 Each prompt row is a task (`Prompts(row_ids=True)`: its row is its id); its data reaches the
 environment and the verifier (sync: the batch's columns; async: `prompt_tasks`' layout, the
-prompt ids as `prompt_ids` and the reward fields as text). Rows are `max_context +
+prompt ids as `prompt_ids` and the reward fields as text). Rows are `max_prompt_len +
 max_new_tokens` ids wide, one per task, sample and turn.
 
 Not here: one-turn GRPO (build.py), the episode loop and its records (dew_lib.rollouts).
@@ -87,15 +87,15 @@ def build_episode_grpo(model, variables, data: Prompts, options: GRPOOptions, ep
                              "critic at the weights that sampled")
         return _episode_ppo(model, variables, data, options, episodes, ppo, environment=environment,
                             verifier=verifier, eos_id=eos_id, decode=decode, writer=writer)
-    width = episodes.max_context + options.max_new_tokens
+    width = episodes.max_prompt_len + options.max_new_tokens
     sampling = options.sampling(eos_id)
     if options.mode == "async":
         def source(server: Any) -> EnvironmentSource:
-            return EnvironmentSource(server, environment, verifier, max_prompt_tokens=episodes.max_context,
+            return EnvironmentSource(server, environment, verifier, max_prompt_tokens=episodes.max_prompt_len,
                                      max_new_tokens=options.max_new_tokens, max_turns=episodes.max_turns,
                                      workers=episodes.workers, keep_episodes=writer is not None)
 
-        scheduled = ScheduledRollout(options, model, variables, max_prompt_len=episodes.max_context,
+        scheduled = ScheduledRollout(options, model, variables, max_prompt_len=episodes.max_prompt_len,
                                      eos_id=eos_id, decode=decode, writer=writer, source=source, truncation="mask",
                                      server=server)
         try:
@@ -106,7 +106,7 @@ def build_episode_grpo(model, variables, data: Prompts, options: GRPOOptions, ep
         return Built(objective=scheduled.objective, dataset=dataset, rollout=scheduled)
     objective = options.objective(model, variables, width)
     drawn = EpisodeRollout(TextGeneration(model, pad_id=data.pad_id), environment, verifier,
-                           max_prompt_tokens=episodes.max_context, max_new_tokens=options.max_new_tokens,
+                           max_prompt_tokens=episodes.max_prompt_len, max_new_tokens=options.max_new_tokens,
                            max_turns=episodes.max_turns, groups=options.groups, sampling=sampling,
                            estimator=options.advantage_estimator, workers=episodes.workers)
     rollout = drawn if writer is None else RecordedRollout(drawn, episode_sessions(drawn, writer, decode))
@@ -116,7 +116,7 @@ def build_episode_grpo(model, variables, data: Prompts, options: GRPOOptions, ep
 def _episode_ppo(model, variables, data: Prompts, options: GRPOOptions, episodes: EpisodeOptions,
                  ppo: PPOOptions, *, environment, verifier, eos_id, decode, writer) -> Built:
     options.check_ppo()
-    width = episodes.max_context + options.max_new_tokens
+    width = episodes.max_prompt_len + options.max_new_tokens
     critic = ValueHead(model)
     objective = PPOObjective(model, width - 1, critic=critic, beta=options.beta, pretrained=variables,
                              critic_variables=critic_from_policy(critic, variables, width - 1),
@@ -125,7 +125,7 @@ def _episode_ppo(model, variables, data: Prompts, options: GRPOOptions, episodes
                              dual_clip=options.dual_clip, kl_estimator=options.kl_estimator,
                              sampling_temperature=options.temperature)
     sampled = EpisodeRollout(objective.policy(pad_id=data.pad_id), environment, verifier,
-                             max_prompt_tokens=episodes.max_context, max_new_tokens=options.max_new_tokens,
+                             max_prompt_tokens=episodes.max_prompt_len, max_new_tokens=options.max_new_tokens,
                              max_turns=episodes.max_turns, groups=options.groups,
                              sampling=options.sampling(eos_id), workers=episodes.workers)
     trained = PPORollout(objective, sampled, gamma=ppo.gamma, lam=ppo.lam, epochs=ppo.epochs,

@@ -60,7 +60,8 @@ def build_flow_grpo(model, process, variables, shape: Sequence[int], reward,
     images of `shape` (H, W, C), scored by `reward(images, batch) -> [N]`."""
     inputs = InputSpec(Field("image", shape))
     objective = FlowGRPOObjective(model, process, inputs, sde=FlowSDE(noise_level=options.noise_level),
-                                  beta=options.beta, clip_range=options.clip_range, guidance=None,
+                                  beta=options.beta, clip_range=options.epsilon_low,
+                                  clip_range_high=options.epsilon_high, guidance=None,
                                   steps=options.preview_steps, pretrained=variables)
     rollout = FlowRollout(objective, reward, groups=options.groups, steps=options.rollout_steps,
                           train_steps=options.train_steps)

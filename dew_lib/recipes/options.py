@@ -14,15 +14,19 @@ nowhere else.
 
 `LATER` on a class names fields added after stages were first fingerprinted: a stage's key counts
 them only when they are set away from their defaults, so finished stages of earlier runs are still
-reused (tasks/train.py `stage_inputs`).
+reused (tasks/train.py `stage_inputs`). `RENAMED` maps a field's earlier name to its name now: a
+parameters file or deployment that still uses the earlier name is read with a warning, and a
+stage's key reads the field under its earlier name and value, so renaming it kept every key.
 
 Not here: data specs (the loaders' own lengths), the pipeline's own choices (tasks/params.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Sequence
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import optax
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -34,11 +38,58 @@ from dew_lib.sampling import Sampling
 Band = tuple[float, float]
 
 
+@dataclasses.dataclass(frozen=True)
+class Renamed:
+    """A field's name now, what its value adds to the value it had under the earlier name, and
+    the fields that took over that one value as well (keyed as the earlier field while equal)."""
+
+    name: str
+    shift: int = 0
+    also: tuple[str, ...] = ()
+
+
 class Options(BaseModel):
     """Frozen, and unknown fields are refused, so a typo is an error, not a no-op."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     LATER: ClassVar[frozenset[str]] = frozenset()
+    RENAMED: ClassVar[dict[str, Renamed]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _earlier_names(cls, data: Any) -> Any:
+        """Read a field given under its earlier name (a parameters file from before the rename)."""
+        if not isinstance(data, dict) or not cls.RENAMED.keys() & data.keys():
+            return data
+        data = dict(data)
+        for earlier, now in cls.RENAMED.items():
+            if earlier not in data:
+                continue
+            if now.name in data:
+                raise ValueError(f"{cls.__name__} was given both {earlier!r} and {now.name!r}, which is its "
+                                 f"name now; keep only {now.name!r}")
+            value = data.pop(earlier)
+            data[now.name] = value + now.shift if now.shift and isinstance(value, int) else value
+            for field in now.also:
+                data.setdefault(field, data[now.name])
+            shifted = f" (= {earlier} + {now.shift})" if now.shift else ""
+            warnings.warn(f"{cls.__name__}.{earlier} is now {now.name}{shifted}; read {earlier}={value!r} "
+                          f"as {now.name}={data[now.name]!r}: rename it in your parameters",
+                          FutureWarning, stacklevel=2)
+        return data
+
+    def key_fields(self, exclude: set[str] | frozenset[str] = frozenset()) -> dict:
+        """The fields as a stage's key reads them: JSON values, renamed fields under their earlier
+        names and values, so a rename changes no key."""
+        dumped = self.model_dump(mode="json", exclude=set(exclude))
+        for earlier, now in self.RENAMED.items():
+            if now.name in dumped:
+                value = dumped.pop(now.name)
+                if all(dumped.get(field) == value for field in now.also):
+                    for field in now.also:
+                        dumped.pop(field, None)
+                dumped[earlier] = value - now.shift if now.shift and isinstance(value, int) else value
+        return dumped
 
 
 class TrainOptions(Options):
@@ -135,15 +186,25 @@ class GRPOOptions(TrainOptions):
     behavior_importance: float = Field(2.0, ge=1, description="async: TIS cap on the proximal over "
                                        "behavior likelihood ratio, which lagged rollouts need (>= 1: a "
                                        "cap below 1 would shrink every on-policy token)")
+    proximal: Literal["in_update", "bypass"] = Field(
+        "in_update", description="async: the policy the clipped ratio compares with. 'in_update': the "
+        "weights the update trains (AReaL's decoupled PPO), with each lagged token weighted by the "
+        "behavior_importance cap; 'bypass': none, the ratio is current over behavior (verl's bypass "
+        "mode: the clip also bounds the lag's drift, and behavior_importance is not used). Sync "
+        "rollouts train under the weights that drew them, so their proximal policy is exact")
 
     LATER = TrainOptions.LATER | {"kl_estimator", "advantage_estimator", "policy_loss", "epsilon_low",
                                   "epsilon_high", "dual_clip", "aggregation", "sequence_mask",
-                                  "geometric_mask"}
+                                  "geometric_mask", "proximal"}
 
     @model_validator(mode="after")
     def _schedule(self) -> GRPOOptions:
         if self.mode == "async":
             lag_bound("GRPOOptions", self.max_lag, self.ahead, self.sync_every)
+        elif self.proximal != "in_update":
+            raise ValueError(f"GRPOOptions.proximal={self.proximal!r} chooses the proximal policy of lagged "
+                             "rollouts, and mode='sync' has none (each batch trains under the weights that "
+                             "drew it); set mode='async', or leave proximal='in_update'")
         for name in ("sequence_mask", "geometric_mask"):
             band = getattr(self, name)
             if band is not None and not 0 <= band[0] < 1 < band[1]:
@@ -154,8 +215,10 @@ class GRPOOptions(TrainOptions):
     def objective(self, model, variables, width: int, *, lagged: bool = False) -> GRPOObjective:
         """The GRPOObjective these options choose, on rows `width` ids wide, with `variables` as
         the frozen reference. lagged: rollouts may come from older weights (async), so the
-        objective caps the proximal over behavior ratio at `behavior_importance` (TIS)."""
-        correction = {"behavior_importance": self.behavior_importance} if lagged else {}
+        objective caps the proximal over behavior ratio at `behavior_importance` (TIS), unless
+        `proximal` is 'bypass', whose ratio already is current over behavior."""
+        capped = lagged and self.proximal == "in_update"
+        correction = {"behavior_importance": self.behavior_importance} if capped else {}
         return GRPOObjective(model, width - 1, pretrained=variables, beta=self.beta, policy_loss=self.policy_loss,
                              epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
                              dual_clip=self.dual_clip, aggregation=self.aggregation,
@@ -180,16 +243,19 @@ class GRPOOptions(TrainOptions):
 
 # What PPO's objective trains; GRPO's options that PPO reads must keep these values.
 PPO_POLICY = {"policy_loss": "ppo", "aggregation": "token-mean", "advantage_estimator": "group",
-              "sequence_mask": None, "geometric_mask": None}
+              "sequence_mask": None, "geometric_mask": None, "proximal": "in_update"}
 
 
 class EpisodeOptions(Options):
     """The shape of a tool episode: how many turns, how much context a turn reads."""
 
     max_turns: int = Field(2, ge=1, description="model turns per episode (a call, then the answer)")
-    max_context: int = Field(64, ge=1, description="ids a turn may read: the prompt, earlier turns and "
-                             "the tool's answers; a longer context truncates the episode")
+    max_prompt_len: int = Field(64, ge=1, description="ids a turn may read: the prompt, earlier turns "
+                                "and the tool's answers; a longer context truncates the episode (the "
+                                "library's EpisodeRollout.max_prompt_tokens)")
     workers: int = Field(8, ge=1, description="threads that step the episodes' tools at once")
+
+    RENAMED = {"max_context": Renamed("max_prompt_len")}
 
 
 class PPOOptions(Options):
@@ -205,8 +271,9 @@ class PPOOptions(Options):
     epochs: int = Field(1, ge=1, description="passes over each collection of episodes (each pass "
                         "counts `minibatches` of the stage's steps)")
     minibatches: int = Field(1, ge=1, description="slices each pass is trained in, one step each")
-    critic_learning_rate: float | None = Field(None, gt=0, description="the critic's AdamW rate (empty: "
-                                               "the policy's learning_rate; verl's critic learns 10x faster)")
+    critic_learning_rate: float | None = Field(5e-4, gt=0, description="the critic's AdamW rate, 10x "
+                                               "the policy's default as in verl (empty: the policy's "
+                                               "learning_rate, which leaves the critic far behind)")
 
 
 class ImageTrainOptions(TrainOptions):
@@ -243,10 +310,16 @@ class FlowGRPOOptions(ImageTrainOptions):
     train_steps: int | None = Field(None, ge=1, description="train on the first this many "
                                     "transitions of each path (empty: all)")
     beta: float = Field(0.05, ge=0, description="weight of the transition KL to the pre-trained model")
-    clip_range: float = Field(1e-4, gt=0, description="PPO clip of the per-coordinate ratio")
+    epsilon_low: float = Field(1e-4, gt=0, lt=1, description="the per-coordinate ratio is clipped below "
+                               "at 1 - epsilon_low (the library's FlowGRPOObjective.clip_range)")
+    epsilon_high: float = Field(1e-4, gt=0, description="the per-coordinate ratio is clipped above at "
+                                "1 + epsilon_high (FlowGRPOObjective.clip_range_high)")
     noise_level: float = Field(0.7, ge=0, description="the SDE's exploration noise (a in "
                                "sigma = a sqrt(t / (1 - t)))")
     preview_steps: int = Field(11, ge=2, description="time points of the deterministic preview sampler")
+
+    # One clip_range was both bounds: while they are equal, the key reads them as it.
+    RENAMED = {"clip_range": Renamed("epsilon_low", also=("epsilon_high",))}
 
 
 def _adam(rate: optax.ScalarOrSchedule, weight_decay: float) -> optax.GradientTransformation:
@@ -273,4 +346,4 @@ def optimizer(options: TrainOptions, critic_learning_rate: float | None = None) 
 
 
 __all__ = ["DPOOptions", "EpisodeOptions", "FlowGRPOOptions", "FlowPretrainOptions", "GRPOOptions", "Options",
-           "PPOOptions", "SFTOptions", "TrainOptions", "optimizer"]
+           "PPOOptions", "Renamed", "SFTOptions", "TrainOptions", "optimizer"]

@@ -3,7 +3,9 @@ writes.
 
 `RecordedRollout(rollout, record)` is what the Trainer calls in place of `rollout`: it times the
 call and hands the rollout's state, batch and seconds to `record`, which reads what the rollout
-just drew (its `last_*` attributes) and writes it through the stage's `StageWriter`. The batch
+just drew (its `last_*` attributes) and writes it through the stage's `StageWriter`. Each
+session's `latency` is its own (`last_latencies`: a lockstep draw finishes every row together, so
+the call's seconds would give every session of an update the same number). The batch
 reaches the Trainer unchanged. The recorders here are the text rollouts'; the image stages'
 (`FlowRollout` samples and previews) lives with their task (tasks/flow_train.py).
 
@@ -51,7 +53,7 @@ def sampled_sessions(rollout, writer, verdicts: Verdicts | None = None) -> Recor
     def record(state, batch, seconds: float) -> None:
         update, sessions, runs = updates(state), rollout.last_sessions, rollout.last_reward_details
         writer.prompts(rollout.last_tasks, update=update, decode=rollout.decode)
-        writer.sessions(sessions, update=update, latencies=[seconds] * len(sessions), causes="admitted",
+        writer.sessions(sessions, update=update, latencies=rollout.last_latencies, causes="admitted",
                         truncation="score",
                         verdicts=[verdicts(r or ()) for r in runs] if runs and verdicts else None)
 
@@ -72,7 +74,7 @@ def episode_sessions(rollout, writer, decode=None) -> Record:
         written[0] = results
         update = updates(state)
         writer.prompts(prompt_tasks(batch), update=update, decode=decode)
-        writer.sessions([r.session for r in results], update=update, latencies=[seconds] * len(results),
+        writer.sessions([r.session for r in results], update=update, latencies=episodes.last_latencies,
                         causes="admitted", truncation="mask", episodes=[r.episode for r in results])
 
     return record

@@ -17,24 +17,40 @@ within the staleness bound of the checkpoint's update (`Store.resumable_sessions
 tests/test_rollout_scheduler.py SIGKILLs), and offers them to the scheduler, so they are trained
 instead of drawn again. See docs/rl.md, "Resume".
 
+In a multi-process job each process builds its own: a server and a source over its own share of
+the prompts, packing `batch / processes` prompts' groups a step; each writes through the `writer`
+its process was given (the pipeline gathers them onto process 0: tasks/job_records.py).
+
 Not here: the scheduler and sources themselves (dew_lib.rollouts), the synchronous mode
 (build.py), the tool-episode source's setup (episodes.py), Prefect (tasks/train.py calls this).
 """
 
 from __future__ import annotations
 
+import jax
+
 from dew_lib.inference import NativeRolloutServer, Server, ServeTask
 from dew_lib.rollouts import PromptSource, RolloutScheduler, prompt_tasks
 from dew_lib.rollouts.sampled import token_text
+from dew_lib.train.distributed import every_process
 
 TRUNCATION = "score"  # a completion that used its whole budget is still graded and trained
+
+
+def _rows_per_process(options) -> int:
+    """The rows this process's scheduler packs: its share of the batch's prompts, `groups` each."""
+    processes = jax.process_count()
+    if options.batch % processes:
+        raise ValueError(f"GRPOOptions.batch={options.batch} does not divide across {processes} processes; "
+                         "each process's scheduler draws batch / processes prompts a step")
+    return options.batch // processes * options.groups
 
 
 class ScheduledRollout:
     """RolloutScheduler + PromptSource + NativeRolloutServer for one GRPO stage; `close` stops them.
 
     options: GRPOOptions (options.py; besides the loss and sampling, its async fields: ahead,
-    max_lag, sync_every, oversample, max_attempts, timeout, slots, behavior_importance). reward:
+    max_lag, sync_every, oversample, max_attempts, timeout, slots, behavior_importance, proximal). reward:
     grades each completion. max_prompt_len: the prompt spec's width. eos_id: the id (or ids)
     that end a completion (None: only the budget). decode: sampled ids -> text (None: token-id
     text). reward_details: the reward's record of its latest call on the calling thread (e.g.
@@ -76,11 +92,12 @@ class ScheduledRollout:
                                            **decoded)
             self.scheduler = RolloutScheduler(
                 self.objective, self.source, self.server, width=width,
-                rows=options.batch * options.groups, groups=options.groups,
+                rows=_rows_per_process(options), groups=options.groups,
                 tasks=prompt_tasks if writer is None else self._tasks,
                 oversample=options.oversample, max_lag=options.max_lag, ahead=options.ahead,
                 sync_every=options.sync_every, max_attempts=options.max_attempts,
                 timeout=options.timeout, estimator=options.advantage_estimator, truncation=truncation,
+                proximal=options.proximal,
                 log=None if writer is None else writer.record,
                 session_log=None if writer is None else self._record)
         except BaseException:
@@ -125,13 +142,19 @@ class ScheduledRollout:
         stage resumes from; the run that recorded it wrote those sessions (this run on a Prefect
         retry, an earlier flow run of the same pipeline name when a killed process is run
         again). Returns (that run, samples offered).
+
+        In a multi-process job every process calls it: process 0 reads the store (the others
+        pass store=None) and hands what it read to every process, whose scheduler takes only
+        the sessions of its own task rows.
         """
-        _, found = store.rows("SELECT run FROM checkpoints WHERE stage = ? AND step = ? AND path = ? "
-                              "ORDER BY written_at DESC LIMIT 1", [stage, int(resumed), checkpoint])
-        earlier = found[0][0] if found else run
-        offered = self.scheduler.reuse(store.resumable_sessions(earlier, stage, updates=resumed,
-                                                                max_lag=self.scheduler.max_lag))
-        return earlier, offered
+        read = None
+        if store is not None:
+            _, found = store.rows("SELECT run FROM checkpoints WHERE stage = ? AND step = ? AND path = ? "
+                                  "ORDER BY written_at DESC LIMIT 1", [stage, int(resumed), checkpoint])
+            earlier = found[0][0] if found else run
+            read = earlier, store.resumable_sessions(earlier, stage, updates=resumed, max_lag=self.scheduler.max_lag)
+        earlier, sessions = every_process(read)[0]
+        return earlier, self.scheduler.reuse(sessions)
 
     def close(self) -> None:
         try:

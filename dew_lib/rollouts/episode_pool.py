@@ -9,17 +9,22 @@ After each phase that can fail (entering and resetting the environments, a
 turn's tool calls, the verifier) the processes agree: a failure on one raises on all of them,
 and each releases its own environments on the way out.
 
-Not here: the collection itself (episodes.py). A journal is refused in a multi-process job: its
-restored rounds are one process's.
+With journals (one per process, `rank-<i>.sqlite`), a restarted job restores only the rounds
+every process's journal saved (`agreed`), so the cohort's draws stay collective.
+
+Not here: the collection itself (episodes.py), the journal (journal.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from collections.abc import Callable
 
 import jax
 import numpy as np
 
+from dew_lib.rollouts.journal_records import Restored
 from dew_lib.train.distributed import every_process, gather_rows, raise_together
 
 
@@ -35,11 +40,21 @@ def cohort(contexts: list[np.ndarray], width: int) -> list[np.ndarray]:
     return [row[:length] for row, length in zip(gather_rows(padded), lengths, strict=True)]
 
 
-def check_journal(journal) -> None:
-    """Refuse a journal in a multi-process job: its restored rounds would be one process's."""
-    if journal is not None and jax.process_count() > 1:
-        raise ValueError(f"EpisodeRollout.journal restores one process's collection; this job has "
-                         f"{jax.process_count()} processes. Leave journal=None in a multi-process job")
+def agreed(log) -> Restored:
+    """What the processes restore of a collection together: in one process, all its journal
+    holds; in a job, the rounds every process's journal saved, a process whose episodes all
+    ended counting every later round as saved (it draws nothing in them). A process killed
+    between two commits leaves the others a round ahead (or done: a finished collection starts
+    over), and a round one process restores and another draws would meet the other process's
+    cohort draw with no partner; the later rounds are dropped, to be drawn and answered again."""
+    restored = log.restored()
+    if jax.process_count() == 1:
+        return restored
+    saved = restored.rounds()
+    common = min(every_process(saved if restored.runs_on() else sys.maxsize))
+    if common < saved:
+        restored = log.keep_rounds(common)
+    return dataclasses.replace(restored, shared=common)
 
 
 def check_cohort(rollout, tasks: int) -> None:
@@ -48,6 +63,7 @@ def check_cohort(rollout, tasks: int) -> None:
     if jax.process_count() == 1:
         return
     shape = {"tasks": tasks, "groups": rollout.groups, "max_turns": rollout.max_turns,
+             "journal": rollout.journal is not None,
              "max_prompt_tokens": rollout.max_prompt_tokens, "max_new_tokens": rollout.max_new_tokens,
              "sampling": repr(rollout.sampling)}
     shapes = every_process(shape)
@@ -70,4 +86,4 @@ def together(work: Callable[[], None], what: str) -> None:
     raise_together(None, what)
 
 
-__all__ = ["check_cohort", "check_journal", "cohort", "together"]
+__all__ = ["agreed", "check_cohort", "cohort", "together"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,9 +40,10 @@ class Slot:
     status: EpisodeStatus = EpisodeStatus.RUNNING
     detail: str = ""
     reward: float | None = None
+    ended: float | None = None  # time.perf_counter() when it ended
 
     def end(self, status: EpisodeStatus, detail: str) -> None:
-        self.status, self.detail = status, detail
+        self.status, self.detail, self.ended = status, detail, time.perf_counter()
 
     def episode(self, origin: int, status: EpisodeStatus | None = None, detail: str | None = None) -> Episode:
         first = self.first or Observation(status=EpisodeStatus.ERROR, detail="never reset")

@@ -35,7 +35,8 @@ round's draws are committed before its tool calls, each tool's answer with the e
 `get_state()` snapshot before that slot's next call, and a restarted `collect` at the same clocks
 rebuilds the collection from them (answered turns as recorded, environments reset then given
 their last snapshot, saved draws reused) and runs again only the tool calls left unanswered.
-In a multi-process job each process runs its own rows' episodes, drawn together (episode_pool.py).
+In a multi-process job each process runs its own rows' episodes, drawn together, and journals
+its own; a restarted job restores the rounds every process saved (episode_pool.py).
 
 Not here: the records (`dew_lib.records.episodes`), one running episode's slot and its helpers
 (episode_slots.py), subprocess environments (`subprocess_environment.py`), episodes on a rollout
@@ -69,7 +70,7 @@ from dew_lib.records.episodes import (
     check_action,
 )
 from dew_lib.records.sessions import TRUNCATION, Call, Session, Status, Task
-from dew_lib.rollouts.episode_pool import check_cohort, check_journal, cohort, together
+from dew_lib.rollouts.episode_pool import agreed, check_cohort, cohort, together
 from dew_lib.rollouts.episode_slots import (
     Slot,
     SlotError,
@@ -154,6 +155,10 @@ class EpisodeRollout:
     makes collections resumable; its environments need `get_state()` and `set_state(bytes)`.
     truncation: how truncated episodes train: "mask" (not at all), "score" (on their verifier's
     reward, as verl and TRL grade a reply cut at its length) or "zero" (on reward 0).
+
+    After a collection, `last_results` holds its results and `last_latencies` each episode's own
+    seconds from the collection's start to its end (its last answer, or the round that truncated
+    it), before the verifiers, which score every episode once all have ended.
     """
 
     def __init__(self, policy, environment: EnvironmentFactory, verifier: Verifier, *,
@@ -181,12 +186,12 @@ class EpisodeRollout:
             raise ValueError(f"EpisodeRollout.truncation must be one of {TRUNCATION}, got {truncation!r}")
         if journal is not None and not isinstance(journal, EpisodeJournal):
             raise TypeError(f"EpisodeRollout.journal must be an EpisodeJournal or None, got {type(journal).__name__}")
-        check_journal(journal)
         self.journal = journal
         self.policy, self.environment, self.verifier = policy, environment, verifier
         self.sampling, self.record, self.estimator = sampling, record, estimator
         self.truncation = truncation
         self.last_results: list[EpisodeResult] = []
+        self.last_latencies: list[float | None] = []
 
     @property
     def width(self) -> int:
@@ -208,10 +213,11 @@ class EpisodeRollout:
         """Run every episode of `batch` under one binding of `snapshot`; the results in task,
         then sample order. step: the attempted-work clock (episode identities); policy_step: the
         committed update clock (each action's version)."""
+        started = time.perf_counter()
         tasks = _tasks(batch)
         check_cohort(self, len(tasks))
         log = self._log(snapshot, tasks, key, step, policy_step)
-        restored = log.restored()
+        restored = agreed(log)
         policy = self.policy.bind(snapshot)
         first = jax.process_index() * len(tasks)  # this process's first task row of the job's batch
         seeds = _seeds(key, len(tasks) * jax.process_count(), self.groups)[first:first + len(tasks)]
@@ -246,6 +252,7 @@ class EpisodeRollout:
         results = [self._release(slot, policy.binding) for slot in slots]
         log.finished([slot.reward for slot in slots])
         self.last_results = results
+        self.last_latencies = [None if s.ended is None else s.ended - started for s in slots]
         if self.record is not None:
             for result in results:
                 self.record(result)

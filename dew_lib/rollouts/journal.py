@@ -23,7 +23,10 @@ saved reuses them instead of sampling. Tool calls whose answer was not committed
 effect between a saved draw and its answer's commit can happen twice, so environments key
 outside effects by the episode identity and the action. Rounds after that sample with the
 round's own key, so they draw what the uninterrupted run would have drawn. A finished
-collection is never rebuilt: a later collection with the same clocks starts over.
+collection is never rebuilt: a later collection with the same clocks starts over. In a job of
+several processes each keeps its own rank's journal, and a restarted collection keeps only the
+rounds every rank saved (`CollectionLog.keep_rounds`, through episode_pool.agreed): one process
+killed between two commits leaves the others ahead, and the cohort draws every round together.
 
 Answers that several slots commit at once share one transaction (a group commit: each caller
 still returns only once its own row is synced), so a cohort pays about one sync per wave of
@@ -130,6 +133,16 @@ class CollectionLog:
                observation.status.value, observation.detail, float(transition.seconds), bytes(snapshot))
         self.journal._commits.write("INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [row])
 
+    def keep_rounds(self, rounds: int) -> Restored:
+        """Forget every round from `rounds` on (its draws and answers, here and on disk), so it is
+        drawn and answered again; what stays restored. A multi-process job keeps the rounds
+        every process saved (episode_pool.agreed)."""
+        with self.journal._transaction() as db:
+            db.execute("DELETE FROM draws WHERE collection = ? AND turn >= ?", (self.collection, rounds))
+            db.execute("DELETE FROM turns WHERE collection = ? AND turn >= ?", (self.collection, rounds))
+        self._restored = self._restored.up_to(rounds)
+        return self._restored
+
     def finished(self, rewards: Sequence[float | None]) -> None:
         """Record the rewards and that the collection finished: it is never rebuilt again."""
         with self.journal._transaction() as db:
@@ -151,6 +164,9 @@ class Unjournaled:
 
     def completed(self, slot: int, transition: Transition, snapshot: bytes) -> None:
         pass
+
+    def keep_rounds(self, rounds: int) -> Restored:
+        return Restored()
 
     def finished(self, rewards: Sequence[float | None]) -> None:
         pass

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dew_lib.records.episodes import Action, Observation
+from dew_lib.records.episodes import Action, EpisodeStatus, Observation
 from dew_lib.sampling import Sampling
 
 
@@ -158,15 +158,42 @@ class Restored:
     """What the journal held for an unfinished collection (empty for a new one).
 
     draws: turn -> slot -> PendingDraw. turns: (turn, slot) -> CompletedTurn. where: the
-    journal's directory, for errors.
+    journal's directory, for errors. shared: in a multi-process job, the rounds every process
+    restores (episode_pool.agreed); in those, a process none of whose slots runs draws nothing.
     """
 
     draws: Mapping[int, Mapping[int, PendingDraw]] = dataclasses.field(default_factory=dict)
     turns: Mapping[tuple[int, int], CompletedTurn] = dataclasses.field(default_factory=dict)
     where: str = ""
+    shared: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.draws)
+
+    def rounds(self) -> int:
+        """How many rounds, from round 0 on, have their draws saved."""
+        count = 0
+        while count in self.draws:
+            count += 1
+        return count
+
+    def up_to(self, rounds: int) -> Restored:
+        """Only the draws and answers of the first `rounds` rounds."""
+        return Restored({t: d for t, d in self.draws.items() if t < rounds},
+                        {k: v for k, v in self.turns.items() if k[0] < rounds}, self.where, self.shared)
+
+    def runs_on(self) -> bool:
+        """Whether a slot may still run after the last saved round: one whose draw ended at EOS
+        and whose answer is missing or left its episode running (True when nothing was saved).
+        A slot that used its budget ended there, and one without a draw ended before it."""
+        last = self.rounds() - 1
+        if last < 0:
+            return True
+        for slot, draw in self.draws[last].items():
+            done = self.turns.get((last, slot))
+            if draw.terminated and (done is None or done.observation.status is EpisodeStatus.RUNNING):
+                return True
+        return False
 
     def snapshots(self) -> dict[int, bytes]:
         """Each slot's snapshot after its last answered turn (slots never answered: absent)."""
@@ -181,7 +208,7 @@ class Restored:
         running slots and the contexts they read now (`contexts`: slot -> ids)."""
         draws = self.draws.get(turn)
         if draws is None:
-            return None
+            return {} if not contexts and turn < self.shared else None
         if set(draws) != set(contexts):
             raise JournalMismatch(f"the journal in {self.where} saved round {turn}'s draws for slots "
                                   f"{sorted(draws)}, but slots {sorted(contexts)} are running now; the "

@@ -11,6 +11,11 @@ prepares PPO's targets:
   3. the advantages whitened over every sampled id of the batch (unbiased variance), the
      returns taken before whitening: `returns = advantages + old_values`.
 
+In a multi-process job each process collects, values and packs its own task rows (its critic
+read from its own copy of the weights), and the GAE sequences of every process are gathered for
+step 3, so the batch whitened is the job's, as in one process. Minibatches are cut from each
+process's own rows (every process shuffles its rows with the same key).
+
 Truncated and failed episodes are masked by the packer and take no part. A batch with exactly
 one sampled id is refused (its variance is undefined); one with none gets zero targets, so the
 update has no gradient. GAE runs compiled at one shape per rollout: `[episodes, max_turns *
@@ -40,6 +45,7 @@ from dew_lib.objectives import algorithms
 from dew_lib.objectives.batch import PackedBatch
 from dew_lib.options import integer, number
 from dew_lib.rollouts.episodes import EpisodeRollout, project
+from dew_lib.train.distributed import gather_rows, local_copy, own_rows
 
 
 class PPORollout:
@@ -101,12 +107,23 @@ class PPORollout:
 
     def prepare(self, params, packed: PackedBatch, *, episodes: int) -> PackedBatch:
         """`packed` with the critic's targets under `params` (the PPO variables). episodes: how
-        many sessions the rows hold (their `session_index` runs below it)."""
+        many sessions the rows hold (their `session_index` runs below it). In a multi-process
+        job every process calls it with its own rows, and the advantages are whitened over the
+        job's whole batch, as one process would whiten them."""
         fields = {k: packed[k] for k in ("input_ids", "text_segment_ids", "text_positions")}
-        values = np.asarray(jax.device_get(self._values(params["critic"], fields)), np.float32)
+        critic = local_copy(params["critic"])  # this process's rows, on this process's copy
+        values = np.asarray(jax.device_get(self._values(critic, fields)), np.float32)
         mask = np.asarray(packed["response_mask"]) > 0
         rows, columns = np.nonzero(mask)
-        count = rows.size
+        sequences = _Sequences(episodes, self.horizon)
+        if rows.size:
+            session = np.asarray(packed["session_index"])[rows, columns]
+            call = np.asarray(packed["call_index"])[rows, columns]
+            order = np.lexsort((columns, rows, call, session))  # each episode's ids in draw order
+            rows, columns = rows[order], columns[order]
+            sequences.fill(session[order], values[rows, columns], np.asarray(packed["rewards"])[rows, columns])
+        rewards, sequence_values, sequence_mask = (gather_rows(x) for x in sequences.arrays())
+        count = int(sequence_mask.sum())
         if count == 1:
             raise ValueError("this batch has exactly one sampled id to train; PPO whitens advantages over "
                              "the batch, which needs at least two (draw more episodes per batch)")
@@ -114,28 +131,43 @@ class PPORollout:
         advantages = np.zeros(mask.shape, np.float32)
         returns = np.zeros(mask.shape, np.float32)
         if count:
-            session = np.asarray(packed["session_index"])[rows, columns]
-            call = np.asarray(packed["call_index"])[rows, columns]
-            order = np.lexsort((columns, rows, call, session))  # each episode's ids in draw order
-            rows, columns, session = rows[order], columns[order], session[order]
-            starts = np.searchsorted(session, session, side="left")
-            place = np.arange(count) - starts  # position within its episode
-            if place.max() >= self.horizon:
-                raise ValueError(f"an episode holds {place.max() + 1} sampled ids, more than max_turns x "
-                                 f"max_new_tokens = {self.horizon}")
-            grid = (session, place)
-            sequence_values = np.zeros((episodes, self.horizon), np.float32)
-            sequence_mask = np.zeros((episodes, self.horizon), np.float32)
-            rewards = np.zeros((episodes, self.horizon), np.float32)
-            sequence_values[grid] = values[rows, columns]
-            sequence_mask[grid] = 1.0
-            last = np.r_[session[1:] != session[:-1], True]  # the last sampled id of each episode
-            rewards[session[last], place[last]] = np.asarray(packed["rewards"])[rows[last], columns[last]]
-            whitened, targets = (np.asarray(x) for x in self._targets(rewards, sequence_values, sequence_mask))
+            whitened, targets = (own_rows(np.asarray(x), episodes)
+                                 for x in self._targets(rewards, sequence_values, sequence_mask))
+        if rows.size:
+            grid = sequences.grid
             old_values[rows, columns] = values[rows, columns]
             advantages[rows, columns] = whitened[grid]
             returns[rows, columns] = targets[grid]
         return packed.replace(old_values=old_values, advantages=advantages, returns=returns)
+
+
+class _Sequences:
+    """Each episode's sampled ids as one row of `[episodes, horizon]` grids: the critic's
+    values, a mask, and the verifier's reward on the last id."""
+
+    def __init__(self, episodes: int, horizon: int):
+        self.horizon = horizon
+        self.values = np.zeros((episodes, horizon), np.float32)
+        self.mask = np.zeros((episodes, horizon), np.float32)
+        self.rewards = np.zeros((episodes, horizon), np.float32)
+        self.grid: tuple[np.ndarray, np.ndarray] = (np.zeros(0, int), np.zeros(0, int))
+
+    def fill(self, session: np.ndarray, values: np.ndarray, rewards: np.ndarray) -> None:
+        """Place sampled ids sorted by episode, then draw order (`session`: each id's episode)."""
+        count = session.size
+        starts = np.searchsorted(session, session, side="left")
+        place = np.arange(count) - starts  # position within its episode
+        if place.max() >= self.horizon:
+            raise ValueError(f"an episode holds {place.max() + 1} sampled ids, more than max_turns x "
+                             f"max_new_tokens = {self.horizon}")
+        self.grid = (session, place)
+        self.values[self.grid] = values
+        self.mask[self.grid] = 1.0
+        last = np.r_[session[1:] != session[:-1], True]  # the last sampled id of each episode
+        self.rewards[session[last], place[last]] = rewards[last]
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.rewards, self.values, self.mask
 
 
 def _targets(rewards, values, mask, *, gamma: float, lam: float):

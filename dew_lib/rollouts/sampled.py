@@ -19,7 +19,9 @@ one batch still makes two groups.
 
 After a call, `last_tasks` holds the batch's tasks (one per prompt row, with its prompt ids and
 reward fields: what the run store's `prompts` table records), `last_sessions` the sessions it
-drew; with `reward_details` (a function
+drew, `last_latencies` each session's own seconds from the call's start until its reward was in
+(every row is generated in one lockstep draw, so sessions differ by their decoding, scoring and
+wait for a scoring thread; the run store's `sessions.latency`); with `reward_details` (a function
 called on the scoring thread right after each reward call, such as `CodeReward.last_runs`),
 `last_reward_details[n]` holds what it returned for `last_sessions[n]`, so a caller can record
 what the reward did (the programs a code reward ran) beside each session.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -102,6 +105,7 @@ class SampledRollout:
         self.last_tasks: list[Task] = []
         self.last_sessions: list[Session] = []
         self.last_reward_details: list[Any] = []
+        self.last_latencies: list[float] = []
 
     def __call__(self, state, batch, key) -> PackedBatch:
         prompt = np.asarray(batch["prompt"], np.int32)
@@ -113,6 +117,7 @@ class SampledRollout:
                 f"are {width + self.max_new_tokens} wide, but the objective reads seq_len + 1 = "
                 f"{self.objective.width}; set GRPOObjective(seq_len={width + self.max_new_tokens - 1})"
             )
+        started = time.perf_counter()
         tasks = prompt_tasks(batch)  # each row's stable id, prompt ids and reward fields
         g = self.groups
         # Every process draws the job's whole batch, the same computation a single process runs
@@ -129,7 +134,7 @@ class SampledRollout:
 
         texts = [completion(n) for n in range(rows * g)]
 
-        def score(n: int) -> tuple[float, Any]:
+        def score(n: int) -> tuple[float, Any, float]:
             b = n // g
             data = tasks[b].data
             try:
@@ -147,11 +152,11 @@ class SampledRollout:
                     f"the reward returned {value} on prompt row {b}, sample {n % g}, completion "
                     f"{texts[n][:200]!r}; rewards must be finite numbers"
                 )
-            return value, details
+            return value, details, time.perf_counter() - started  # this session's reward is in
 
         with concurrent.futures.ThreadPoolExecutor(min(self.workers, rows * g)) as pool:
             scored = list(pool.map(score, range(rows * g)))
-        rewards = [value for value, _ in scored]
+        rewards = [value for value, _, _ in scored]
         version = int(np.asarray(jax.device_get(state.updates)))
         sessions = []
         for n in range(rows * g):
@@ -173,7 +178,8 @@ class SampledRollout:
             proximal = "in_update"
         self.last_tasks = tasks
         self.last_sessions = sessions
-        self.last_reward_details = [details for _, details in scored]
+        self.last_reward_details = [details for _, details, _ in scored]
+        self.last_latencies = [seconds for _, _, seconds in scored]
         return PackedBatch.of(packed, proximal)
 
 

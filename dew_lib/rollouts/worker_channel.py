@@ -25,7 +25,7 @@ import selectors
 import signal
 import subprocess
 import time
-from typing import NoReturn
+from typing import IO, NoReturn
 
 from dew_lib.sandbox import launcher
 from dew_lib.sandbox.limits import SandboxLimits
@@ -51,12 +51,15 @@ class WorkerChannel:
     wrapped: the worker runs under bubblewrap, which reports death by signal n as 128 + n.
     """
 
-    def __init__(self, process: subprocess.Popen, limits: SandboxLimits, *, started: float,
+    def __init__(self, process: subprocess.Popen[bytes], limits: SandboxLimits, *, started: float,
                  wrapped: bool = False):
+        if process.stdin is None or process.stdout is None or process.stderr is None:
+            raise ValueError("a WorkerChannel needs a process started with stdin, stdout and stderr piped")
         self.process, self.limits, self.wrapped = process, limits, wrapped
         self.deadline = started + limits.wall_seconds
         self.failure: str | None = None
         self._stdout, self._stderr = bytearray(), bytearray()
+        self._pipes: tuple[IO[bytes], IO[bytes], IO[bytes]] = (process.stdin, process.stdout, process.stderr)
         self._stdin_fd, self._stdout_fd = process.stdin.fileno(), process.stdout.fileno()
         self._stderr_fd = process.stderr.fileno()
         os.set_blocking(self._stdin_fd, False)
@@ -110,7 +113,7 @@ class WorkerChannel:
             self._selector.close()
             with contextlib.suppress(OSError):
                 os.close(self._pidfd)
-            for pipe in (self.process.stdin, self.process.stdout, self.process.stderr):
+            for pipe in self._pipes:
                 with contextlib.suppress(OSError):
                     pipe.close()
 
@@ -199,6 +202,8 @@ class WorkerChannel:
     def _exit_text(self) -> str:
         """How the worker ended, in words, with the limit that likely did it."""
         code = self._returncode
+        if code is None:
+            raise RuntimeError("the tool worker's exit status was asked for before it was reaped")
         if self.wrapped:
             code = signal_status(code)
         if code >= 0:

@@ -75,7 +75,7 @@ def rlimit_argv(limits: SandboxLimits, *, processes: bool = False, prlimit: str 
 
 
 def start(argv: Sequence[str], *, cwd: str, env: Mapping[str, str], user: int | None = None,
-          pass_fds: Sequence[int] = (), setpriv: str | None = None) -> subprocess.Popen:
+          pass_fds: Sequence[int] = (), setpriv: str | None = None) -> subprocess.Popen[bytes]:
     """Start `argv` in a new session with pipes on stdin, stdout and stderr.
 
     user: run as this uid and gid with no supplementary groups (only root may ask). The
@@ -111,15 +111,19 @@ class Finished:
     seconds: float
 
 
-def supervise(process: subprocess.Popen, stdin: bytes, *, started: float, wall_seconds: float,
+def supervise(process: subprocess.Popen[bytes], stdin: bytes, *, started: float, wall_seconds: float,
               max_output_bytes: int) -> Finished:
     """Run `process` to its end: feed stdin, collect output, enforce the deadline and the cap.
 
     started: `time.monotonic()` taken just before the launch; the deadline counts from it.
     The process group is killed in every case before the leader is reaped.
     """
+    if process.stdin is None or process.stdout is None or process.stderr is None:
+        kill_group(process)
+        raise ValueError("supervise needs a process started with stdin, stdout and stderr piped (see `start`)")
+    stdin_pipe, stdout_pipe, stderr_pipe = process.stdin, process.stdout, process.stderr
     deadline = started + wall_seconds
-    streams = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
+    streams = {stdout_pipe.fileno(): bytearray(), stderr_pipe.fileno(): bytearray()}
     total = 0
     cause = None
     ended_at = None
@@ -130,12 +134,12 @@ def supervise(process: subprocess.Popen, stdin: bytes, *, started: float, wall_s
         for fd in streams:
             selector.register(fd, selectors.EVENT_READ)
         pending = memoryview(stdin)
-        stdin_fd = process.stdin.fileno()
+        stdin_fd = stdin_pipe.fileno()
         if pending:
             os.set_blocking(stdin_fd, False)
             selector.register(stdin_fd, selectors.EVENT_WRITE)
         else:
-            process.stdin.close()
+            stdin_pipe.close()
         while cause is None:
             now = time.monotonic()
             if ended_at is None and now >= deadline:
@@ -161,7 +165,7 @@ def supervise(process: subprocess.Popen, stdin: bytes, *, started: float, wall_s
                     pending = pending[written:]
                     if not pending:
                         selector.unregister(fd)
-                        process.stdin.close()
+                        stdin_pipe.close()
                 else:
                     data = os.read(fd, _READ)
                     if not data:
@@ -179,7 +183,7 @@ def supervise(process: subprocess.Popen, stdin: bytes, *, started: float, wall_s
         kill_group(process)
         process.wait()
         seconds = (ended_at or time.monotonic()) - started
-        for pipe in (process.stdin, process.stdout, process.stderr):
+        for pipe in (stdin_pipe, stdout_pipe, stderr_pipe):
             with contextlib.suppress(OSError):
                 pipe.close()
     out, err = streams.values()

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -437,13 +437,17 @@ class _EventStream(StreamingResponse):
     (a stalled reader cut off by the write timeout) leaves it suspended at a `yield`, and only
     closing it runs its `finally`, which cancels the draws and frees their slots now."""
 
+    def __init__(self, events: AsyncGenerator[str, None]):
+        super().__init__(events, media_type="text/event-stream")
+        self._events = events  # the body_iterator too (StreamingResponse keeps an async one as is)
+
     async def stream_response(self, send) -> None:
-        async with contextlib.aclosing(self.body_iterator):
+        async with contextlib.aclosing(self._events):
             await super().stream_response(send)
 
 
-def _events(events) -> StreamingResponse:
-    return _EventStream(events, media_type="text/event-stream")
+def _events(events: AsyncGenerator[str, None]) -> StreamingResponse:
+    return _EventStream(events)
 
 
 def _json(model: BaseModel) -> Response:

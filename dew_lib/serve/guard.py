@@ -34,6 +34,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -42,7 +43,9 @@ from dew_lib.serve.protocol import error_response
 
 MIB = 2**20
 PUBLIC_PATHS = ("/health",)  # reachable without the key, as vLLM leaves its health probe open
-TRANSPORT = "dew.transport"  # scope["extensions"] key under which `protocol` hands over the socket
+# scope["extensions"] key under which `protocol` hands over the socket, as `{"transport": transport}`
+# (ASGI extensions are dicts)
+TRANSPORT = "dew.transport"
 API_KEY_ENV = "DEW_SERVE_API_KEY"
 PHRASES = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
            408: "Request Timeout", 413: "Request Entity Too Large", 500: "Internal Server Error"}
@@ -90,9 +93,11 @@ def install(app: FastAPI, options: ServeOptions) -> None:
     """Put `options` and the OpenAI-shaped error handlers on `app`."""
     app.state.options = options
     app.add_middleware(Guard, options=options)
-    app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(RequestValidationError, _invalid)
-    app.add_exception_handler(Exception, _failed)
+    # FastAPI's decorator form, which (unlike Starlette's add_exception_handler) is typed to take a
+    # handler for a narrower exception than Exception
+    app.exception_handler(HTTPException)(_http_error)
+    app.exception_handler(RequestValidationError)(_invalid)
+    app.exception_handler(Exception)(_failed)
 
 
 # ---- the middleware ----------------------------------------------------------------------------
@@ -186,7 +191,7 @@ class Guard:
                     await send(message)
             except TimeoutError:
                 stalled = True
-                transport = scope.get("extensions", {}).get(TRANSPORT)
+                transport = scope.get("extensions", {}).get(TRANSPORT, {}).get("transport")
                 if transport is not None:  # a socket with unread data in its buffers would never close
                     transport.abort()
                 raise ConnectionAbortedError(f"the client took no data for {seconds:g} s") from None
@@ -254,7 +259,7 @@ def protocol(read_timeout: float) -> type:
             super().handle_events()
             if self.cycle is not cycle:  # a request's headers arrived
                 self._disarm()
-                self.cycle.scope.setdefault("extensions", {})[TRANSPORT] = self.transport
+                self.cycle.scope.setdefault("extensions", {})[TRANSPORT] = {"transport": self.transport}
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -270,7 +275,7 @@ def protocol(read_timeout: float) -> type:
 
 # ---- errors in OpenAI's shape ------------------------------------------------------------------
 
-async def _http_error(request: Request, error: HTTPException):
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     """Starlette's and FastAPI's own errors (no route, wrong method, an unparsable body) as vLLM's
     handler writes them, with the type the status's phrase; a body's parse error says what it was."""
     message, param, cause = str(error.detail), None, error.__cause__
@@ -299,7 +304,7 @@ def _shown(text: str, most: int = 200) -> str:
     return text if len(text) <= most else text[:most] + "..."
 
 
-async def _invalid(request: Request, error: RequestValidationError):
+async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
     """FastAPI's validation errors as vLLM's validation handler writes them: 400, type "Bad Request",
     a dotted param; at most 10 errors, each shortened, so a malformed body cannot amplify itself."""
     errors = error.errors()
@@ -318,7 +323,7 @@ async def _invalid(request: Request, error: RequestValidationError):
     return error_response(message, param=param, status=400, kind="Bad Request")
 
 
-async def _failed(request: Request, error: Exception):
+async def _failed(request: Request, error: Exception) -> JSONResponse:
     # Starlette re-raises it after this answer, and uvicorn logs the traceback
     return error_response(f"the server failed: {type(error).__name__}", param=None, status=500,
                           kind="InternalServerError")

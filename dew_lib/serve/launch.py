@@ -85,8 +85,10 @@ def _config(app, log_level: str, grace: float):
     import uvicorn
 
     options = getattr(getattr(app, "state", None), "options", ServeOptions())  # create_app's, else the defaults
-    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace, access_log=False,
-                          lifespan="off", http=protocol(options.read_timeout))
+    # uvicorn annotates timeout_graceful_shutdown as int but only hands it to asyncio.timeout,
+    # which takes float seconds
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
+                          access_log=False, lifespan="off", http=protocol(options.read_timeout))
 
 
 def serve(directory: str | Path, *, host: str = "127.0.0.1", port: int = 8000, slots: int = 8,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,8 @@ def _ids(value: Any) -> list[int]:
     return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
-def checkpoint_eos(tokenizer: Any, config: dict, generation_config: dict | None) -> tuple[int | None, tuple[int, ...]]:
+def checkpoint_eos(tokenizer: Any, config: Mapping[str, Any],
+                   generation_config: Mapping[str, Any] | None) -> tuple[int | None, tuple[int, ...]]:
     """(primary EOS id, every EOS id) as vLLM reads them from a checkpoint."""
     others = _ids((generation_config or config).get("eos_token_id"))
     primary = getattr(tokenizer, "eos_token_id", None)
@@ -101,8 +103,7 @@ class ServedPolicy:
         self.in_flight = 0  # requests admitted (gathering or submitted) and not finished
         self.most_in_flight = 0  # the most at once since launch: a load gauge
         self.failure: BaseException | None = None  # why the engine stopped serving, if it did
-        self._paused = False
-        self._resumed: asyncio.Event | None = None  # made in the loop that pauses
+        self._resumed: asyncio.Event | None = None  # not None while paused; made in the loop that pauses
         self._drained: asyncio.Event | None = None
         self._reloading: asyncio.Lock | None = None
         self._burst: _Burst | None = None  # requests gathering at an idle engine
@@ -164,7 +165,7 @@ class ServedPolicy:
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self._resumed is not None
 
     def warm_up(self) -> None:
         """Compile the first prefill and the decode call before any client waits on them."""
@@ -177,7 +178,7 @@ class ServedPolicy:
         """Sample one completion; waits while paused. Raises ValueError for a request the engine
         refuses and ServerClosed once the engine stopped. on_ids: `NativeRolloutServer.submit`'s,
         called on the engine's thread with the ids of each call that did not finish the draw."""
-        while self._paused:
+        while self._resumed is not None:
             await self._resumed.wait()
         self.in_flight += 1  # admitted: a pause from now on waits for this request
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
@@ -234,8 +235,8 @@ class ServedPolicy:
 
     async def pause(self) -> None:
         """Admit no new request and return once every submitted one has finished."""
-        if not self._paused:
-            self._paused, self._resumed = True, asyncio.Event()
+        if self._resumed is None:
+            self._resumed = asyncio.Event()
         while self.in_flight:
             if self._drained is None or self._drained.is_set():
                 self._drained = asyncio.Event()
@@ -243,9 +244,9 @@ class ServedPolicy:
 
     def resume(self) -> None:
         """Admit requests again, the waiting ones first."""
-        if self._paused:
-            self._paused = False
+        if self._resumed is not None:
             self._resumed.set()
+            self._resumed = None
 
     async def reload(self) -> int:
         """Re-read the launch directory and serve its weights under the next version.

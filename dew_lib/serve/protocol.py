@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -46,7 +47,7 @@ class ServeError(Exception):
 
 
 def error_response(message: str, *, param: str | None, status: int, kind: str,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, param=param, status=status, kind=kind), status_code=status,
                         headers=headers)
 

@@ -18,8 +18,8 @@ Not here: request checking (`app`), the response models (`protocol`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, SupportsInt
 
 from dew_lib.records.draw import Draw
 from dew_lib.serve.protocol import ChatLogProbs, ChatLogProbsContent, CompletionLogProbs
@@ -57,21 +57,22 @@ def visible_text(tokenizer: Any, draw: Draw, *, include_stop: bool, skip_special
     return tokenizer.decode(ids, skip_special_tokens=skip_special)
 
 
-def decoded_tokens(tokenizer: Any, ids: Sequence[int], known: dict[int, str] | None = None) -> list[str]:
+def decoded_tokens(tokenizer: Any, ids: Iterable[SupportsInt], known: dict[int, str] | None = None) -> list[str]:
     """Each id decoded on its own, as vLLM names a token in its log-probs.
 
     known: decodings kept from earlier calls (filled here), since decoding ids one at a time
     costs microseconds each and a policy names the same few thousand ids over and over.
     """
     known = {} if known is None else known
-    ids = [int(i) for i in ids]
-    missing = list(dict.fromkeys(i for i in ids if i not in known))
+    numbers = [int(i) for i in ids]
+    missing = list(dict.fromkeys(i for i in numbers if i not in known))
     if missing:
         known.update(zip(missing, (text or "" for text in tokenizer.batch_decode([[i] for i in missing]))))
-    return [known[i] for i in ids]
+    return [known[i] for i in numbers]
 
 
-def token_names(tokenizer: Any, ids: Sequence[int], *, as_ids: bool, known: dict[int, str] | None = None) -> list[str]:
+def token_names(tokenizer: Any, ids: Iterable[SupportsInt], *, as_ids: bool,
+                known: dict[int, str] | None = None) -> list[str]:
     if as_ids:
         return [f"token_id:{int(i)}" for i in ids]
     return decoded_tokens(tokenizer, ids, known)

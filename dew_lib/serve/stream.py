@@ -40,7 +40,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from dew_lib.records.draw import Draw
@@ -54,6 +54,7 @@ from dew_lib.serve.protocol import (
     CompletionRequest,
     CompletionStreamChoice,
     CompletionStreamResponse,
+    ServeError,
     UsageInfo,
     error_body,
     failure,
@@ -141,9 +142,11 @@ class _Stream(abc.ABC):
         skip = request.skip_special_tokens
         self.choices = [_Choice(k, p, policy.tokenizer, skip) for k, p in enumerate(prompts)]
 
-    async def events(self, max_tokens: int) -> AsyncIterator[str]:
+    async def events(self, max_tokens: int) -> AsyncGenerator[str, None]:
         """Draw every prompt and yield its SSE chunks as the engine samples the ids."""
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        # (index, ids, raw, behavior) of a call that did not finish a draw; (index, Draw or error) at its end
+        queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
 
         def listener(index):
             return lambda ids, raw, behavior: loop.call_soon_threadsafe(queue.put_nowait, (index, ids, raw, behavior))
@@ -169,6 +172,8 @@ class _Stream(abc.ABC):
                     yield await self.policy.text(self.render, batch)
                 if failed:
                     error = failure(failed[0])
+                    if not isinstance(error, ServeError):  # a cancellation passes through
+                        raise error
                     body = error_body(error.message, param=error.param, status=error.status, kind=error.kind)
                     yield f"data: {json.dumps(body)}\n\n"
                     break
@@ -186,6 +191,7 @@ class _Stream(abc.ABC):
     def delta(self, event) -> tuple[list[int], list[float], str, str | None, int | None]:
         """(new ids, their log-probs, new text, finish_reason, stop_reason) of an engine event."""
         choice, mode = self.choices[event[0]], self.policy.logprobs_mode
+        reasons: tuple[str | None, int | None]
         if len(event) == 4:  # ids of a call that did not finish the draw
             _, ids, raw, behavior = event
             values = [max(float(v), render.FLOOR) for v in (raw if mode == "raw_logprobs" else behavior)]

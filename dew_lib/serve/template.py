@@ -92,7 +92,9 @@ class TemplateRenderer:
             answer = await self._run(payload, param)
         if "text" in answer:
             return answer["text"]
-        reason = {"size": "is too large", "memory": "ran out of memory"}.get(answer.get("kind"), "failed")
+        kind = answer.get("kind")
+        reasons = {"size": "is too large", "memory": "ran out of memory"}
+        reason = reasons.get(kind, "failed") if isinstance(kind, str) else "failed"
         raise ServeError(f"the request's chat template {reason}: {answer.get('error')}", param=param)
 
     async def _run(self, payload: bytes, param: str) -> dict:
@@ -117,10 +119,13 @@ class TemplateRenderer:
             raise ServeError(f"the request's chat template stopped its renderer (exit status {worker.returncode})",
                              param=param) from None
 
-    def _exchange(self, worker: subprocess.Popen, payload: bytes) -> bytes | None:
+    def _exchange(self, worker: subprocess.Popen[bytes], payload: bytes) -> bytes | None:
         """The worker's answer, or None when it outlasted the time limit (counted from its start)."""
-        ready, _, _ = select.select([worker.stdout], [], [], STARTUP)
-        if not ready or worker.stdout.read(1) != b"\n":
+        stdout = worker.stdout
+        if stdout is None:  # _run starts it with stdout piped
+            raise ServeError("the chat template renderer has no stdout pipe", status=500, kind="InternalServerError")
+        ready, _, _ = select.select([stdout], [], [], STARTUP)
+        if not ready or stdout.read(1) != b"\n":
             raise ServeError("the chat template renderer failed to start", status=500, kind="InternalServerError")
         try:
             out, _ = worker.communicate(payload, timeout=self.timeout)

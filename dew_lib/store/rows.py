@@ -69,6 +69,17 @@ def now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
+def check_started_at(when: datetime.datetime | None) -> datetime.datetime | None:
+    """A stage's given start, refused unless it is an aware time no later than now."""
+    if when is None:
+        return None
+    if not isinstance(when, datetime.datetime) or when.tzinfo is None:
+        raise ValueError(f"started_at must be a timezone-aware datetime (e.g. datetime.now(UTC)), got {when!r}")
+    if when > now():
+        raise ValueError(f"started_at {when.isoformat()} is in the future; give when the stage's work began")
+    return when
+
+
 def _stamps(when: datetime.datetime, n: int) -> pa.Array:
     return pa.array([when] * n, pa.timestamp("us", tz="UTC"))
 

@@ -410,10 +410,12 @@ class Store:
     def runs(self) -> tuple[list[str], list[tuple]]:
         """One row per stage of every run (runs without stages get one row), newest run first,
         with the run's status and attempts (starts: a run continued after a kill counts two), the
-        stage's status, steps and headline metrics: the last logged loss and reward, and the last
-        evaluation's greedy accuracy (`accuracy`) and that of its sampled answers (`sampled`).
-        A run or stage recorded as running whose writer no longer holds its lock shows as
-        interrupted; such a stage's `seconds` run until its last record."""
+        stage's status, steps and headline metrics: the last logged loss, training accuracy
+        (`train_accuracy`, of the training batches' tokens) and reward, and the held-out ones: the
+        greedy accuracy of the stage's last evaluation (`accuracy`) and that of its sampled answers
+        (`sampled`), never a training figure. A run or stage recorded as running whose writer no
+        longer holds its lock shows as interrupted; such a stage's `seconds` run until its last
+        record."""
         for attempt in range(2):  # a damaged file found by the first is routed around by the second
             damaged = self.damaged()
             try:
@@ -441,10 +443,14 @@ class Store:
 _STAMPED = " UNION ALL ".join(f"SELECT run, stage, written_at FROM {t}" for t, spec in TABLES.items()
                               if spec.key is not None and "written_at" in spec.schema.names)
 
+# `accuracy` and `sampled` are held-out figures only: an evaluation's answers, or the
+# `greedy_accuracy` and `sampled_accuracy` an evaluation stage finished with. A training stage's
+# `accuracy` metric (its batches' token accuracy) is `train_accuracy`, never shown as held-out.
 RUNS_QUERY = f"""
 WITH last AS (
     SELECT run, stage, max(step) AS steps,
            arg_max(value, step) FILTER (name = 'loss') AS loss,
+           arg_max(value, step) FILTER (name = 'accuracy') AS train_accuracy,
            coalesce(arg_max(value, step) FILTER (name = 'reward'),
                     arg_max(value, step) FILTER (name = 'reward/mean')) AS reward
     FROM metrics GROUP BY run, stage),
@@ -461,8 +467,12 @@ written AS (
     GROUP BY w.run, w.stage)
 SELECT r.run, r.status, r.attempts, r.started_at, s.stage, s.kind, s.status AS stage_status, s.attempt,
        l.steps, round(coalesce(l.loss, s.metrics['loss']), 4) AS loss,
+       -- A stage with evaluation answers is an evaluation: stores before `greedy_accuracy` kept
+       -- its held-out score as the stage metric `accuracy`, which is not a training accuracy.
+       round(coalesce(l.train_accuracy, CASE WHEN a.greedy IS NULL THEN s.metrics['accuracy'] END), 4)
+           AS train_accuracy,
        round(coalesce(l.reward, s.metrics['reward'], s.metrics['reward/mean']), 4) AS reward,
-       round(coalesce(a.greedy, s.metrics['accuracy']), 4) AS accuracy,
+       round(coalesce(a.greedy, s.metrics['greedy_accuracy']), 4) AS accuracy,
        round(coalesce(a.sampled, s.metrics['sampled_accuracy']), 4) AS sampled,
        round(greatest(epoch(coalesce(s.finished_at, now()) - s.started_at), 0), 1) AS seconds,
        round(greatest(epoch(greatest(s.updated_at, w.at) - s.started_at), 0), 1) AS until_last

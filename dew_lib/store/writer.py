@@ -24,6 +24,7 @@ Not here: the file layout (parts.py), queries (store.py), anything Prefect.
 from __future__ import annotations
 
 import atexit
+import datetime
 import json
 import math
 import os
@@ -158,12 +159,16 @@ class RunWriter:
 
     # ----- stages ------------------------------------------------------------------------------
     def stage(self, name: str, *, kind: str = "", params: Mapping[str, Any] | None = None,
-              code_version: str | None = None) -> StageWriter:
-        """Open the stage for writing (one writer per stage at a time) and mark it running."""
+              code_version: str | None = None, started_at: datetime.datetime | None = None) -> StageWriter:
+        """Open the stage for writing (one writer per stage at a time) and mark it running.
+
+        started_at: when the stage's work began (timezone-aware; default now), for a stage that
+        records itself only once its work is done, as an evaluation does, so that its `seconds`
+        in `dew runs` cover the work."""
         if self.closed:
             raise StoreError(f"the writer of run {self.run!r} is closed; open a new one")
         writer = StageWriter(self, check_name("stage", name), kind=kind, params=params,
-                             code_version=code_version)
+                             code_version=code_version, started_at=rows.check_started_at(started_at))
         self.stages.append(writer)
         return writer
 
@@ -202,7 +207,7 @@ class StageWriter:
     """Records one stage of a run; see the module docstring. As a context manager it marks the
     stage failed (with the exception) when the block raises and completed when it ends."""
 
-    def __init__(self, run: RunWriter, stage: str, *, kind: str, params, code_version):
+    def __init__(self, run: RunWriter, stage: str, *, kind: str, params, code_version, started_at=None):
         self.run_writer, self.run, self.stage = run, run.run, stage
         self.store, self.worker = run.store, run.worker
         self.lock = FileLock(self.store.lock_path(self.run, stage), what=f"stage {stage!r} of run {self.run!r}")
@@ -210,17 +215,17 @@ class StageWriter:
         self.prompted: set[str] = set()  # tasks whose prompt this writer recorded
         self.finished = False
         self.closed = False
-        self._stage_row(started=True, kind=kind, status="running", params=_json(params),
+        self._stage_row(started=True, started_at=started_at, kind=kind, status="running", params=_json(params),
                         code_version=code_version or self.store.code_version())
 
-    def _stage_row(self, started: bool = False, **fields: Any) -> None:
+    def _stage_row(self, started: bool = False, started_at=None, **fields: Any) -> None:
         path = os.path.join(self.store.directory, "stages", self.run, self.stage, "stage.parquet")
         when = rows.now()  # when the caller asked: a finish queued behind it is never earlier
 
         def job():
             row = _read_row(path) or {"run": self.run, "stage": self.stage, "attempt": 0, "metrics": {}}
             if started:
-                row.update(attempt=(row["attempt"] or 0) + 1, started_at=when, finished_at=None,
+                row.update(attempt=(row["attempt"] or 0) + 1, started_at=started_at or when, finished_at=None,
                            error=None, metrics={})
             row.update(fields, updated_at=when)
             metrics = row.get("metrics") or []  # a dict when set here, (name, value) pairs when read

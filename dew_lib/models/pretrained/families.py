@@ -139,6 +139,7 @@ def rope_settings(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | No
         )
     if kind == "default":
         return theta, None
+    keys: dict[str, type[float] | type[int]]  # each parameter and the type it is read as
     if kind == "linear":
         keys = {"factor": float}
     else:  # llama3

@@ -150,7 +150,7 @@ class Reader:
                 or end > self._length:
             raise CheckpointError(f"tensor {name} in {self.path.name} has an inconsistent header")
         out = aligned_empty(end - begin) if out is None else out
-        view = memoryview(out).cast("B")
+        view = out.data.cast("B")  # the array's buffer (what memoryview(out) gives)
         done = 0
         while done < len(view):  # one pread returns at most ~2 GiB on Linux
             got = os.preadv(self._fd, [view[done:]], self._start + begin + done)

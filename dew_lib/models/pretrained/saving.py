@@ -65,9 +65,9 @@ def export(pretrained: Pretrained, variables: Mapping[str, Any], *, dtype: Any =
             out = leaf if target is None else leaf.astype(target)
             yield tensor.name, (out.T if tensor.transpose else out)
         else:
-            out = np.asarray(leaf)
-            out = out if target is None else out.astype(target, copy=False)
-            yield tensor.name, np.ascontiguousarray(out.T if tensor.transpose else out)
+            array = np.asarray(leaf)
+            array = array if target is None else array.astype(target, copy=False)
+            yield tensor.name, np.ascontiguousarray(array.T if tensor.transpose else array)
 
 
 def _leaves(pretrained: Pretrained, variables: Mapping[str, Any]) -> dict[tuple[str, ...], Any]:

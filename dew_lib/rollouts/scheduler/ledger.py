@@ -13,8 +13,8 @@ from typing import Any
 
 from dew_lib.records.scheduler import SchedulerRecord, SessionLog
 from dew_lib.records.sessions import Session
-from dew_lib.rollouts.packing import session_metrics
-from dew_lib.rollouts.scheduler.states import Sample, TaskBatch
+from dew_lib.rollouts.packing import session_metrics, trains
+from dew_lib.rollouts.scheduler.states import Group, Sample, TaskBatch
 
 
 class Ledger:
@@ -38,6 +38,25 @@ class Ledger:
         """Record a finished sample's session under `cause`, remembering that it was recorded."""
         self.entries.append((sample.session, cause, sample.latency, trained))
         sample.logged = cause
+
+    def admit(self, groups: Sequence[Group], size: int, truncation: str, *, position: int,
+              max_attempts: int) -> tuple[list[Session], list[float | None]]:
+        """Record the first `size` finished samples of each admitted group as admitted and return
+        their sessions (what `pack` trains) and latencies; with no group at all, raise why."""
+        if not groups:
+            raise RuntimeError(
+                f"no group of the batch at position {position} could be admitted ({self.abandoned} "
+                f"abandoned after max_attempts={max_attempts}, {self.cut} cut, resubmissions "
+                f"{dict(self.resubmitted)}); the source keeps failing: see the causes and details of "
+                "the recorded sessions")
+        sessions: list[Session] = []
+        latencies: list[float | None] = []
+        for sample in (sample for group in groups for sample in group.finished[:size]):
+            assert sample.session is not None, "a finished sample holds its session"
+            self.sample(sample, "admitted", trained=trains(sample.session, truncation))
+            sessions.append(sample.session)
+            latencies.append(sample.latency)
+        return sessions, latencies
 
     def record(self, updates: int, sessions: Sequence[Session], packed: Mapping[str, Any],
                latencies: Sequence[float | None], *, groups: int, waited: float,

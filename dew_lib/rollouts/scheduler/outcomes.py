@@ -75,6 +75,17 @@ def noted_stale(session: Session, updates: int, max_lag: int, attempts: int) -> 
     return dataclasses.replace(session, detail=f"{session.detail}; {note}" if session.detail else note)
 
 
+def let_go(attempt: Attempt, updates: int, max_lag: int) -> Session:
+    """The session of an attempt the scheduler let go of before handling its report. One that
+    came back stale from an abandoned group carries the stale note, as the sample that gave the
+    group up does, so both records read the same whichever report came first."""
+    session = outcome(attempt)
+    if (attempt.recorded_as == "abandoned" and session.status not in (Status.INFRA_ERROR, Status.CANCELLED)
+            and stale(session, updates, max_lag, attempt.version)):
+        session = noted_stale(session, updates, max_lag, attempt.number + 1)
+    return session
+
+
 class Offers:
     """Sessions an earlier run finished, keyed by (task, group id, sample), waiting to stand in
     for a draw when the resumed stream re-reads their task."""

@@ -61,11 +61,11 @@ from dew_lib.inference.base import Publisher, push_weights
 from dew_lib.objectives.batch import PackedBatch
 from dew_lib.records.scheduler import SchedulerRecord, SessionLog
 from dew_lib.records.sessions import Session, SessionSource, Status, Task
-from dew_lib.rollouts.packing import pack, trains
-from dew_lib.rollouts.scheduler.admission import completed, placement, trained_sessions
+from dew_lib.rollouts.packing import pack
+from dew_lib.rollouts.scheduler.admission import completed, placement
 from dew_lib.rollouts.scheduler.ledger import Ledger
-from dew_lib.rollouts.scheduler.outcomes import Offers, check_reward, noted_stale, outcome, reusable, stale
-from dew_lib.rollouts.scheduler.states import Attempt, Group, GroupState, Sample, TaskBatch
+from dew_lib.rollouts.scheduler.outcomes import Offers, check_reward, let_go, noted_stale, outcome, reusable, stale
+from dew_lib.rollouts.scheduler.states import Attempt, Group, GroupState, Sample, TaskBatch, attempt_seed, key_words
 from dew_lib.rollouts.scheduler.stream import ScheduledDataset, TaskReader, TaskStream
 from dew_lib.rollouts.scheduler.tasks import task_ids
 from dew_lib.rollouts.scheduler.validation import check_options
@@ -86,12 +86,15 @@ class RolloutScheduler:
     sync_every: push weights when the served version is this many updates behind.
     max_attempts: failed attempts per sample before its group is abandoned. timeout: seconds
     from submission after which a running rollout is cancelled and counted as a failed attempt.
-    estimator, truncation, support_capacity: `pack`'s. log: receives a SchedulerRecord per call.
+    estimator, truncation, support_capacity: `pack`'s. proximal: the policy the ratio compares
+    with, "in_update" (the weights the update trains; step 5) or "bypass" (none: the ratio is
+    current over behavior, verl's bypass mode). log: receives a SchedulerRecord per call.
     session_log: receives a SessionLog per call (every session the call settled, with its cause),
     for the run store.
 
     Construction refuses max_lag < ahead + sync_every - 1 (a first submission can be that stale
-    when consumed) and lag without the objective's behavior_importance. `rows` and the source
+    when consumed) and, with proximal="in_update", lag without the objective's
+    behavior_importance (bypass refuses a TIS cap instead). `rows` and the source
     are this process's (see the module).
     """
 
@@ -100,19 +103,20 @@ class RolloutScheduler:
                  oversample: int = 0, admit: int | None = None, max_lag: int = 1, ahead: int = 1,
                  sync_every: int = 1, max_attempts: int = 3, timeout: float | None = None,
                  estimator: str = "group", truncation: str = "mask",
-                 support_capacity: int | None = None,
+                 support_capacity: int | None = None, proximal: str = "in_update",
                  log: Callable[[SchedulerRecord], None] | None = None,
                  session_log: Callable[[SessionLog], None] | None = None):
         check_options(objective, source, weights, width=width, rows=rows, tasks=tasks,
                       groups=groups, oversample=oversample, admit=admit, max_lag=max_lag,
                       ahead=ahead, sync_every=sync_every, max_attempts=max_attempts,
-                      timeout=timeout, estimator=estimator, truncation=truncation)
+                      timeout=timeout, estimator=estimator, truncation=truncation, proximal=proximal)
         self.objective, self.source, self.weights = objective, source, weights
         self.width, self.rows, self.task_fn = width, rows, tasks
         self.groups, self.oversample, self.admit = groups, oversample, admit
         self.max_lag, self.ahead, self.sync_every = max_lag, ahead, sync_every
         self.max_attempts, self.timeout = max_attempts, timeout
         self.estimator, self.truncation, self.support_capacity = estimator, truncation, support_capacity
+        self.proximal = proximal
         self.log, self.session_log = log, session_log
 
         self._events: queue.SimpleQueue[Attempt] = queue.SimpleQueue()
@@ -176,9 +180,7 @@ class RolloutScheduler:
                              "on scheduler.tasks(dataset) so the scheduler sees every batch first")
         self._reader.given = None
         self._updates = updates = int(np.asarray(jax.device_get(state.updates)))
-        if jax.dtypes.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key):
-            key = jax.random.key_data(key)
-        self._key_words = [int(w) for w in np.asarray(key, np.uint32).ravel()]
+        self._key_words = key_words(key)
         self._ledger.reset()
         try:
             self._push(state.params, updates)
@@ -198,21 +200,12 @@ class RolloutScheduler:
             admitted = self._admit(current)
             waited = time.perf_counter() - started
             del self._reader.batches[current.position]
-            sessions = trained_sessions(admitted, self.groups)
-            latencies = [s.latency for g in admitted for s in g.finished[:self.groups]]
-            for group in admitted:
-                for sample in group.finished[:self.groups]:
-                    self._ledger.sample(sample, "admitted", trained=trains(sample.session, self.truncation))
-            if not admitted:
-                raise RuntimeError(
-                    f"no group of the batch at position {current.position} could be admitted "
-                    f"({self._ledger.abandoned} abandoned after max_attempts={self.max_attempts}, "
-                    f"{self._ledger.cut} cut, resubmissions {dict(self._ledger.resubmitted)}); the "
-                    "source keeps failing: see the causes and details of the recorded sessions")
+            sessions, latencies = self._ledger.admit(admitted, self.groups, self.truncation,
+                                                     position=current.position, max_attempts=self.max_attempts)
             packed = pack(sessions, self.width, rows=self.rows, estimator=self.estimator,
                           truncation=self.truncation, support_capacity=self.support_capacity)
             packed.pop("old_log_probs", None)  # an engine's raw likelihoods are behavior, not proximal
-            packed = PackedBatch.of(packed, proximal="in_update")
+            packed = PackedBatch.of(packed, proximal=self.proximal)
             self._drain()  # what finished while packing counts in this record
         except BaseException as error:
             failure = error
@@ -299,15 +292,13 @@ class RolloutScheduler:
                     continue
                 self._launch(sample)
 
-    def _seed(self, sample: Sample) -> int:
-        entropy = [*self._key_words, sample.group.id, sample.index, sample.attempt]
-        return int(np.random.SeedSequence(entropy).generate_state(1)[0])
-
     def _launch(self, sample: Sample) -> None:
         group = sample.group
+        if self._served is None:  # every call pushes before it submits
+            raise RuntimeError("RolloutScheduler submitted a rollout before its first weight push")
         attempt = Attempt(sample, sample.attempt, time.perf_counter(), self._served)
         future = self.source.submit(group.task, group=group.id, sample=sample.index,
-                                    attempt=sample.attempt, seed=self._seed(sample))
+                                    attempt=sample.attempt, seed=attempt_seed(self._key_words, sample))
         if not isinstance(future, Future):
             raise TypeError(f"the source's submit returned {type(future).__name__}, not a "
                             "concurrent.futures.Future of a Session")
@@ -315,8 +306,9 @@ class RolloutScheduler:
         sample.current = attempt
         future.add_done_callback(lambda _, a=attempt: self._events.put(a))
 
-    def _cancel(self, attempt: Attempt) -> None:
-        attempt.cancelled = True
+    def _cancel(self, attempt: Attempt, recorded_as: str = "cancelled") -> None:
+        """Cancel an attempt; its report, whenever it comes, is recorded as `recorded_as`."""
+        attempt.cancelled, attempt.recorded_as = True, recorded_as
         if attempt.sample.current is attempt:
             attempt.sample.current = None
         self.source.cancel(attempt.future)
@@ -335,6 +327,8 @@ class RolloutScheduler:
                 self._cancel(attempt)
                 self._ledger.cancelled += 1
                 self._fail(attempt.sample, "stale", None, None)
+                if attempt.sample.given_up:  # its last attempt: the report is no retry's
+                    attempt.recorded_as = "abandoned"
 
     def _resubmit(self, sample: Sample, cause: str) -> None:
         self._ledger.resubmitted[cause] += 1
@@ -359,7 +353,7 @@ class RolloutScheduler:
         sample, group = attempt.sample, attempt.sample.group
         latency = time.perf_counter() - attempt.submitted
         if attempt.cancelled or sample.current is not attempt:
-            self._ledger.session(outcome(attempt), "cancelled", latency, False)
+            self._ledger.session(let_go(attempt, self._updates, self.max_lag), attempt.recorded_as, latency, False)
             return
         sample.current = None  # finished, whatever it says: nothing left to cancel
         session = outcome(attempt)
@@ -413,11 +407,12 @@ class RolloutScheduler:
                 self._ledger.cancelled += 1
 
     def _settle(self, group: Group, state: GroupState, cause: str) -> None:
-        """End a group that will not train: cancel what runs, record what finished."""
+        """End a group that will not train: cancel what runs and record what finished, both
+        under `cause` (what runs, when its report comes, even one that had already finished)."""
         group.move(state)
         for sample in group.samples:
             if sample.current is not None:
-                self._cancel(sample.current)
+                self._cancel(sample.current, recorded_as=cause)
                 self._ledger.cancelled += 1
         for sample in group.finished:
             self._ledger.sample(sample, cause)
@@ -455,6 +450,8 @@ class RolloutScheduler:
                 fired = True
                 self._cancel(attempt)
                 self._fail(attempt.sample, "timeout", None, None)
+                if attempt.sample.given_up:  # its last attempt: the report is no retry's
+                    attempt.recorded_as = "abandoned"
             else:
                 next_deadline = left if next_deadline is None else min(next_deadline, left)
         return fired, next_deadline

@@ -17,6 +17,9 @@ import enum
 from concurrent.futures import Future
 from typing import Any
 
+import jax
+import numpy as np
+
 from dew_lib.records.sessions import Session, Task
 
 
@@ -48,15 +51,19 @@ MOVES: dict[GroupState, frozenset[GroupState]] = {
 
 
 class Attempt:
-    """One submission of one sample: when, under which served version, and its future."""
+    """One submission of one sample: when, under which served version, and its future.
+    `recorded_as`: the cause its session gets when the scheduler let go of it (cancelled it or
+    abandoned its group) before handling its report, fixed then, so the report's timing never
+    changes it."""
 
-    __slots__ = ("sample", "number", "future", "submitted", "version", "cancelled")
+    __slots__ = ("sample", "number", "future", "submitted", "version", "cancelled", "recorded_as")
 
-    def __init__(self, sample: Sample, number: int, submitted: float, version: int | None):
+    def __init__(self, sample: Sample, number: int, submitted: float, version: int):
         self.sample, self.number = sample, number
         self.submitted, self.version = submitted, version
         self.future: Future | None = None
         self.cancelled = False
+        self.recorded_as = "cancelled"
 
 
 class Sample:
@@ -106,3 +113,17 @@ class TaskBatch:
         self.position, self.data, self.stream_state = position, data, stream_state
         self.groups: list[Group] = []
         self.submitted = False
+
+
+def key_words(key: Any) -> list[int]:
+    """The trainer's step key (typed or raw) as the words every attempt's seed starts from."""
+    if jax.dtypes.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return [int(w) for w in np.asarray(key, np.uint32).ravel()]
+
+
+def attempt_seed(words: list[int], sample: Sample) -> int:
+    """The seed a sample's current attempt is drawn with: the step key's words, the group, the
+    sample and the attempt, so a resumed run draws a re-read task as it was drawn before."""
+    entropy = [*words, sample.group.id, sample.index, sample.attempt]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])

@@ -12,7 +12,7 @@ from dew_lib.records.sessions import TRUNCATION
 
 def check_options(objective: Any, source: Any, weights: Any, *, width, rows, tasks, groups,
                   oversample, admit, max_lag, ahead, sync_every, max_attempts, timeout, estimator,
-                  truncation) -> None:
+                  truncation, proximal) -> None:
     """Refuse a schedule that cannot run: see RolloutScheduler's docstring."""
     for name, value, low in (("width", width, 2), ("rows", rows, 1),
                              ("oversample", oversample, 0), ("max_lag", max_lag, 0),
@@ -33,11 +33,18 @@ def check_options(objective: Any, source: Any, weights: Any, *, width, rows, tas
     if not isinstance(objective, GRPOObjective):
         raise TypeError("RolloutScheduler needs a GRPOObjective (its update scores the "
                         f"proximal policy); got {type(objective).__name__}")
-    if max_lag > 0 and getattr(objective, "behavior_importance", None) is None:
+    choice("RolloutScheduler.proximal", proximal, ("in_update", "bypass"))
+    if proximal == "bypass" and isinstance(getattr(objective, "behavior_importance", None), float):
+        raise ValueError(
+            "RolloutScheduler(proximal='bypass') compares the current policy with behavior directly, "
+            "so a TIS cap would count that correction twice: build the GRPOObjective without "
+            "behavior_importance (or with a (low, high) band), or use proximal='in_update'")
+    if proximal == "in_update" and max_lag > 0 and getattr(objective, "behavior_importance", None) is None:
         raise ValueError(
             f"RolloutScheduler(max_lag={max_lag}) trains on rollouts drawn by older weights, "
             "which needs an importance correction: set GRPOObjective(behavior_importance=2.0) "
-            "(a TIS cap) or a (low, high) IcePop band, or run max_lag=0 with ahead=0")
+            "(a TIS cap) or a (low, high) IcePop band, use proximal='bypass', or run max_lag=0 "
+            "with ahead=0")
     for name, thing, methods in (("source", source, ("submit", "cancel")),
                                  ("weights", weights, ("load",))):
         missing = [m for m in methods if not callable(getattr(thing, m, None))]
