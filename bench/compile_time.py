@@ -35,7 +35,7 @@ def compile_seconds(options: dict, batch: int, seq: int) -> float:
     model = models.build("causal_transformer", **QWEN3_06B, **options)
     trainer = Trainer(LMObjective(model, seq_len=seq, ema_decay=None), optax.adamw(1e-4),
                       key=jax.random.key(0))
-    state = trainer._abstract_state()
+    state = trainer.abstract_state()
     shape = {"text": jax.ShapeDtypeStruct((batch, seq + 1), np.int32)}
     start = time.perf_counter()
     trainer._steps[True].lower(state, shape).compile()

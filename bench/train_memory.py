@@ -54,7 +54,7 @@ def dew_bytes(config, batch, seq):
     model = models.build("causal_transformer", **config)
     trainer = Trainer(LMObjective(model, seq_len=seq, ema_decay=None), optax.adamw(1e-4),
                       key=jax.random.key(0))
-    state = trainer._abstract_state()
+    state = trainer.abstract_state()
     batch_shape = {"text": jax.ShapeDtypeStruct((batch, seq + 1), np.int32)}
     start = time.perf_counter()
     compiled = trainer._steps[True].lower(state, batch_shape).compile()

@@ -7,6 +7,7 @@ a trained policy over HTTP.
     dew schema [TABLE]            # the tables and what their columns hold
     dew store check               # damaged files of the store; `dew store repair` moves them aside
     dew serve CHECKPOINT_DIR      # vLLM's OpenAI-compatible API over Dew's native server
+    dew plan --model qwen3-8b --mesh fsdp=8 --stage grpo --seq-len 4096 --batch 64 --device h200
 
 `--store PATH` (default: $DEW_STORE, else `runs`) is the project directory, its `dew.duckdb` or
 its `store/` directory; it and the output options go before the command or after it
@@ -150,7 +151,33 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--local-devices", type=int, default=None,
                         help="host devices per process on CPU (default: the platform's own)")
     launch.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- python train.py")
+    _plan_parser(commands)
     return parser
+
+
+def _plan_parser(commands) -> None:
+    from dew_lib.plan_tables import DEVICE_BYTES, MODELS, STAGES
+
+    plan = commands.add_parser(
+        "plan", help="say what a training step needs on each device, before loading any weight",
+        description="Compile the stage's real update on abstract shapes over host devices arranged as "
+                    "the mesh, and print each device's bytes (parameters, optimizer state, reference, "
+                    "gradient sum, batch, XLA's temporary peak) against the device's memory. Exit status "
+                    "2 when it does not fit.")
+    plan.add_argument("--model", required=True,
+                      help=f"{', '.join(MODELS)}, or a config.json (or a checkpoint directory holding one)")
+    plan.add_argument("--mesh", default="data=1",
+                      help="axis=size pairs: fsdp=8, data=2,fsdp=2,tensor=2 (default data=1)")
+    plan.add_argument("--stage", choices=STAGES, required=True)
+    plan.add_argument("--seq-len", type=int, required=True, help="ids per row")
+    plan.add_argument("--batch", type=int, required=True, help="rows per step (DPO: pairs)")
+    plan.add_argument("--accumulate", type=int, default=1, help="micro-steps the batch is split into (default 1)")
+    plan.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                      help="parameters and activations (default bfloat16)")
+    plan.add_argument("--remat", action="store_true", help="recompute each layer's activations in the backward pass")
+    size = plan.add_mutually_exclusive_group()
+    size.add_argument("--device", choices=sorted(DEVICE_BYTES), help="the device's memory from the known table")
+    size.add_argument("--device-bytes", type=int, help="the device's memory in bytes")
 
 
 def _serve_parser(commands) -> None:
@@ -235,6 +262,39 @@ def _launch(args) -> int:
         return 1
 
 
+def _plan(args) -> int:
+    """Plan in a child process whose JAX has one CPU device per device of the mesh (their
+    count is fixed when JAX starts), unless this is that child."""
+    from dew_lib.train.mesh import MeshSpec
+
+    try:
+        mesh = MeshSpec.parse(args.mesh)
+    except ValueError as error:
+        print(f"dew plan: {error}", file=sys.stderr)
+        return 1
+    data = mesh.data or 1  # on the planning host, data takes no devices it is not given
+    mesh = MeshSpec(data=data, fsdp=mesh.fsdp, tensor=mesh.tensor)
+    if os.environ.get("DEW_PLAN_CHILD") != "1":
+        import subprocess
+
+        devices = f"--xla_force_host_platform_device_count={data * mesh.fsdp * mesh.tensor}"
+        env = {**os.environ, "DEW_PLAN_CHILD": "1", "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": " ".join([*os.environ.get("XLA_FLAGS", "").split(), devices])}
+        given = sys.argv[1:] if args.argv_given is None else args.argv_given
+        return subprocess.run([sys.executable, "-m", "dew_lib.cli", *given], env=env).returncode
+    from dew_lib.train import plan
+
+    try:
+        found = plan.plan(plan.model_config(args.model), stage=args.stage, mesh=mesh, seq_len=args.seq_len,
+                          batch=args.batch, dtype=args.dtype, remat=args.remat, accumulate=args.accumulate,
+                          device=plan.device_bytes(args.device, args.device_bytes))
+    except (ValueError, OSError) as error:
+        print(f"dew plan: {' '.join(str(error).split())}", file=sys.stderr)
+        return 1
+    print(found.report(), flush=True)
+    return 2 if found.fits is False else 0
+
+
 def _schema(table: str | None, out) -> int:
     from dew_lib.store.schema import TABLES
 
@@ -291,11 +351,14 @@ def _health(store, args, out) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.argv_given = None if argv is None else list(argv)
     out = sys.stdout
     if args.command == "serve":
         return _serve(args)
     if args.command == "launch":
         return _launch(args)
+    if args.command == "plan":
+        return _plan(args)
     try:
         if args.command == "schema":
             return _schema(args.table, out)

@@ -26,6 +26,7 @@ from dew_lib.recipes.options import (
     SFTOptions,
     TrainOptions,
 )
+from dew_lib.train.mesh import MeshSpec
 from tasks.params_file import command_line, read_params_file  # noqa: F401 - flows import them from here
 
 Params = Options  # frozen, and unknown fields are refused: a typo in the UI is an error, not a no-op
@@ -167,6 +168,18 @@ class TextStageParams(StageParams):
                            "data order differs from one process and this is part of the stage's "
                            "inputs; 1: in the task's own process. Every stage: SFT, DPO, and the RL "
                            "stage sync or async, on prompts or tool episodes, GRPO or PPO (docs/pipeline.md)")
+
+    mesh: str = Field("", description="how the stage's devices are arranged, as axis=size pairs: "
+                      "'fsdp=8' splits every weight, optimizer moment and reference copy 8 ways, "
+                      "'data=2,fsdp=2,tensor=2' adds tensor parallelism and replicas (docs/distributed.md, "
+                      "Sharding); empty: every device a replica of the whole state. Not part of the "
+                      "stage's inputs: a stage resumes its checkpoint under another mesh")
+
+    @field_validator("mesh")
+    @classmethod
+    def _mesh_reads(cls, mesh: str) -> str:
+        MeshSpec.parse(mesh)
+        return mesh
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TextStageParams:

@@ -51,6 +51,7 @@ from dew_lib.recipes import (
 )
 from dew_lib.store import Store
 from dew_lib.train import distributed
+from dew_lib.train.mesh import MeshSpec
 from dew_lib.train.trainer import Trainer
 from tasks.job_records import DeferredWriter
 from tasks.lifecycle import Start, begin, conclude, stage_sinks, write_result
@@ -216,7 +217,8 @@ def run_stage(job: StageJob, logger, *, progress: bool = True, publish=None) -> 
                        job.tools, job.ppo)
         optimizer = recipes.optimizer(params, job.ppo.critic_learning_rate if kind == "ppo" and job.ppo else None)
         rollout = recorder.after_each(built.rollout) if isinstance(recorder, DeferredWriter) else built.rollout
-        trainer = Trainer(built.objective, optimizer, key=jax.random.key(job.seed), rollout=rollout)
+        trainer = Trainer(built.objective, optimizer, key=jax.random.key(job.seed), rollout=rollout,
+                          mesh=MeshSpec.parse(params.mesh))
         if job.resumed is not None:
             if isinstance(built.rollout, ScheduledRollout):  # before the killed attempt's rows go
                 earlier, offered = built.rollout.reuse_from(
@@ -236,10 +238,11 @@ def run_stage(job: StageJob, logger, *, progress: bool = True, publish=None) -> 
             built.close()
             if isinstance(recorder, DeferredWriter):
                 recorder.write_own()  # what process 0's scheduler settled at close
+        trained = state.params["policy"] if isinstance(built.objective, PPOObjective) else state.params
+        trained = distributed.local_copy(trained)  # every process: a split policy is gathered together
         if not primary:
             return None
-        trained = state.params["policy"] if isinstance(built.objective, PPOObjective) else state.params
-        policy = save_policy(pretrained, distributed.local_copy(trained), os.path.join(directory, "policy"), job.key)
+        policy = save_policy(pretrained, trained, os.path.join(directory, "policy"), job.key)
         metrics = conclude(writer, stage, kind, directory, params.steps, policy.path, publish=publish)
     result = StageResult(stage=stage, kind=kind, policy=policy, metrics=metrics, directory=directory,
                          steps=params.steps)

@@ -95,7 +95,7 @@ def prefect_harness():
         yield
 
 
-def run_on_host_devices(script: str, devices: int = 2) -> str:
+def run_on_host_devices(script: str, devices: int = 2, timeout: float = 120) -> str:
     """Run a Python `script` in a fresh process whose CPU is split into `devices` XLA devices
     (the count is fixed when JAX starts, so it cannot change inside this process); returns its
     stdout. The tests' directory is importable, so the script can use `conftest`."""
@@ -103,6 +103,26 @@ def run_on_host_devices(script: str, devices: int = 2) -> str:
                JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
+
+
+WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
+
+
+def worker_job(processes, local_devices, recipes, out, *extra, check=True, env=None):
+    """`dew launch` of tests/distributed_worker.py: `processes` processes of `local_devices` host
+    devices each train `recipes` and write their final states to OUT-<recipe>.npz."""
+    command = [sys.executable, "-m", "dew_lib.cli", "launch", "--processes", str(processes),
+               "--local-devices", str(local_devices), "--", sys.executable, WORKER, recipes, str(out), *extra]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    if check:
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    return done
+
+
+def npz_leaves(path):
+    """The state leaves a worker saved, in tree order."""
+    with np.load(path) as data:
+        return [data[str(i)] for i in range(len(data.files))]

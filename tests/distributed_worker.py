@@ -11,8 +11,10 @@ DIRECTORY/journal; see kill_here for DEW_TEST_KILL), ppo (PPORollout over the ep
 critic, two epochs per collection); each trains a tiny model on a fixed sequence of global
 batches, of which each process reads its own rows, and process 0 writes the final state's
 leaves to OUT-<recipe>.npz. --directory checkpoints every step (one recipe); --pause sleeps
-before each step so a test can kill the job mid-run. Prints `pid <n>` first and one line per
-finished step.
+before each step so a test can kill the job mid-run; --mesh arranges the devices (MeshSpec.parse:
+"fsdp=8", "data=2,fsdp=2,tensor=2"). Prints `pid <n>` first, one line per finished step, and at
+the end how the state is split: `split <recipe> <leaves> leaves <bytes> bytes on device 0 of
+<bytes>`, and any leaf whose shard is not its bytes over the product of its spec's mesh axes.
 """
 
 import argparse
@@ -33,6 +35,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from conftest import tiny_model  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 from dew_lib import Dataset, Field, InputSpec, Trainer, models, presets  # noqa: E402
 from dew_lib.diffusion import FlowGRPOObjective, FlowRollout  # noqa: E402
@@ -49,6 +52,7 @@ from dew_lib.rollouts import (  # noqa: E402
     prompt_tasks,
 )
 from dew_lib.sampling import Sampling  # noqa: E402
+from dew_lib.train.mesh import MeshSpec  # noqa: E402
 from dew_lib.train.sinks import LineLog  # noqa: E402
 
 ROWS = 8  # global rows per batch (GRPO: 4 prompts drawn twice; Flow-GRPO: 2 sources drawn 4 times)
@@ -221,6 +225,21 @@ def setup(recipe, out, directory=None):
     return objective, grpo_batch, rollout
 
 
+def report_split(recipe, state, mesh):
+    """Print how much of the state device 0 holds, and any leaf whose shard on it is not its
+    bytes divided by the sizes of the mesh axes its sharding names."""
+    held = total = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        names = [name for entry in leaf.sharding.spec if entry for name in
+                 (entry if isinstance(entry, tuple) else (entry,))]
+        split = int(np.prod([mesh.shape[name] for name in names]))
+        shard = leaf.addressable_shards[0].data.nbytes
+        if shard * split != leaf.nbytes:
+            print("uneven", recipe, jax.tree_util.keystr(path), leaf.shape, leaf.sharding.spec, flush=True)
+        held, total = held + shard, total + leaf.nbytes
+    print("split", recipe, len(jax.tree.leaves(state)), "leaves", held, "bytes on device 0 of", total, flush=True)
+
+
 def shares(make, partition):
     """This partition's rows of a fixed endless sequence of global batches."""
     rng = np.random.default_rng(11)
@@ -236,6 +255,7 @@ def main():
     parser.add_argument("--directory")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--pause", type=float, default=0.0)
+    parser.add_argument("--mesh", type=MeshSpec.parse, default=MeshSpec())
     args = parser.parse_args()
     print("pid", os.getpid(), flush=True)
     for recipe in args.recipes.split(","):
@@ -246,7 +266,7 @@ def main():
             return batch if rollout is None else rollout(state, batch, key)
 
         trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0),
-                          rollout=step if (rollout or args.pause) else None)
+                          rollout=step if (rollout or args.pause) else None, mesh=args.mesh)
         data = Dataset(train=lambda partition, make=make: shares(make, partition), batch=ROWS)
         if isinstance(rollout, RolloutScheduler):
             data = rollout.tasks(data)
@@ -262,9 +282,11 @@ def main():
                 rollout.close()
                 rollout.source.close()
                 rollout.weights.close()
+        report_split(recipe, state, trainer.mesh)
+        whole = [np.asarray(multihost_utils.process_allgather(x, tiled=True) if not x.is_fully_addressable else x)
+                 for x in jax.tree.leaves(state)]  # a leaf split across processes is gathered by all
         if distributed.is_primary():
-            np.savez(f"{args.out}-{recipe}.npz",
-                     **{str(i): np.asarray(x) for i, x in enumerate(jax.tree.leaves(state))})
+            np.savez(f"{args.out}-{recipe}.npz", **{str(i): x for i, x in enumerate(whole)})
         print(recipe, "process", jax.process_index(), "of", jax.process_count(), "devices",
               jax.device_count(), "step", int(state.step), flush=True)
 

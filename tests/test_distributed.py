@@ -19,6 +19,9 @@ import time
 
 import numpy as np
 import pytest
+from conftest import WORKER
+from conftest import npz_leaves as leaves
+from conftest import worker_job as run_job
 
 from dew_lib.train.distributed import Topology
 from dew_lib.train.launch import launch
@@ -27,23 +30,8 @@ from dew_lib.train.launch import launch
 # machine, each job allowed 10): more room than the suite's 600 s per test.
 pytestmark = pytest.mark.timeout(900)
 
-WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 ROUNDING = dict(rtol=1e-5, atol=1e-6)  # what the order of the cross-device sum moves
 RECIPES = ("sft", "dpo", "grpo", "flow", "async", "episodes", "ppo")
-
-
-def run_job(processes, local_devices, recipes, out, *extra, check=True, env=None):
-    command = [sys.executable, "-m", "dew_lib.cli", "launch", "--processes", str(processes),
-               "--local-devices", str(local_devices), "--", sys.executable, WORKER, recipes, str(out), *extra]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
-    if check:
-        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    return done
-
-
-def leaves(path):
-    with np.load(path) as data:
-        return [data[str(i)] for i in range(len(data.files))]
 
 
 def assert_close(a, b, exact=False):

@@ -71,4 +71,4 @@ def test_eight_devices_resume_bit_identical_and_refuse_an_indivisible_batch(tmp_
         np.testing.assert_array_equal(a, b)
     failed = run_worker(tmp_path / "bad.npz", "--batch", 6, devices=8, check=False)
     assert failed.returncode != 0
-    assert "6 rows, which do not divide across 8 local devices" in failed.stderr
+    assert "6 rows, which do not divide into this process's 8 slices of the batch" in failed.stderr

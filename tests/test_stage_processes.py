@@ -29,7 +29,7 @@ from tasks.params import DPOParams, GRPOParams, PipelineParams, SFTParams, comma
 WORKER = os.path.join(os.path.dirname(__file__), "stage_job_worker.py")
 STAGES = ("sft", "dpo", "grpo")
 TWO = dict(sft=dict(steps=4, batch=4, log_every=1, checkpoint_every=2, processes=2),
-           dpo=dict(steps=2, batch=4, log_every=1, checkpoint_every=1, processes=2),
+           dpo=dict(steps=2, batch=4, log_every=1, checkpoint_every=1, processes=2, mesh="fsdp=2"),
            grpo=dict(steps=2, batch=2, groups=4, log_every=1, checkpoint_every=1, max_new_tokens=8, processes=2))
 
 
@@ -59,7 +59,8 @@ def killed_and_resumed(lines, stage: str, checkpoint: int) -> bool:
 
 @pytest.fixture(scope="module")
 def finished(prefect_harness, tmp_path_factory):
-    """The TINY pipeline with every stage a job of two processes; process 1 of the SFT job is
+    """The TINY pipeline with every stage a job of two processes, DPO's under FSDP over both
+    (each process holds half of every weight); process 1 of the SFT job is
     killed (SIGKILL) as it reads the batch of step 4, after the checkpoint of step 2, once
     (tests/stage_job_worker.py)."""
     root = tmp_path_factory.mktemp("runs")
@@ -95,7 +96,8 @@ def test_each_stage_trains_as_a_job_of_two_processes_and_process_0_records_it(fi
         assert load_pretrained(path).model.num_layers == 1
         result = json.load(open(os.path.join(directory, "result.json")))
         assert result["result"]["policy"]["path"] == path
-        assert json.load(open(os.path.join(directory, "inputs.json")))["inputs"]["params"]["processes"] == 2
+        inputs = json.load(open(os.path.join(directory, "inputs.json")))["inputs"]["params"]
+        assert inputs["processes"] == 2 and "mesh" not in inputs
         log = open(os.path.join(directory, "job.log")).read()
         assert f"[0] {stage} step {TWO[stage]['steps']}:" in log and "[1] " in log
         assert f"[1] {stage} step" not in log  # only process 0 logs metric windows
@@ -164,6 +166,13 @@ def test_processes_enters_the_fingerprint_only_above_one():
     assert stage_inputs("grpo", grpo, data, start, 0)[0] == "430d7c8acd6c3d49"
     two, inputs = stage_inputs("sft", SFTParams(steps=4, batch=4, processes=2), data, start, 0)
     assert two != one and inputs["params"]["processes"] == 2
+    # Where the state lives is not an input: a stage resumes under another mesh.
+    assert stage_inputs("sft", SFTParams(steps=4, batch=4, mesh="fsdp=2"), data, start, 0)[0] == one
+
+
+def test_a_mesh_that_cannot_be_read_is_refused_naming_the_form():
+    with pytest.raises(ValidationError, match=r"cannot read the mesh 'fsdp 2'.*'data=2,fsdp=2,tensor=2'"):
+        SFTParams(mesh="fsdp 2")
 
 
 def test_the_parameters_file_in_the_docs_sets_processes(tmp_path):

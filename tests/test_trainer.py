@@ -117,7 +117,7 @@ def test_a_checkpoint_with_one_subtree_per_layer_resumes_stacked(tmp_path):
     trainer = Trainer(LMObjective(MODEL, seq_len=8, ema_decay=0.99), optax.adam(1e-2),
                       key=jax.random.key(0))
     stacked = Checkpoints(tmp_path / "stacked")
-    state, info = stacked.restore(3, trainer._abstract_state())
+    state, info = stacked.restore(3, trainer.abstract_state())
     old = unstack_layers(state)
     assert "layers_1" in old.params["params"] and "layers_1" in old.opt_state[0].mu["params"]
     per_layer = Checkpoints(tmp_path / "per_layer")

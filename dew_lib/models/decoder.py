@@ -27,10 +27,32 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core.scope import LazyRng
 
-from dew_lib.models import head, rotary
+from dew_lib.models import head, partitioning, rotary
 from dew_lib.models.decoder_attention import ATTENTION_KERNELS, attend_cached
 from dew_lib.models.decoder_layer import _INIT, Block, RMSNorm, _dense
 from dew_lib.options import choice
+
+# Each parameter's logical axes (partitioning.py): the stacked layer axis is never split, the
+# model width goes over `fsdp`, heads, the MLP's hidden units and the vocabulary over `tensor`.
+partitioning.declare({
+    ("embed_tokens", "embedding"): ("vocab", "embed"),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+    ("norm", "weight"): ("norm",),
+    ("layers", "input_layernorm", "weight"): ("layers", "norm"),
+    ("layers", "post_attention_layernorm", "weight"): ("layers", "norm"),
+    ("layers", "q_norm", "weight"): ("layers", "head_dim"),
+    ("layers", "k_norm", "weight"): ("layers", "head_dim"),
+    ("layers", "q_proj", "kernel"): ("layers", "embed", "heads"),
+    ("layers", "q_proj", "bias"): ("layers", "heads"),
+    ("layers", "k_proj", "kernel"): ("layers", "embed", "kv_heads"),
+    ("layers", "k_proj", "bias"): ("layers", "kv_heads"),
+    ("layers", "v_proj", "kernel"): ("layers", "embed", "kv_heads"),
+    ("layers", "v_proj", "bias"): ("layers", "kv_heads"),
+    ("layers", "o_proj", "kernel"): ("layers", "heads", "embed"),
+    ("layers", "gate_proj", "kernel"): ("layers", "embed", "mlp"),
+    ("layers", "up_proj", "kernel"): ("layers", "embed", "mlp"),
+    ("layers", "down_proj", "kernel"): ("layers", "mlp", "embed"),
+})
 
 # XLA options for compiled decode loops. XLA:CPU hands matmuls to its YNN library by default;
 # for decode's few-row products ([B, E] by a weight, B <= 16) its dispatch costs more than it

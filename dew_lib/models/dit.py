@@ -20,7 +20,21 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dew_lib.models import partitioning
+
 _ZERO = nn.initializers.zeros
+
+# Logical axes (partitioning.py): under FSDP each weight is split along its model-width side.
+_WIDE_IN, _WIDE_OUT, _BIAS = ("embed", None), (None, "embed"), (None,)
+partitioning.declare({
+    **{(name, "kernel"): _WIDE_IN for name in ("qkv", "modulation", "mlp_in", "final_modulation",
+                                                   "output", "time_out")},
+    **{(name, "kernel"): _WIDE_OUT for name in ("attention_out", "mlp_out", "time_in", "condition")},
+    **{(name, "bias"): _BIAS for name in ("qkv", "modulation", "mlp_in", "final_modulation", "output",
+                                          "time_out", "attention_out", "mlp_out", "time_in", "condition",
+                                          "patches")},
+    ("patches", "kernel"): (None, None, None, "embed"),
+})
 
 
 def timestep_embedding(t: jax.Array, features: int, max_period: float = 10_000.0) -> jax.Array:

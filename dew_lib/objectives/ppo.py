@@ -31,12 +31,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dew_lib.models import partitioning
 from dew_lib.objectives import algorithms
 from dew_lib.objectives.base import LossTerms, Metrics, Objective, with_perplexity
 from dew_lib.objectives.grpo import GRPOObjective
 from dew_lib.options import number
 
 TARGETS = ("old_values", "advantages", "returns")
+
+
+partitioning.declare({("value", "kernel"): ("embed", None), ("value", "bias"): (None,)})
 
 
 class ValueHead(nn.Module):

@@ -159,17 +159,20 @@ def own_rows(array: np.ndarray, rows: int) -> np.ndarray:
 
 
 def local_copy(tree: Any) -> Any:
-    """`tree` with every array this process holds only part of the addressing for (a replicated
-    array over the job's mesh) replaced by its copy on this process's first device: what a
-    per-process engine serves, or a host write saves, without a collective."""
+    """`tree` with every array this process holds only part of the addressing for replaced by a
+    whole copy on this process: a replicated array by its copy on this process's first device
+    (no collective), an array split across processes (a sharded mesh over several hosts) by its
+    gathered value on the host, which every process must then ask for together. What a
+    per-process engine serves, or a host write saves."""
 
     def local(leaf):
         if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
             return leaf
-        if not leaf.is_fully_replicated:
-            raise ValueError(f"an array of shape {leaf.shape} is split across processes; only replicated "
-                             "arrays (the Trainer's parameters) have a whole copy on every process")
-        return leaf.addressable_data(0)
+        if leaf.is_fully_replicated:
+            return leaf.addressable_data(0)
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
 
     return jax.tree.map(local, tree)
 

@@ -8,12 +8,17 @@ device and are read a window later, so the host never waits for the step it just
 happens every k steps and the gradient sum in between lives in the state, so a checkpoint taken
 inside an accumulation window resumes bit for bit.
 
+The devices form a named mesh (mesh.py): by default every device is a `data` replica holding
+the whole state; `MeshSpec(fsdp=..., tensor=...)` splits the parameters, optimizer moments, the
+EMA/reference copy and the gradient sum as their modules declare (models/partitioning.py), and
+the compiled step is partitioned by XLA around those layouts. Batches are split over `data` x
+`fsdp`.
+
 In a multi-process job (distributed.py) the mesh spans every process's devices, each process
 reads its own partition of the data and places its rows with the others', and only process 0
 writes to the sinks: the metrics are the same everywhere.
 
-Not here: pipeline or tensor parallelism (parameters are replicated), learning-rate schedules
-(use optax's).
+Not here: pipeline parallelism, learning-rate schedules (use optax's).
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew_lib.data.dataset import Batch, Dataset, Partition
+from dew_lib.models import partitioning
 from dew_lib.objectives.base import Metrics, Objective, average
 from dew_lib.train import distributed
 from dew_lib.train.checkpoint import CheckpointMismatch, Checkpoints
+from dew_lib.train.mesh import MeshSpec, batch_shards
 from dew_lib.train.sinks import Sink, check_sinks, default_sinks
 
 _LOG = logging.getLogger(__name__)
@@ -86,12 +93,13 @@ class Trainer:
     key: seeds initialization, per-step randomness (folded with the step) and rollouts.
     rollout: `(state, batch, key) -> batch`, called on the host before each compiled update.
     accumulate: batches per optimizer update.
-    devices: devices for data parallelism; defaults to every local device.
+    devices: the devices to train on; defaults to every device.
+    mesh: how they are arranged (default: all on `data`, the state replicated on each).
     """
 
     def __init__(self, objective: Objective, optimizer: optax.GradientTransformation, *,
                  key: jax.Array, rollout: Rollout | None = None, accumulate: int = 1,
-                 devices: Sequence[jax.Device] | None = None):
+                 devices: Sequence[jax.Device] | None = None, mesh: MeshSpec | None = None):
         if accumulate < 1:
             raise ValueError(f"Trainer.accumulate must be >= 1, got {accumulate}")
         if not isinstance(objective, Objective):
@@ -109,20 +117,40 @@ class Trainer:
         if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key) if key.shape == (2,) else key
         self.init_key, self.step_key, self.rollout_key = jax.random.split(key, 3)
-        devices = list(devices) if devices is not None else jax.devices()
-        self.mesh = Mesh(np.array(devices), ("data",))
+        self.mesh: Mesh = (mesh or MeshSpec()).build(devices)
         self.compilations: dict[str, int] = {"init": 0, "train_step": 0, "eval_step": 0}
-        self._init = jax.jit(self._build_state, out_shardings=_replicated(self.mesh))
+        self.state_sharding = self._state_sharding()
+        self._init = jax.jit(self._count("init", self._build_state), out_shardings=self.state_sharding)
         self._steps = {
             apply: jax.jit(self._make_step(apply), donate_argnums=0,
-                           out_shardings=(_replicated(self.mesh), _replicated(self.mesh)))
+                           out_shardings=(self.state_sharding, _replicated(self.mesh)))
             for apply in (True, False)
         }
         self._eval = jax.jit(self._eval_step, out_shardings=_replicated(self.mesh))
 
+    def _count(self, name: str, function):
+        """`function`, counting its traces under `name` (one per compiled shape)."""
+
+        def counted(*args):
+            self.compilations[name] += 1
+            return function(*args)
+
+        return counted
+
     # ----- state -------------------------------------------------------------------------------
+    def _state_sharding(self) -> Any:
+        """Where each part of the state lives: one replicated sharding for a data-only mesh, else
+        a TrainState of shardings from the declared logical axes (undeclared parameters are
+        refused, since they could not be split)."""
+        if not partitioning.splits_parameters(self.mesh):
+            return _replicated(self.mesh)
+        abstract = jax.eval_shape(self._build_state, self.init_key)
+        partitioning.tree_specs(abstract.params, self.mesh, required=True)
+        specs = partitioning.tree_specs(abstract, self.mesh, what="state leaf")
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs,
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+
     def _build_state(self, key) -> TrainState:
-        self.compilations["init"] += 1
         params = self.objective.init(key)
         decay = self.objective.ema_decay
         accumulating = self.accumulate > 1
@@ -141,8 +169,15 @@ class Trainer:
         """The starting state, computed eagerly (fit builds the same state compiled)."""
         return self._build_state(self.init_key)
 
-    def _abstract_state(self):
-        return jax.eval_shape(self._build_state, self.init_key)
+    def abstract_state(self) -> TrainState:
+        """The state's shapes, dtypes and shardings on this mesh, computing nothing: what a
+        checkpoint restores into, whatever mesh wrote it."""
+        abstract = jax.eval_shape(self._build_state, self.init_key)
+        shardings = self.state_sharding
+        if isinstance(shardings, NamedSharding):
+            return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings), abstract)
+        return jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
+                            abstract, shardings)
 
     # ----- compiled update ---------------------------------------------------------------------
     def _make_step(self, apply: bool):
@@ -195,10 +230,10 @@ class Trainer:
 
     # ----- data placement ----------------------------------------------------------------------
     def _shard(self, batch: Batch) -> Batch:
-        """Split every field's leading axis across the mesh; refuse what does not divide. The
-        batch keeps its type (a dict, or a typed pytree such as PackedBatch)."""
-        local = self.mesh.devices.size // jax.process_count()
-        rows = NamedSharding(self.mesh, PartitionSpec("data"))
+        """Split every field's leading axis over the mesh's `data` x `fsdp`; refuse what does not
+        divide. The batch keeps its type (a dict, or a typed pytree such as PackedBatch)."""
+        local = max(1, batch_shards(self.mesh) // jax.process_count())
+        rows = NamedSharding(self.mesh, PartitionSpec(partitioning.BATCH_AXES))
 
         def place(name, value):
             value = np.asarray(value)
@@ -206,9 +241,9 @@ class Trainer:
                 return jax.device_put(value, _replicated(self.mesh))
             if value.shape[0] % local:
                 raise ValueError(
-                    f"batch field {name!r} has {value.shape[0]} rows, which do not divide across "
-                    f"{local} local devices; make the batch size a multiple of {local} "
-                    "(or pass Trainer(devices=...) to use fewer devices)"
+                    f"batch field {name!r} has {value.shape[0]} rows, which do not divide into this "
+                    f"process's {local} slices of the batch (the mesh's data x fsdp); make the batch "
+                    f"size a multiple of {local} (or pass Trainer(devices=...) or a smaller mesh)"
                 )
             if jax.process_count() == 1:
                 return jax.device_put(value, rows)
@@ -276,11 +311,7 @@ class _Run:
     def _start_state(self, state):
         trainer = self.trainer
         if self.store is not None and (latest := self.store.latest()) is not None:
-            abstract = jax.tree.map(
-                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=_replicated(trainer.mesh)),
-                trainer._abstract_state(),
-            )
-            restored, info = self.store.restore(latest, abstract)
+            restored, info = self.store.restore(latest, trainer.abstract_state())
             if info.get("accumulate", 1) != trainer.accumulate:
                 raise CheckpointMismatch(
                     f"the checkpoint at step {latest} was written with accumulate="

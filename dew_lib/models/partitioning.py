@@ -1,0 +1,121 @@
+"""Where each parameter lives on a mesh: logical axes, declared once by the module that owns
+the parameter, and the rules that map them to the mesh axes `data`, `fsdp` and `tensor`.
+
+A module declares, for the trailing names of a parameter's path, one logical axis per dimension
+(`declare({("q_proj", "kernel"): ("layers", "embed", "heads")})`). Any tree whose leaves end in
+those names (the parameters, Adam's moments, an EMA copy, a gradient sum) then gets the same
+partition: `embed` over `fsdp` (FSDP: every device holds a slice of each weight and gathers it
+for the layer it computes), `heads`, `kv_heads`, `mlp` and `vocab` over `tensor` (Megatron's
+column and row pairs), and nothing ever over the stacked `layers` axis, which the scanned body
+slices. A mesh axis serves one dimension of a parameter: the first that asks for it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the rows of a batch and every activation are split over both
+
+# logical axis -> the mesh axes that split it (absent or empty: kept whole on every device)
+RULES: Mapping[str, tuple[str, ...]] = {
+    "embed": ("fsdp",),
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+}
+
+_DECLARED: dict[tuple[str, ...], tuple[str | None, ...]] = {}
+
+
+def declare(axes: Mapping[tuple[str, ...], Sequence[str | None]]) -> None:
+    """Declare the logical axes of the parameters whose path ends with each key's names; a
+    module calls this once, beside the code that creates them. Redeclaring a path must agree."""
+    for names, logical in axes.items():
+        logical = tuple(logical)
+        if _DECLARED.setdefault(tuple(names), logical) != logical:
+            raise ValueError(f"the parameter path {'/'.join(names)} is declared twice, as "
+                             f"{_DECLARED[tuple(names)]} and {logical}")
+
+
+def path_names(path: Sequence[Any]) -> tuple[str, ...]:
+    """The dict keys and attribute names of a pytree path, the way parameters are named."""
+    names = []
+    for key in path:
+        name = getattr(key, "key", getattr(key, "name", None))
+        if isinstance(name, str):
+            names.append(name)
+    return tuple(names)
+
+
+def logical_axes(names: Sequence[str], ndim: int) -> tuple[str | None, ...] | None:
+    """The declared logical axes of a leaf with these path names and rank (the longest declared
+    suffix of its names with as many axes as it has dimensions), or None when none is declared."""
+    names = tuple(names)
+    for start in range(len(names)):
+        logical = _DECLARED.get(names[start:])
+        if logical is not None and len(logical) == ndim:
+            return logical
+    return None
+
+
+def spec_for(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh, where: str) -> PartitionSpec:
+    """The PartitionSpec of a leaf of `shape` with these logical axes on `mesh`: each dimension
+    over the mesh axes its rule names that are larger than one and not used by an earlier one.
+    Refuses a dimension its mesh axes do not divide, naming the leaf and the axis."""
+    used: set[str] = set()
+    entries: list[Any] = []
+    for axis, size in zip(logical, shape, strict=True):
+        mesh_axes = tuple(name for name in RULES.get(axis or "", ()) if mesh.shape.get(name, 1) > 1
+                          and name not in used)
+        if mesh_axes:
+            split = math.prod(mesh.shape[name] for name in mesh_axes)
+            if size % split:
+                raise ValueError(
+                    f"{where}: its {axis} dimension of {size} does not divide across the mesh's "
+                    f"{' x '.join(f'{name}={mesh.shape[name]}' for name in mesh_axes)}; choose a "
+                    f"mesh whose {'/'.join(mesh_axes)} size divides {size}")
+            used.update(mesh_axes)
+        entries.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def splits_parameters(mesh: Mesh) -> bool:
+    """Whether `mesh` splits parameters at all (an `fsdp` or `tensor` axis larger than one)."""
+    return any(mesh.shape.get(name, 1) > 1 for name in ("fsdp", "tensor"))
+
+
+def tree_specs(tree: Any, mesh: Mesh, *, required: bool = False, what: str = "parameter") -> Any:
+    """The PartitionSpec of every array leaf of `tree` (parameters, optimizer state, an EMA):
+    from its declared logical axes, or whole on every device when none is declared. With
+    `required`, an undeclared leaf of rank >= 1 is refused instead, naming its path."""
+
+    def spec(path, leaf):
+        shape = getattr(leaf, "shape", None)
+        if shape is None or len(shape) == 0:
+            return PartitionSpec()
+        names = path_names(path)
+        where = f"the {what} {'/'.join(names) or jax.tree_util.keystr(path)} {tuple(shape)}"
+        logical = logical_axes(names, len(shape))
+        if logical is None:
+            if required:
+                raise ValueError(
+                    f"{where} has no declared logical axes, so it cannot be split over the mesh; "
+                    "declare them with dew_lib.models.partitioning.declare({(..., 'name', 'kernel'): "
+                    "(logical axes, one per dimension)}) in the module that creates it")
+            return PartitionSpec()
+        return spec_for(logical, shape, mesh, where)
+
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+__all__ = ["BATCH_AXES", "MESH_AXES", "RULES", "declare", "logical_axes", "path_names", "spec_for",
+           "splits_parameters", "tree_specs"]

@@ -1,0 +1,209 @@
+"""What one training step needs on each device, known before any weight is loaded.
+
+`plan` builds the stage's real objective and Trainer on abstract shapes, over a mesh of host
+devices shaped like the target, and compiles the real update ahead of time. The state's parts
+(parameters, optimizer moments, the frozen reference, an accumulation window's gradient sum)
+are read from their shardings, exactly; the batch's too; and XLA's own memory analysis of the
+compiled step gives the temporary peak (activations kept for the backward pass, gradients,
+gathered weights). The sum is compared with the device's memory, and a plan that does not fit
+says what would make it.
+
+Compiled for the CPU, the temporary peak is XLA:CPU's, not XLA:GPU's or XLA:TPU's: their
+fusions and attention kernels differ (the plan compiles the XLA-only `blockwise` attention,
+which like cuDNN's flash kernel never holds a whole score matrix). Read it as an estimate; the
+state's bytes are exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from dew_lib.plan_tables import DEVICE_BYTES, MODELS, STAGES
+from dew_lib.train.mesh import MeshSpec
+
+GB = 10**9
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes one device holds during a step of `stage` (the most loaded device: device 0)."""
+
+    stage: str
+    mesh: dict[str, int]
+    rows: int
+    width: int
+    parameters: int
+    optimizer: int
+    reference: int
+    gradients: int
+    batch: int
+    temporary: int
+    device_bytes: int | None
+    advice: tuple[str, ...] = ()
+
+    @property
+    def state(self) -> int:
+        return self.parameters + self.optimizer + self.reference + self.gradients
+
+    @property
+    def total(self) -> int:
+        return self.state + self.batch + self.temporary
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_bytes is None else self.total <= self.device_bytes
+
+    def report(self) -> str:
+        """The plan as a table, its verdict and, when it does not fit, what to change."""
+        mesh = " x ".join(f"{name}={size}" for name, size in self.mesh.items())
+        lines = [f"{self.stage}: {self.rows} rows of {self.width} ids a step on {mesh}; bytes per device:"]
+        for name, value in (("parameters", self.parameters), ("optimizer state", self.optimizer),
+                            ("reference", self.reference), ("gradient sum", self.gradients),
+                            ("batch", self.batch), ("temporary peak (XLA)", self.temporary),
+                            ("total", self.total)):
+            lines.append(f"  {name:<22}{value / GB:>10.2f} GB")
+        if self.device_bytes is None:
+            lines.append("no device size given (--device or --device-bytes): no verdict")
+        else:
+            share = self.total / self.device_bytes
+            verdict = "fits" if self.fits else "does NOT fit"
+            lines.append(f"{verdict}: {share:.0%} of the device's {self.device_bytes / GB:.1f} GB")
+        lines += [f"  - {line}" for line in self.advice]
+        return "\n".join(lines)
+
+
+def model_config(name: str) -> dict[str, Any]:
+    """A known model's Hugging Face config (`qwen3-8b`), or the config.json at a path."""
+    if name.lower() in MODELS:
+        return dict(MODELS[name.lower()])
+    path = os.path.join(name, "config.json") if os.path.isdir(name) else name
+    if not os.path.isfile(path):
+        raise ValueError(f"{name!r} is neither a known model ({', '.join(MODELS)}) nor a config.json "
+                         "or a checkpoint directory holding one")
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def device_bytes(device: str | None, given: int | None = None) -> int | None:
+    """The memory of a named device (`h200`), or `given` bytes."""
+    if given is not None:
+        return given
+    if device is None:
+        return None
+    if device.lower() not in DEVICE_BYTES:
+        raise ValueError(f"unknown device {device!r}; known: {', '.join(DEVICE_BYTES)} (or give --device-bytes)")
+    return DEVICE_BYTES[device.lower()]
+
+
+def plan(config: Mapping[str, Any], *, stage: str, mesh: MeshSpec, seq_len: int, batch: int,
+         dtype: str = "bfloat16", remat: bool = False, accumulate: int = 1,
+         device: int | None = None) -> MemoryPlan:
+    """Compile `stage`'s update for a model of `config` on this process's devices arranged as
+    `mesh` and return what device 0 holds. seq_len: ids per row; batch: rows (SFT, GRPO, PPO:
+    packed rows; DPO: pairs) per step, split over `accumulate` micro-steps. device: its memory."""
+    import optax
+
+    from dew_lib import models
+    from dew_lib.models.pretrained.families import decoder_options
+    from dew_lib.train.trainer import Trainer
+
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
+    if batch % accumulate:
+        raise ValueError(f"batch={batch} does not split into accumulate={accumulate} equal micro-batches")
+    _, options = decoder_options(config)
+    options["max_seq_len"] = max(options["max_seq_len"], seq_len)
+    width = jnp.dtype(dtype)
+    model = models.build("causal_transformer", **options, dtype=width, param_dtype=width,
+                         attention_kernel="blockwise", remat=remat)
+    trainer = Trainer(_objective(stage, model, seq_len - 1), optax.adamw(1e-6), key=jax.random.key(0),
+                      mesh=mesh, accumulate=accumulate)
+    rows = batch // accumulate
+    shards = trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"]
+    if rows % shards:
+        raise ValueError(f"{rows} rows a micro-step do not split over the mesh's data x fsdp = {shards}")
+    state = trainer.abstract_state()
+    placed = NamedSharding(trainer.mesh, PartitionSpec(("data", "fsdp")))
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed),
+                         _batch(stage, rows, seq_len))
+    compiled = trainer._steps[True].lower(state, micro).compile()
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        raise ValueError("this JAX's CPU compiler gives no memory analysis, which the plan reads")
+    parts = {name: _held(getattr(state, name)) for name in ("params", "opt_state", "ema", "grads")}
+    found = MemoryPlan(stage=stage, mesh=dict(trainer.mesh.shape), rows=batch, width=seq_len,
+                       parameters=parts["params"], optimizer=parts["opt_state"], reference=parts["ema"],
+                       gradients=parts["grads"], batch=_held(micro),
+                       temporary=int(analysis.temp_size_in_bytes), device_bytes=device)
+    return dataclasses.replace(found, advice=_advice(found, remat, dtype, accumulate))
+
+
+def _held(tree: Any) -> int:
+    """Bytes device 0 holds of `tree`'s abstract leaves (each leaf's shard shape)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape)
+        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _objective(stage: str, model: Any, seq_len: int):
+    from dew_lib.objectives import DPOObjective, GRPOObjective, LMObjective, PPOObjective, ValueHead
+
+    if stage == "sft":
+        return LMObjective(model, seq_len=seq_len, ema_decay=None)  # as the pipeline's SFT
+    if stage == "dpo":
+        return DPOObjective(model, seq_len=seq_len, beta=0.1)
+    if stage == "grpo":
+        return GRPOObjective(model, seq_len=seq_len, beta=0.01)
+    return PPOObjective(model, seq_len=seq_len, critic=ValueHead(model), beta=0.01)
+
+
+def _batch(stage: str, rows: int, width: int) -> Any:
+    """A batch of the stage's layout and these shapes, as arrays of zeros' shapes."""
+    from dew_lib.objectives.batch import PackedBatch
+
+    ids, floats = jax.ShapeDtypeStruct((rows, width), np.int32), jax.ShapeDtypeStruct((rows, width), np.float32)
+    if stage == "sft":
+        return {"text": ids, "text_segment_ids": ids}
+    if stage == "dpo":
+        pair = jax.ShapeDtypeStruct((rows, 2, width), np.int32)
+        return {"input_ids": pair, "completion_mask": pair}
+    packed = dict(input_ids=ids, text_segment_ids=ids, text_positions=ids, response_mask=ids,
+                  behavior_log_probs=floats, advantages=floats, session_index=ids, versions=ids,
+                  call_index=ids, rewards=floats, session_weights=floats, old_log_probs=floats)
+    if stage == "ppo":
+        packed.update(old_values=floats, returns=floats)
+    return PackedBatch(**packed, proximal="recorded")
+
+
+def _advice(plan: MemoryPlan, remat: bool, dtype: str, accumulate: int) -> tuple[str, ...]:
+    """What would bring a plan that does not fit under the device's memory."""
+    if plan.fits is not False:
+        return ()
+    over = plan.total - (plan.device_bytes or 0)
+    lines = [f"{over / GB:.1f} GB over. The state ({plan.state / GB:.1f} GB) shrinks with the mesh's fsdp "
+             f"(now {plan.mesh['fsdp']}): twice the fsdp halves it, on twice the devices or fewer data replicas"]
+    if not remat:
+        lines.append(f"remat recomputes each layer's activations in the backward pass instead of keeping "
+                     f"them (the temporary peak is {plan.temporary / GB:.1f} GB now)")
+    micro = plan.rows // accumulate
+    if micro > plan.mesh["data"] * plan.mesh["fsdp"]:
+        lines.append(f"a smaller micro-batch: accumulate={accumulate * 2} keeps half of the {micro} rows' "
+                     "activations at once")
+    if dtype != "bfloat16":
+        lines.append("dtype bfloat16 halves the parameters, moments and reference")
+    return tuple(lines)
+
+
+__all__ = ["DEVICE_BYTES", "MODELS", "STAGES", "MemoryPlan", "device_bytes", "model_config", "plan"]
