@@ -6,7 +6,7 @@ devices shaped like the target, and compiles the real update ahead of time. The 
 are read from their shardings, exactly; the batch's too; and XLA's own memory analysis of the
 compiled step gives the temporary peak (activations kept for the backward pass, gradients,
 gathered weights). The sum is compared with the device's memory, and a plan that does not fit
-says what would make it.
+says what would make it fit.
 
 Compiled for the CPU, the temporary peak is XLA:CPU's, not XLA:GPU's or XLA:TPU's: their
 fusions and attention kernels differ (the plan compiles the XLA-only `blockwise` attention,
