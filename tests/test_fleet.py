@@ -250,8 +250,9 @@ def test_programs_die_when_the_parent_is_sigkilled(kind, request):
         while any(alive(p) for p in leaders) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not [p for p in leaders if alive(p)], "a program outlived its parent"
-        if kind == "namespace":
-            assert gone(marker), f"{marked(marker)} survived the parent"
+        if kind == "namespace":  # the kernel ends the namespace's processes; on a busy machine
+            # their exits can take seconds to be scheduled, while a leak would last for ever
+            assert gone(marker, seconds=15), f"{marked(marker)} survived the parent"
     finally:
         parent.kill()
         parent.wait()
