@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import os
 import subprocess
 import sys
@@ -126,3 +128,23 @@ def npz_leaves(path):
     """The state leaves a worker saved, in tree order."""
     with np.load(path) as data:
         return [data[str(i)] for i in range(len(data.files))]
+
+
+@contextlib.contextmanager
+def run_log():
+    """The messages of the flow and task run loggers while the block runs."""
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler, loggers = Keep(level=logging.INFO), [logging.getLogger(n) for n in
+                                                  ("prefect.task_runs", "prefect.flow_runs")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)

@@ -4,9 +4,7 @@ Flows run against Prefect's test harness (a temporary API and database) with a t
 a few steps per stage; what they write is checked through the run store, as a user would.
 """
 
-import contextlib
 import json
-import logging
 import os
 import re
 import signal
@@ -16,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import run_log
 
 pytest.importorskip("prefect")
 
@@ -66,25 +65,6 @@ def finished(harness, tmp_path_factory):
 
 def query(root, sql):
     return Store(str(root)).rows(sql)[1]
-
-
-@contextlib.contextmanager
-def flow_log():
-    """The messages the flow and task runs log while the block runs."""
-    lines = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-
-    keep, loggers = Keep(level=logging.INFO), [logging.getLogger(n) for n in ("prefect.flow_runs", "prefect.task_runs")]
-    for logger in loggers:
-        logger.addHandler(keep)
-    try:
-        yield lines
-    finally:
-        for logger in loggers:
-            logger.removeHandler(keep)
 
 
 @pytest.mark.slow
@@ -146,7 +126,7 @@ def test_a_rerun_with_the_same_inputs_is_the_same_run_and_reuses_every_finished_
     counts = ("SELECT (SELECT count(*) FROM metrics), (SELECT count(*) FROM sessions), "
               "(SELECT count(*) FROM evaluations), (SELECT count(*) FROM stages)")
     before = query(root, counts)
-    with flow_log() as lines:
+    with run_log() as lines:
         again = pipeline(params)
     assert again["run"] == first["run"] and again["accuracy"] == first["accuracy"]
     assert set(again["reused"].values()) == {True}

@@ -6,14 +6,13 @@ slow ones change one input group of one finished TINY pipeline (tests/test_pipel
 time, under the same name and root, and read the log and the closing table's `reused` column.
 """
 
-import contextlib
-import logging
 import os
 
 import pytest
 
 pytest.importorskip("prefect")
 
+from conftest import run_log  # noqa: E402, F401 - test_stage_processes imports it from here
 from test_pipeline import query, tiny  # noqa: E402
 
 from tasks.storage import changes, continue_shorter, read_json, rebased, stage_directory, write_json  # noqa: E402
@@ -108,26 +107,6 @@ def base(prefect_harness, tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     params = tiny(root)
     return root, params, pipeline(params)
-
-
-@contextlib.contextmanager
-def run_log():
-    """The messages of the flow and task run loggers while the block runs."""
-    lines = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-
-    handler, loggers = Keep(level=logging.INFO), [logging.getLogger(n) for n in
-                                                  ("prefect.task_runs", "prefect.flow_runs")]
-    for logger in loggers:
-        logger.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        for logger in loggers:
-            logger.removeHandler(handler)
 
 
 def rerun(root, **changed):
