@@ -1,4 +1,4 @@
-"""Qwen3-0.6B-shaped SFT and GRPO throughput on one GPU, and SFT as a two-process job.
+"""Qwen3-0.6B-shaped SFT and GRPO throughput on one GPU, SFT as a two-process job and under FSDP.
 
 The model has Qwen3-0.6B's shape (vocabulary 151,936, hidden 1,024, 28 layers, 16 query and 8
 key heads of 128, MLP 3,072, tied embeddings, qk-norm; built from its Hugging Face config by
@@ -18,6 +18,14 @@ when cuDNN takes the shapes; the report names the kernel that ran). SFT and GRPO
   2 proc  the same SFT as a job of two processes (`dew_lib.train.launch.launch`), one GPU
           each, on the same global batch, against twice the one-process rate; skipped, saying
           why, with fewer than two GPUs (on the CPU of a dry run: one host device each)
+  FSDP    the same SFT in one process under `Trainer(mesh=MeshSpec(fsdp=n))` over all n GPUs
+          (a dry run: 2 host devices), the model as the memory planner builds it (bfloat16
+          parameters and compute, blockwise attention, AdamW; a dry run: float32, which XLA:CPU
+          compiles in half the time): tokens/s, and the planner's bytes
+          per device (`dew_lib.train.plan.plan`, compiled on n CPU host devices as `dew plan` does)
+          against device 0's measured peak (`memory_stats()["peak_bytes_in_use"]`, where the
+          device reports it; a CPU does not); skipped, saying why, on one GPU (FSDP 1 is the SFT
+          above)
 
 The peak comes from a table of datasheet figures by `device_kind` (dense, no sparsity) and
 is measured with a large bfloat16 matmul on a device the table lacks. Every measurement runs in
@@ -27,7 +35,8 @@ a fresh process (this one never initializes a GPU, so it holds none of its memor
 Run: `make bench-gpu` or `python bench/gpu.py [--batch 8 --seq 2048 --steps 10]`;
 `python bench/gpu.py --dry-run` anywhere.
 
-Not here: GRPO across processes, several hosts, real weights, the CPU benches (train_lm.py).
+Not here: GRPO across processes or under FSDP, tensor parallelism, several hosts, real weights,
+the CPU benches (train_lm.py; its `--mesh` compares FSDP 2 with DP 2 on host devices).
 """
 
 from __future__ import annotations
@@ -234,7 +243,65 @@ def child_grpo(args) -> dict:
             "finite": finite, "kernel": picked_kernel(options, rows, width - 1)}
 
 
-CHILDREN = {"info": child_info, "sft": child_sft, "grpo": child_grpo}
+def planned_dtype(dry_run: bool) -> str:
+    """The FSDP part's one dtype (parameters and compute): the planner's default, bfloat16, but
+    float32 on a dry run, which XLA:CPU compiles in half the time."""
+    return "float32" if dry_run else "bfloat16"
+
+
+def planned_options(dry_run: bool, remat: bool) -> dict:
+    """`model_shape` as `dew_lib.train.plan.plan` builds it: one dtype, blockwise attention."""
+    import jax.numpy as jnp
+
+    width = jnp.dtype(planned_dtype(dry_run))
+    return dict(model_shape(dry_run), dtype=width, param_dtype=width, attention_kernel="blockwise",
+                remat=remat)
+
+
+def child_sharded(args) -> dict:
+    """SFT under FSDP over every device this process sees, the step the planner plans."""
+    import jax
+    import optax
+
+    from dew_lib import Dataset, LMObjective, Trainer, models
+    from dew_lib.train.mesh import MeshSpec
+    from dew_lib.train.sinks import MemorySink
+
+    devices = jax.device_count()
+    model = models.build("causal_transformer", **planned_options(args.dry_run, args.remat))
+    ids = np.random.default_rng(0).integers(
+        0, model_shape(args.dry_run)["vocab_size"], size=(args.batch, args.seq + 1)).astype(np.int32)
+    batch = {"text": ids, "text_segment_ids": np.ones_like(ids)}  # the planner's SFT batch
+    trainer = Trainer(LMObjective(model, seq_len=args.seq, ema_decay=None), optax.adamw(1e-6),
+                      key=jax.random.key(0), mesh=MeshSpec(fsdp=devices))
+    sink = MemorySink()
+    trainer.fit(Dataset(train=lambda partition: itertools.repeat(batch), batch=args.batch),
+                steps=args.steps + 1, log_every=1, sinks=[sink])
+    rates = [m["tokens_per_second"] for _, m in sink.history[1:]]  # the first window compiles
+    stats = jax.devices()[0].memory_stats() or {}
+    out = {"rate": float(np.median(rates)), "devices": devices, "kind": jax.devices()[0].device_kind,
+           "peak": stats.get("peak_bytes_in_use"), "compilations": trainer.compilations["train_step"]}
+    if jax.default_backend() == "cpu":  # these host devices are the planner's: plan here
+        out["plan"] = child_plan(args)
+    return out
+
+
+def child_plan(args) -> dict:
+    """The memory planner's bytes per device for `child_sharded`'s step, on CPU host devices."""
+    os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX starts in a child of its own
+    import jax
+
+    from dew_lib.train.mesh import MeshSpec
+    from dew_lib.train.plan import plan
+
+    found = plan(TINY_CONFIG if args.dry_run else QWEN3_06B_CONFIG, stage="sft",
+                 mesh=MeshSpec(fsdp=jax.device_count()), seq_len=args.seq + 1, batch=args.batch,
+                 dtype=planned_dtype(args.dry_run), remat=args.remat)
+    return {"state": found.state, "batch": found.batch, "temporary": found.temporary, "total": found.total}
+
+
+CHILDREN = {"info": child_info, "sft": child_sft, "grpo": child_grpo, "sharded": child_sharded,
+            "plan": child_plan}
 
 
 # ----- the parent ----------------------------------------------------------------------------
@@ -288,6 +355,43 @@ def two_processes(args, info: dict) -> tuple[dict | None, str | None]:
     return json.loads(line[len("[0] "):]), None
 
 
+def fsdp(args, info: dict, notes: list[str]) -> tuple[dict | None, str | None]:
+    """SFT under FSDP over every device, with the planner's bytes: `(result, None)`, or `(None,
+    why it did not run)`; a failure goes to `notes`."""
+    cpu = info["backend"] == "cpu"
+    devices = 2 if cpu else info["devices"]
+    if devices < 2:
+        return None, (f"{info['devices']} {info['kind']} device here: FSDP 1 is the one-device SFT "
+                      "above")
+    if args.batch % devices:
+        return None, f"batch {args.batch} does not split over {devices} devices"
+    try:
+        got = in_subprocess(__file__, "sharded", *child_args(args), host_devices=devices if cpu else 1)
+        if "plan" not in got:  # measured on GPUs: plan on as many CPU host devices
+            got["plan"] = in_subprocess(__file__, "plan", *child_args(args), host_devices=devices)
+    except RuntimeError as error:
+        notes.append(f"FSDP failed: {str(error).strip().splitlines()[-1]}")
+        return None, "failed (see the note)"
+    return got, None
+
+
+def size(value: float) -> str:
+    return f"{value / 1e9:.2f} GB" if value >= 1e8 else f"{value / 1e6:.2f} MB"
+
+
+def fsdp_rows(got: dict, args) -> list[tuple[str, str]]:
+    n, plan = got["devices"], got["plan"]
+    rows = [(f"SFT {args.batch}x{args.seq}, FSDP {n}, {planned_dtype(args.dry_run)} parameters: tokens/s",
+             f"{got['rate']:,.0f} ({got['rate'] / n:,.0f} per device)"),
+            (f"SFT, FSDP {n}: planned bytes per device (dew plan, XLA:CPU)",
+             f"{size(plan['total'])} (state {size(plan['state'])}, temporary {size(plan['temporary'])})")]
+    if got["peak"] is None:
+        return rows + [(f"SFT, FSDP {n}: measured peak on device 0",
+                        f"not reported ({got['kind']} gives no memory_stats)")]
+    return rows + [(f"SFT, FSDP {n}: measured peak on device 0 (memory_stats)",
+                    f"{size(got['peak'])}, {got['peak'] / plan['total']:.2f}x the plan")]
+
+
 def sft_rows(sft: dict, args, options: dict, peak: float) -> list[tuple[str, str]]:
     mfu = sft["rate"] * flops_per_token(options, args.seq) / peak
     return [(f"SFT {args.batch}x{args.seq}: tokens/s", f"{sft['rate']:,.0f}"),
@@ -336,7 +440,8 @@ def main(argv=None) -> int:
     parser.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
     parser.add_argument("--allow-cpu", action="store_true",
                         help="measure the full shape without an accelerator (hours on a CPU)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: sft, grpo, processes")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated parts to skip: sft, grpo, processes, fsdp")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     defaults = (dict(batch=4, seq=32, steps=2, prompts=2, groups=2, prompt_len=8, new=8) if args.dry_run
@@ -377,6 +482,11 @@ def main(argv=None) -> int:
         two, why = two_processes(args, info)
         rows += [("SFT, 2 processes", f"skipped: {why}")] if two is None else \
             process_rows(two, sft, args, options, peak)
+    if "fsdp" in skip:
+        rows.append(("SFT, FSDP", "skipped (--skip)"))
+    else:
+        sharded, why = fsdp(args, info, notes)
+        rows += [("SFT, FSDP", f"skipped: {why}")] if sharded is None else fsdp_rows(sharded, args)
     rows += [("note", note) for note in notes]
     report(f"bench-gpu: {'DRY RUN on CPU, tiny model' if args.dry_run else 'Qwen3-0.6B shape'}, "
            f"{args.steps} timed steps each", rows)

@@ -9,7 +9,14 @@ device per core. `--one-core` adds Dew and PyTorch pinned to a single core: thei
 is the per-core efficiency, and Dew's host devices against that many single-core runs is how
 well its data parallelism scales, together the bound on what one host device per core can
 reach against PyTorch.
-Run: `make bench` (installs the bench extra) or `python bench/train_lm.py [--steps N]`.
+
+`--mesh` measures only the sharded Trainer instead: on two host devices (one per core), the same
+step with `mesh=MeshSpec(fsdp=2)` (each device keeps half of every weight and Adam moment and
+gathers a layer's weights as it computes) against `MeshSpec(data=2)` (both keep everything), in
+alternating rounds, at 16 x 256 and at 2 x 1,024 with the 151,936-token vocabulary (`--shapes`
+and `--large-vocab` choose others); it prints both rates and FSDP / DP per round (issue target:
+0.9x or more). About 7.5 minutes at the defaults on two cores, the large vocabulary most of it.
+Run: `make bench` (installs the bench extra) or `python bench/train_lm.py [--steps N] [--mesh]`.
 """
 
 from __future__ import annotations
@@ -44,11 +51,13 @@ def model_flops_per_token(config: dict, seq: int) -> float:
     return 6 * matmul_params + 12 * layers * seq * e
 
 
-def dew_tokens_per_second(config, batch, seq, steps):
+def dew_tokens_per_second(config, batch, seq, steps, mesh=None):
+    """Median tokens/s of the LM step; `mesh`: a MeshSpec text ("fsdp=2"), default all `data`."""
     import jax
     import optax
 
     from dew_lib import Dataset, LMObjective, Trainer, models
+    from dew_lib.train.mesh import MeshSpec
     from dew_lib.train.sinks import MemorySink
 
     model = models.build("causal_transformer", **config)
@@ -56,7 +65,7 @@ def dew_tokens_per_second(config, batch, seq, steps):
     rows = rng.integers(0, config["vocab_size"], size=(batch, seq + 1)).astype(np.int32)
     data = Dataset(train=lambda p: itertools.repeat({"text": rows}), batch=batch)
     trainer = Trainer(LMObjective(model, seq_len=seq, ema_decay=None), optax.adamw(1e-4),
-                      key=jax.random.key(0))
+                      key=jax.random.key(0), mesh=MeshSpec.parse(mesh) if mesh else None)
     sink = MemorySink()
     trainer.fit(data, steps=steps + 2, log_every=1, sinks=[sink])
     rates = [m["tokens_per_second"] for _, m in sink.history[2:]]  # first windows include compiling
@@ -94,10 +103,37 @@ def measure(shape_args, rounds, use_torch, baseline, vocab, one_core):
     return out
 
 
+MESHES = ("fsdp=2", "data=2")  # FSDP first: the side the ratio is of
+
+
+def compare_meshes(cases, steps: int, rounds: int) -> None:
+    """FSDP 2 against DP 2 on two host devices, alternating which goes first each round."""
+    rows = []
+    for batch, seq, vocab in cases:
+        done = len(rows)
+        common = ("--batch", str(batch), "--seq", str(seq), "--steps", str(steps), "--vocab", str(vocab))
+        rates: dict[str, list[float]] = {mesh: [] for mesh in MESHES}
+        for i in range(rounds):
+            for mesh in MESHES if i % 2 == 0 else MESHES[::-1]:
+                got = in_subprocess(__file__, "dew", *common, "--mesh-spec", mesh, host_devices=2)
+                rates[mesh].append(got["rate"])
+        name = f"{batch}x{seq} vocab {vocab}"
+        rows += [(f"{name}: dew tokens/s, FSDP 2 / DP 2 (2 host devices)",
+                  f"{np.median(rates['fsdp=2']):,.0f} / {np.median(rates['data=2']):,.0f}"),
+                 (f"{name}: FSDP 2 / DP 2 (per round; target 0.9x)",
+                  per_round([f / d for f, d in zip(rates["fsdp=2"], rates["data=2"])]))]
+        for key, value in rows[done:]:
+            print(f"{key}: {value}", flush=True)
+    report(f"train_lm --mesh: Llama 8M body, float32, Trainer(mesh=MeshSpec(fsdp=2)) against "
+           f"MeshSpec(data=2) on 2 host devices, each in its own process, median of {rounds} "
+           "alternating rounds", rows)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shapes", default="16x256,4x1024,2x2048",
-                        help="batch x sequence pairs (default: 4,096 tokens per batch each; '' for none)")
+    parser.add_argument("--shapes", default=None,
+                        help="batch x sequence pairs (default: 16x256,4x1024,2x2048, 4,096 tokens per "
+                             "batch each; with --mesh 16x256; '' for none)")
     parser.add_argument("--large-vocab", default="2x1024",
                         help="shapes run again with a 151,936-token vocabulary ('' to skip)")
     parser.add_argument("--steps", type=int, default=8)
@@ -106,23 +142,35 @@ def main():
     parser.add_argument("--baseline", help="another Dew checkout to measure beside this one")
     parser.add_argument("--one-core", action="store_true",
                         help="also run Dew and PyTorch pinned to one core (Linux)")
+    parser.add_argument("--mesh", action="store_true",
+                        help="only FSDP 2 against DP 2 on two host devices (the sharded Trainer)")
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--vocab", type=int, default=LLAMA_8M["vocab_size"], help=argparse.SUPPRESS)
+    parser.add_argument("--mesh-spec", help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=("peak", "dew", "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     check_one_core(parser, args)
+    if args.shapes is None:
+        args.shapes = "16x256" if args.mesh else "16x256,4x1024,2x2048"
     if args.child:
         config = dict(LLAMA_8M, vocab_size=args.vocab, max_seq_len=max(LLAMA_8M["max_seq_len"], args.seq or 0))
         if args.child == "peak":
             print(json.dumps({"flops": jax_matmul_peak()}))
         elif args.child == "dew":
             start = time.perf_counter()
-            rate, compilations = dew_tokens_per_second(config, args.batch, args.seq, args.steps)
+            rate, compilations = dew_tokens_per_second(config, args.batch, args.seq, args.steps,
+                                                       args.mesh_spec)
             print(json.dumps({"rate": rate, "compilations": compilations,
                               "seconds": time.perf_counter() - start}))
         else:
             print(json.dumps({"rate": torch_tokens_per_second(config, args.batch, args.seq, args.steps)}))
+        return
+    cases = [(b, s, LLAMA_8M["vocab_size"]) for b, s in parse_shapes(args.shapes)]
+    if args.large_vocab:
+        cases += [(b, s, 151_936) for b, s in parse_shapes(args.large_vocab)]
+    if args.mesh:
+        compare_meshes(cases, args.steps, args.rounds)
         return
     use_torch = not args.no_torch
     if use_torch:
@@ -132,9 +180,6 @@ def main():
             print(f"torch failed: {str(error).splitlines()[-1]}; `pip install -e '.[bench]'`")
             use_torch = False
     peak = in_subprocess(__file__, "peak")["flops"]
-    cases = [(b, s, LLAMA_8M["vocab_size"]) for b, s in parse_shapes(args.shapes)]
-    if args.large_vocab:
-        cases += [(b, s, 151_936) for b, s in parse_shapes(args.large_vocab)]
     rows = [("machine f32 matmul peak (JAX)", f"{peak / 1e9:.1f} GFLOP/s")]
     for batch, seq, vocab in cases:
         done = len(rows)

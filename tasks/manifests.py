@@ -99,15 +99,16 @@ def fingerprint(*parts: Any) -> str:
 def keyed(params: BaseModel) -> dict:
     """A stage's parameters as its fingerprint reads them: every field but those added since
     stages were first keyed (the options' `LATER`) while they keep their defaults, `processes`
-    only above 1 (each process reads its own share, so the data order changes), never `mesh`
-    (where the state lives, not what it computes: a stage resumes under another mesh), and
+    only above 1 (each process reads its own share, so the data order changes), never `mesh`,
+    `tensor_parallel_size` or `device_memory` (where the state or the rollout server lives, not
+    what it computes: a stage resumes under another mesh), and
     renamed fields under their earlier names (`Options.key_fields`); so a stage's key is what
     it was before those fields existed or were renamed."""
     fields = type(params).model_fields
     later = getattr(type(params), "LATER", frozenset()) | {"processes"}
     unset = {name for name in later if name in fields
              and getattr(params, name) == fields[name].get_default(call_default_factory=True)}
-    unset |= {"mesh"} & fields.keys()
+    unset |= {"mesh", "tensor_parallel_size", "device_memory"} & fields.keys()
     if isinstance(params, Options):
         return params.key_fields(exclude=unset)
     return params.model_dump(mode="json", exclude=unset)

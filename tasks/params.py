@@ -27,6 +27,7 @@ from dew_lib.recipes.options import (
     TrainOptions,
 )
 from dew_lib.train.mesh import MeshSpec
+from tasks.memory import planned_bytes
 from tasks.params_file import command_line, read_params_file  # noqa: F401 - flows import them from here
 
 Params = Options  # frozen, and unknown fields are refused: a typo in the UI is an error, not a no-op
@@ -175,11 +176,23 @@ class TextStageParams(StageParams):
                       "Sharding); empty: every device a replica of the whole state. Not part of the "
                       "stage's inputs: a stage resumes its checkpoint under another mesh")
 
+    device_memory: str = Field("", description="each device's memory to plan the stage against before it "
+                               "trains: a known device (h100, h200, a100-40, a100-80, l40s, v5e) or a whole "
+                               "number of bytes; empty: what the devices report (GPUs and TPUs do, CPUs do "
+                               "not). A stage that does not fit is refused with what to change (docs/distributed.md, "
+                               "What fits). Not part of the stage's inputs")
+
     @field_validator("mesh")
     @classmethod
     def _mesh_reads(cls, mesh: str) -> str:
         MeshSpec.parse(mesh)
         return mesh
+
+    @field_validator("device_memory")
+    @classmethod
+    def _memory_reads(cls, device_memory: str) -> str:
+        planned_bytes(device_memory)
+        return device_memory
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TextStageParams:

@@ -25,10 +25,15 @@ def checkpoint_fingerprint(directory: str) -> str:
                        [(os.path.basename(f), os.path.getsize(f), os.path.getmtime(f)) for f in files])
 
 
-def save_policy(pretrained: Pretrained, variables, directory: str, key: str) -> PolicyRef:
-    """Save float32 weights with config and tokenizer; the fingerprint names what made them."""
-    pretrained.save(variables, directory, dtype=None)
-    write_json(os.path.join(directory, "dew_policy.json"), {"fingerprint": key})
+def save_policy(pretrained: Pretrained, variables, directory: str, key: str, *, write: bool = True) -> PolicyRef:
+    """Save float32 weights with config and tokenizer; the fingerprint names what made them.
+
+    Variables split over a mesh are gathered a tensor at a time as they are written; split
+    across processes, every process calls this together and all but one pass `write=False`
+    (they take part in the gathers and write nothing)."""
+    pretrained.save(variables, directory, dtype=None, write=write)
+    if write:
+        write_json(os.path.join(directory, "dew_policy.json"), {"fingerprint": key})
     return PolicyRef(path=directory, fingerprint=key)
 
 

@@ -56,6 +56,7 @@ from dew_lib.train.trainer import Trainer
 from tasks.job_records import DeferredWriter
 from tasks.lifecycle import Start, begin, conclude, stage_sinks, write_result
 from tasks.manifests import DataManifest, PolicyRef, StageResult, fingerprint, keyed
+from tasks.memory import check_memory
 from tasks.params import DPOParams, GRPOParams, PPOParams, RewardParams, SFTParams, StageParams, ToolParams
 from tasks.policy import load_policy, save_policy
 from tasks.records import open_stage
@@ -219,6 +220,9 @@ def run_stage(job: StageJob, logger, *, progress: bool = True, publish=None) -> 
         rollout = recorder.after_each(built.rollout) if isinstance(recorder, DeferredWriter) else built.rollout
         trainer = Trainer(built.objective, optimizer, key=jax.random.key(job.seed), rollout=rollout,
                           mesh=MeshSpec.parse(params.mesh))
+        rows = params.batch * getattr(params, "groups", 1)  # SFT rows, DPO pairs, RL completions
+        dtype = str(jax.tree.leaves(variables)[0].dtype)
+        check_memory(stage, kind, trainer, rows, built.objective.seq_len + 1, params.device_memory, dtype, logger)
         if job.resumed is not None:
             if isinstance(built.rollout, ScheduledRollout):  # before the killed attempt's rows go
                 earlier, offered = built.rollout.reuse_from(
@@ -239,10 +243,11 @@ def run_stage(job: StageJob, logger, *, progress: bool = True, publish=None) -> 
             if isinstance(recorder, DeferredWriter):
                 recorder.write_own()  # what process 0's scheduler settled at close
         trained = state.params["policy"] if isinstance(built.objective, PPOObjective) else state.params
-        trained = distributed.local_copy(trained)  # every process: a split policy is gathered together
+        # Every process saves: a policy split across processes is gathered a tensor at a time
+        # as process 0 writes it, never the whole of it on one host.
+        policy = save_policy(pretrained, trained, os.path.join(directory, "policy"), job.key, write=primary)
         if not primary:
             return None
-        policy = save_policy(pretrained, trained, os.path.join(directory, "policy"), job.key)
         metrics = conclude(writer, stage, kind, directory, params.steps, policy.path, publish=publish)
     result = StageResult(stage=stage, kind=kind, policy=policy, metrics=metrics, directory=directory,
                          steps=params.steps)

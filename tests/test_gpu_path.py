@@ -261,4 +261,9 @@ def test_bench_gpu_dry_run_runs_every_part_on_the_cpu():
     assert float(grpo.replace(",", "")) > 0
     assert values["GRPO / prime-rl 13.3k tokens/s (Qwen3-0.6B RL, one H100)"].endswith("x")
     assert float(values["SFT, 2 processes x 1 device: tokens/s"].replace(",", "")) > 0
+    fsdp = values["SFT 4x32, FSDP 2, float32 parameters: tokens/s"]
+    assert float(fsdp.split()[0].replace(",", "")) > 0
+    assert re.fullmatch(r"[\d.]+ MB \(state [\d.]+ MB, temporary [\d.]+ MB\)",
+                        values["SFT, FSDP 2: planned bytes per device (dew plan, XLA:CPU)"])
+    assert values["SFT, FSDP 2: measured peak on device 0"] == "not reported (cpu gives no memory_stats)"
     assert "note" not in values, values["note"]  # nothing failed over to another kernel

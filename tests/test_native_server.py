@@ -127,7 +127,7 @@ def test_requests_added_between_two_steps_share_one_prefill(monkeypatch):
 
     shapes = []
     prefill = serving._prefill
-    monkeypatch.setattr(serving, "_prefill", lambda *args: shapes.append(args[4].shape) or prefill(*args))
+    monkeypatch.setattr(serving, "_prefill", lambda *args: shapes.append(args[5].shape) or prefill(*args))
     engine = server(GREEDY, slots=4)
     for name, prompt in enumerate(PROMPTS[:3]):
         engine.add(name, prompt, 6, seed=name)

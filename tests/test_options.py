@@ -187,8 +187,12 @@ def test_every_choice_reaches_the_objective_and_rollout_of_each_mode():
         assert_chosen(lagged.objective)
         assert lagged.objective.behavior_importance == 2.0
         assert lagged.rollout.scheduler.estimator == "rloo"
+        assert lagged.rollout.server.server.mesh is None  # one device unless asked
     finally:
         lagged.close()
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 devices; this process has 1"):
+        build_grpo(model, variables, prompts(), options.model_copy(update={"mode": "async", "tensor_parallel_size": 2}),
+                   reward=lambda *a: 1.0, eos_id=2)
     episodes = build_episode_grpo(model, variables, prompts(), options, EpisodeOptions(max_turns=1, max_prompt_len=4),
                                   environment=OneTurn, verifier=lambda task, episode: 1.0, eos_id=2)
     assert_chosen(episodes.objective)

@@ -58,9 +58,14 @@ def finished(harness, tmp_path_factory):
     from flows.pipeline import pipeline
 
     root = tmp_path_factory.mktemp("runs")
-    # DPO cuts its 3 steps to 1: a fraction of one pass over its pairs (dpo.max_epochs)
-    params = tiny(root, dpo=dict(TINY["dpo"], steps=3, max_epochs=0.001))
-    return root, params, pipeline(params)
+    # DPO cuts its 3 steps to 1: a fraction of one pass over its pairs (dpo.max_epochs). Each
+    # stage is planned against an H200's memory before it trains.
+    planned = dict(device_memory="h200")
+    params = tiny(root, sft=dict(TINY["sft"], **planned), dpo=dict(TINY["dpo"], steps=3, max_epochs=0.001, **planned),
+                  grpo=dict(TINY["grpo"], **planned))
+    with run_log() as lines:
+        outcome = pipeline(params)
+    return root, params, {**outcome, "log": lines}
 
 
 def query(root, sql):
@@ -112,6 +117,12 @@ def test_the_pipeline_trains_every_stage_and_records_it(finished):
     assert loaded.tokenizer is not None and loaded.model.num_layers == 1
     for stage in ("sft", "dpo", "grpo"):
         assert os.path.getsize(os.path.join(root, "demo", stage, "curves.png")) > 1000
+    # Each stage's compiled update was planned before it trained, and fitted.
+    plans = {line.split(" fits: ")[0]: line for line in outcome["log"] if " fits: " in line}
+    assert set(plans) == {"sft", "dpo", "grpo"}
+    for stage, rows, width in (("sft", 4, 97), ("dpo", 4, 40), ("grpo", 8, 32)):
+        assert f"{stage}: {rows} rows of {width} ids a step on data=1 x fsdp=1 x tensor=1" in plans[stage]
+        assert "fits: 0% of the device's 150.8 GB" in plans[stage]
 
 
 def closing_message(lines) -> str:
@@ -230,6 +241,23 @@ def test_a_failed_training_task_is_retried_and_resumes_from_its_checkpoint(harne
     rows = query(tmp_path, f"SELECT step, count(*) FROM metrics WHERE run = '{run}' AND stage = 'sft' "
                            "AND name = 'loss' GROUP BY step ORDER BY step")
     assert rows == [(1, 1), (2, 1), (3, 1), (4, 1)]  # the failed attempt's step 3 was replaced, not doubled
+
+
+def test_a_stage_that_outgrows_its_device_memory_is_refused_before_it_trains(harness, tmp_path):
+    from flows.pipeline import pipeline
+
+    params = tiny(tmp_path, stages=("sft",), sft=dict(TINY["sft"], device_memory="100000"))
+    with pytest.raises(Exception, match=r"sft does not fit a device's 100,000 bytes \(device_memory='100000'\), "
+                                        "so it was not started") as refused:
+        pipeline(params)
+    message = str(refused.value)
+    assert "sft: 4 rows of 97 ids a step on data=1 x fsdp=1 x tensor=1" in message
+    assert "does NOT fit" in message and "shrinks with the mesh's fsdp (now 1)" in message
+    assert not list(tmp_path.rglob("checkpoints/*")), "the stage trained"
+    (status, error), = query(tmp_path, "SELECT status, error FROM stages WHERE stage = 'sft'")
+    assert status == "failed" and "does not fit" in error
+    with pytest.raises(ValidationError, match="device_memory='h900' is neither a known device"):
+        SFTParams(device_memory="h900")
 
 
 @pytest.mark.slow

@@ -510,14 +510,21 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def test_dew_serve_answers_and_exits_on_sigterm(checkpoint):
-    """The command, with its API key from the environment and the development routes asked for."""
-    directory = checkpoint[0]
+def test_dew_serve_split_over_two_devices_draws_like_one_and_exits_on_sigterm(checkpoint):
+    """The command, tensor-parallel over two host devices, with its API key from the environment
+    and the development routes asked for: it draws what the one-device probe draws."""
+    directory, stop, _, pretrained, launch = checkpoint
+    probe = Server.from_task(ServeTask(model=pretrained.model, variables=launch, sampling=SAMPLING),
+                             slots=1, capacity=64, steps=STEPS)  # the launch weights on one device
+    probe.add(0, PROMPT, 12, seed=SEED)
+    ids = drain(probe)[0].ids.tolist()
+    expected = ids[:ids.index(stop) + 1]  # the served draw ends on the checkpoint's second EOS id
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.abspath(CACHE),
-               DEW_SERVE_API_KEY="sesame")
+               DEW_SERVE_API_KEY="sesame", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     process = subprocess.Popen(
         [sys.executable, "-m", "dew_lib.cli", "serve", str(directory), "--port", "0", "--slots", "2",
-         "--capacity", "64", "--temperature", "0.8", "--top-k", "20", "--dev-endpoints"],
+         "--capacity", "64", "--temperature", "0.8", "--top-k", "20", "--dev-endpoints",
+         "--tensor-parallel-size", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
@@ -529,6 +536,7 @@ def test_dew_serve_answers_and_exits_on_sigterm(checkpoint):
                 seen.append(lines.get(timeout=1))
         started = next(line for line in seen if "dew serve:" in line)
         assert "development routes on, API key required" in started and "warning" not in "".join(seen), seen
+        assert "tensor parallel over 2 devices" in started, started
         url = started.split(" on ")[1].split()[0]
         for _ in range(200):
             with contextlib.suppress(httpx.TransportError):
@@ -540,6 +548,14 @@ def test_dew_serve_answers_and_exits_on_sigterm(checkpoint):
         assert refused.status_code == 401 and refused.json()["error"]["code"] == 401
         answer = httpx.post(f"{url}/v1/completions", json=body, headers=key, timeout=60)
         assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        same = {"model": NAME, "prompt": PROMPT, "max_tokens": 12, "seed": SEED, "return_token_ids": True}
+        (choice,) = httpx.post(f"{url}/v1/completions", json=same, headers=key, timeout=60).json()["choices"]
+        assert (choice["token_ids"], choice["finish_reason"]) == (expected, "stop")
+        # the launch directory read again, straight into the split layout
+        reloaded = httpx.post(f"{url}/collective_rpc", json={"method": "reload_weights"}, headers=key, timeout=60)
+        assert reloaded.json() == {"results": [None]}, reloaded.text
+        (choice,) = httpx.post(f"{url}/v1/completions", json=same, headers=key, timeout=60).json()["choices"]
+        assert choice["token_ids"] == expected
         assert httpx.get(f"{url}/is_paused").status_code == 401  # the development routes are behind the key
         assert httpx.get(f"{url}/is_paused", headers=key).json() == {"is_paused": False}
         children = _children(process.pid)

@@ -24,8 +24,15 @@ slot or on the requests that share the batch.
 `Server` is single-threaded: one caller drives `add`, `cancel`, `step` and `reload`. The
 background thread, futures and queueing live in `NativeRolloutServer`.
 
-Not here: prefix caching, paged attention, speculative decoding, multi-device sharding of the
-served model, top-k supports in the draw (the scheduler's filtered-sampling training input).
+Given a mesh (`serving_mesh(n)`: n devices on the `tensor` axis), the weights are split by the
+logical axes their modules declare (attention heads, KV heads, the MLP's hidden units, the
+vocabulary) and every layer's KV cache by KV heads, so each device holds 1/n of both and XLA
+inserts the all-reduces of Megatron's column and row pairs. `reload` puts new weights into the
+served layout from whatever layout they arrive in (a trainer's FSDP shards, one device, the
+host), one leaf at a time.
+
+Not here: prefix caching, paged attention, speculative decoding, top-k supports in the draw (the
+scheduler's filtered-sampling training input).
 """
 
 from __future__ import annotations
@@ -34,17 +41,20 @@ import collections
 import dataclasses
 import functools
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dew_lib.models import partitioning
 from dew_lib.models.decoder import KVCache, split_layers
 from dew_lib.options import integer
 from dew_lib.records.draw import Draw
 from dew_lib.sampling import Sampling, _is_eos, sample
+from dew_lib.train.mesh import MeshSpec
 
 MIN_BUCKET = 16  # the narrowest prefill; shorter prompts share it
 
@@ -103,13 +113,13 @@ def _sample_rows(logits, keys, sampling: Sampling):
 TRACES: collections.Counter = collections.Counter()
 
 
-def _signature(model, sampling, variables, slots, capacity):
+def _signature(model, sampling, mesh, variables, slots, capacity):
     dtypes = tuple(str(x.dtype) for x in jax.tree.leaves(variables))
-    return (model, sampling, slots, capacity, dtypes)
+    return (model, sampling, mesh, slots, capacity, dtypes)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "sampling", "steps"), donate_argnames=("state",))
-def _decode(model, sampling, steps, variables, state: _State):
+@functools.partial(jax.jit, static_argnames=("model", "sampling", "steps", "mesh"), donate_argnames=("state",))
+def _decode(model, sampling, steps, mesh, variables, state: _State):
     """Decode steps over every slot until one of them finishes, none is live, or `steps` ran.
 
     Returns the state and, per step and slot `[steps, S]`, the sampled id, its raw and behavior
@@ -117,7 +127,7 @@ def _decode(model, sampling, steps, variables, state: _State):
     that did not run).
     """
     slots, capacity = state.live.shape[0], state.cache.keys[0].shape[2]
-    TRACES["decode", steps, *_signature(model, sampling, variables, slots, capacity)] += 1
+    TRACES["decode", steps, *_signature(model, sampling, mesh, variables, slots, capacity)] += 1
 
     layers = split_layers(variables)  # sliced once per call, not in every step
 
@@ -144,18 +154,18 @@ def _decode(model, sampling, steps, variables, state: _State):
     zeros = jnp.zeros((steps, slots), jnp.float32)
     out = (jnp.zeros((steps, slots), jnp.int32), zeros, zeros, jnp.zeros((steps, slots), bool))
     _, _, state, out = jax.lax.while_loop(going, one, (jnp.int32(0), jnp.bool_(False), state, out))
-    return state, out
+    return _laid_out(state, mesh), out
 
 
-@functools.partial(jax.jit, static_argnames=("model", "sampling"), donate_argnames=("state",))
-def _prefill(model, sampling, variables, state: _State, prompts, lengths, slots, seeds, budgets):
+@functools.partial(jax.jit, static_argnames=("model", "sampling", "mesh"), donate_argnames=("state",))
+def _prefill(model, sampling, mesh, variables, state: _State, prompts, lengths, slots, seeds, budgets):
     """Fill rows `slots` `[R]` with right-padded prompts `[R, W]` and sample each first id.
 
     A row whose slot is out of range (`>= S`) is padding: it is computed and dropped.
     """
     rows, width = prompts.shape
     capacity = state.cache.keys[0].shape[2]
-    TRACES["prefill", width, rows, *_signature(model, sampling, variables, state.live.shape[0], capacity)] += 1
+    TRACES["prefill", width, rows, *_signature(model, sampling, mesh, variables, state.live.shape[0], capacity)] += 1
     columns = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
     segments = (columns < lengths[:, None]).astype(jnp.int32)  # 0 marks the padding after a prompt
     logits, kvs = model.apply(variables, prompts, segments, columns, method=model.prefill)
@@ -179,7 +189,35 @@ def _prefill(model, sampling, variables, state: _State, prompts, lengths, slots,
     stop = _is_eos(ids, sampling) | (budgets <= 1)
     state = _State(cache, put(state.last, ids), put(state.keys, keys), put(state.sampled, jnp.ones_like(ids)),
                    put(state.budget, budgets), put(state.live, ~stop))
-    return state, (ids, raw, behavior)
+    return _laid_out(state, mesh), (ids, raw, behavior)
+
+
+def serving_mesh(tensor_parallel_size: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh of `tensor_parallel_size` devices (default: the first local ones) on the `tensor`
+    axis, for a server that splits attention heads, KV heads and the MLP across them."""
+    size = integer("tensor_parallel_size", tensor_parallel_size)
+    devices = list(devices) if devices is not None else jax.local_devices()
+    if size > len(devices):
+        raise ValueError(f"tensor_parallel_size={size} needs {size} devices; this process has "
+                         f"{len(devices)} ({devices[0].platform})")
+    return MeshSpec(data=1, tensor=size).build(devices[:size])
+
+
+def _state_shardings(state: _State, mesh: Mesh) -> Any:
+    """Where a server's state lives on `mesh`: each layer's keys and values `[S, KV, T, D]` (the
+    state's only rank-4 leaves) split by KV heads, the per-slot bookkeeping whole on every device."""
+    def leaf(x):
+        if x.ndim != 4:
+            return NamedSharding(mesh, PartitionSpec())
+        where = "the KV cache"
+        return NamedSharding(mesh, partitioning.spec_for(("batch", "kv_heads", None, None), x.shape, mesh, where))
+
+    return jax.tree.map(leaf, state)
+
+
+def _laid_out(state: _State, mesh: Mesh | None) -> _State:
+    """`state` pinned to its layout on `mesh`, so the next call takes the arrays as they are."""
+    return state if mesh is None else jax.lax.with_sharding_constraint(state, _state_shardings(state, mesh))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -221,7 +259,7 @@ class Server:
     """
 
     def __init__(self, model, variables, *, sampling: Sampling, slots: int, capacity: int,
-                 steps: int = 16, version: int = 0):
+                 steps: int = 16, version: int = 0, mesh: Mesh | None = None):
         slots, capacity, steps = (integer(f"Server.{name}", value) for name, value in
                                   (("slots", slots), ("capacity", capacity), ("steps", steps)))
         if capacity < 2:
@@ -235,8 +273,10 @@ class Server:
         self.model, self.sampling = model, sampling
         self.slots, self.capacity, self.steps = slots, capacity, steps
         self.version = int(version)
+        self.mesh = mesh
         # A copy of its own: a trainer that donates its state must not delete the served weights.
-        self.variables = jax.tree.map(lambda x: jnp.array(x, copy=True), variables)
+        self.variables = (jax.tree.map(lambda x: jnp.array(x, copy=True), variables) if mesh is None
+                          else partitioning.place(variables, mesh))
         self.vocab_size = getattr(model, "vocab_size", None)
         self.buckets = _buckets(capacity)  # prompt widths of a prefill
         self.row_buckets = _buckets(slots, 1)  # requests prefilled together
@@ -248,6 +288,8 @@ class Server:
             model.empty_cache(slots, capacity), zeros(),
             jax.vmap(jax.random.key)(jnp.zeros((slots,), jnp.uint32)), zeros(), zeros(),
             jnp.zeros((slots,), bool))
+        if mesh is not None:  # the cache split by KV heads like the projections that fill it
+            self._state = jax.device_put(self._state, _state_shardings(self._state, mesh))
         self._owners: list[_Request | None] = [None] * slots
         self._by_key: dict[Hashable, _Request] = {}
         self._joining: list[tuple[_Request, np.ndarray, int]] = []  # (request, prompt, seed) to prefill
@@ -255,11 +297,14 @@ class Server:
         self._events: deque[tuple[tuple[Any, ...], Any]] = deque()
 
     @classmethod
-    def from_task(cls, task: ServeTask, *, slots: int, capacity: int, steps: int = 16) -> Server:
+    def from_task(cls, task: ServeTask, *, slots: int, capacity: int, steps: int = 16,
+                  mesh: Mesh | None = None) -> Server:
         """A server for `task`'s model, weights (cast to `task.dtype`) and sampling.
 
         slots: requests decoded together. capacity: cache length per slot, prompt plus sampled
-        ids. steps: decode steps per compiled call, at most.
+        ids. steps: decode steps per compiled call, at most. mesh: the devices to serve on,
+        the weights and the KV cache split over its `tensor` axis (`serving_mesh` builds one);
+        None serves from the default device.
         """
         if not isinstance(task, ServeTask):
             raise ValueError(
@@ -271,7 +316,7 @@ class Server:
                 lambda x: x.astype(task.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
                 variables)
         return cls(task.model, variables, sampling=task.sampling, slots=slots, capacity=capacity,
-                   steps=steps, version=task.version)
+                   steps=steps, version=task.version, mesh=mesh)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -311,7 +356,7 @@ class Server:
 
         Servers of the same model, sampling, steps, shape and weight dtypes share them.
         """
-        sig = _signature(self.model, self.sampling, self.variables, self.slots, self.capacity)
+        sig = _signature(self.model, self.sampling, self.mesh, self.variables, self.slots, self.capacity)
         return {"decode": TRACES["decode", self.steps, *sig],
                 "prefill": sum(TRACES["prefill", w, r, *sig] for w in self.buckets
                                for r in self.row_buckets)}
@@ -371,7 +416,7 @@ class Server:
         finished: list[tuple[Hashable, Draw]] = []
         self._prefill_joining()
         if any(owner is not None for owner in self._owners):
-            self._state, out = _decode(self.model, self.sampling, self.steps, self.variables,
+            self._state, out = _decode(self.model, self.sampling, self.steps, self.mesh, self.variables,
                                        self._state)
             self._events.append((tuple(self._owners), out))
         while self._events:
@@ -393,8 +438,8 @@ class Server:
         for row, (request, prompt, seed) in enumerate(joining):
             prompts[row, :prompt.size] = prompt
             lengths[row], slots[row], seeds[row], budgets[row] = prompt.size, request.slot, seed, request.budget
-        self._state, out = _prefill(self.model, self.sampling, self.variables, self._state, prompts,
-                                    lengths, slots, seeds, budgets)
+        self._state, out = _prefill(self.model, self.sampling, self.mesh, self.variables, self._state,
+                                    prompts, lengths, slots, seeds, budgets)
         self._events.append((tuple(request for request, _, _ in joining), out))
 
     def _read(self, owners, out, finished):

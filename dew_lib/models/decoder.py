@@ -52,6 +52,13 @@ partitioning.declare({
     ("layers", "gate_proj", "kernel"): ("layers", "embed", "mlp"),
     ("layers", "up_proj", "kernel"): ("layers", "embed", "mlp"),
     ("layers", "down_proj", "kernel"): ("layers", "mlp", "embed"),
+    # low-rank adapters (models/lora.py): A splits like its kernel's input, B like its output
+    **{("layers", name, "lora_a"): ("layers", into, None) for name, into in
+       (("q_proj", "embed"), ("k_proj", "embed"), ("v_proj", "embed"), ("o_proj", "heads"),
+        ("gate_proj", "embed"), ("up_proj", "embed"), ("down_proj", "mlp"))},
+    **{("layers", name, "lora_b"): ("layers", None, out) for name, out in
+       (("q_proj", "heads"), ("k_proj", "kv_heads"), ("v_proj", "kv_heads"), ("o_proj", "embed"),
+        ("gate_proj", "mlp"), ("up_proj", "mlp"), ("down_proj", "embed"))},
 })
 
 # XLA options for compiled decode loops. XLA:CPU hands matmuls to its YNN library by default;
@@ -166,6 +173,7 @@ class CausalTransformer(nn.Module):
     attention_block: int = 256  # queries per block of blockwise attention
     scan_layers: bool = True  # layers as one lax.scan (compiles once); False: a loop, same params
     remat: bool = False  # recompute each layer's activations in the backward pass
+    lora: Any = None  # a models.lora.LoRA: low-rank adapters on the projections it targets
 
     @property
     def kv_heads(self) -> int:
@@ -212,7 +220,7 @@ class CausalTransformer(nn.Module):
                     num_kv_heads=self.kv_heads, head_dim=self.head_features,
                     mlp_features=self.mlp_features, qk_norm=self.qk_norm,
                     attention_bias=self.attention_bias, norm_eps=self.norm_eps, dtype=self.dtype,
-                    param_dtype=self.param_dtype)
+                    param_dtype=self.param_dtype, lora=self.lora)
 
     def _block(self) -> Block:
         """The layer module, unbound: applied to one layer's slice of `self.layers`."""
@@ -248,9 +256,9 @@ class CausalTransformer(nn.Module):
         block = self._block()
 
         def body(x, params):
-            x, kv = block.apply({"params": params}, x, rope, segment_ids, self.attention_block,
-                                self.attention_kernel)
-            return x, (kv if return_kv else None)
+            x, kv = block.apply({"params": params}, partitioning.constrain_rows(x), rope, segment_ids,
+                                self.attention_block, self.attention_kernel)
+            return partitioning.constrain_rows(x), (kv if return_kv else None)
 
         if self.remat:
             body = jax.checkpoint(body)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew_lib.models import rotary
+from dew_lib.models import lora, rotary
 from dew_lib.models.decoder_attention import attend_causal
 
 _INIT = nn.initializers.normal(stddev=0.02)
@@ -52,7 +52,9 @@ class Linear(nn.Module):
     """A projection whose weights sibling projections can read, to run several as one matmul.
 
     Same parameters as `nn.Dense` (`kernel` `[in, out]`, optional `bias`), declared in `setup`
-    so a parent can concatenate kernels that share an input.
+    so a parent can concatenate kernels that share an input. With `lora_rank`, a low-rank
+    adapter beside the kernel (`lora_a` `[in, r]`, `lora_b` `[r, out]`, models/lora.py) adds
+    `lora_scale * (x A) B` to the output.
     """
 
     in_features: int
@@ -60,11 +62,17 @@ class Linear(nn.Module):
     use_bias: bool = False
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    lora_rank: int = 0
+    lora_scale: float = 1.0
 
     def setup(self):
         self.kernel = self.param("kernel", _INIT, (self.in_features, self.features), self.param_dtype)
         if self.use_bias:
             self.bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+        if self.lora_rank:
+            self.lora_a = self.param("lora_a", lora.A_INIT, (self.in_features, self.lora_rank), self.param_dtype)
+            self.lora_b = self.param("lora_b", nn.initializers.zeros, (self.lora_rank, self.features),
+                                     self.param_dtype)
 
     def __call__(self, x):
         return fused(x, [self])[0]
@@ -86,7 +94,14 @@ def fused(x, projections):
             p.bias if p.use_bias else jnp.zeros((p.features,), p.param_dtype) for p in projections
         ]).astype(dtype)
     cuts = np.cumsum([p.features for p in projections])[:-1].tolist()
-    return jnp.split(out, cuts, axis=-1)
+    outs = jnp.split(out, cuts, axis=-1)
+    adapted = [i for i, p in enumerate(projections) if p.lora_rank]
+    if adapted:  # every adapter's x A as one matmul, then each its own B
+        inner = _on_rows(x, jnp.concatenate([projections[i].lora_a for i in adapted], axis=1), dtype)
+        parts = jnp.split(inner, np.cumsum([projections[i].lora_rank for i in adapted])[:-1].tolist(), axis=-1)
+        for i, part in zip(adapted, parts, strict=True):
+            outs[i] = outs[i] + projections[i].lora_scale * _on_rows(part, projections[i].lora_b, dtype)
+    return outs
 
 
 def _on_rows(x, kernel, dtype):
@@ -95,20 +110,27 @@ def _on_rows(x, kernel, dtype):
     return jnp.dot(rows, kernel.astype(dtype)).reshape(*x.shape[:-1], kernel.shape[-1])
 
 
-def _dense(in_features, features, name, dtype, param_dtype, bias=False):
-    return Linear(in_features, features, bias, dtype, param_dtype, name=name)
+def _dense(in_features, features, name, dtype, param_dtype, bias=False, adapter=None):
+    """A projection, with the low-rank adapter `adapter` (a `lora.LoRA`) asks for it."""
+    rank, scale = (adapter.rank, adapter.scale) if adapter is not None and name in adapter.targets else (0, 1.0)
+    return Linear(in_features, features, bias, dtype, param_dtype, rank, scale, name=name)
 
 
 @functools.partial(jax.checkpoint, static_argnums=(3,))
-def _gated_down(gate, up, kernel, dtype):
-    """The MLP's `down_proj(silu(gate) * up)` on rows, given the down projection's kernel.
+def _gated_down(gate, up, kernel, dtype, lora_a=None, lora_b=None, lora_scale=1.0):
+    """The MLP's `down_proj(silu(gate) * up)` on rows, given the down projection's kernel (and
+    its adapter's `A` and `B`, when it has one).
 
     Under `jax.checkpoint` with the down projection inside: a layer keeps `gate` and `up` for
     the backward pass and recomputes the gated product there (an elementwise pass) rather
     than keeping it as the down projection's input, one `[B*S, mlp_features]` array fewer
     in the layer scan's stacked residuals, and five fewer than autodiff keeps for the SiLU.
     """
-    return _on_rows(nn.silu(gate) * up, kernel, dtype)
+    gated = nn.silu(gate) * up
+    out = _on_rows(gated, kernel, dtype)
+    if lora_a is not None:
+        out = out + lora_scale * _on_rows(_on_rows(gated, lora_a, dtype), lora_b, dtype)
+    return out
 
 
 class Block(nn.Module):
@@ -124,22 +146,23 @@ class Block(nn.Module):
     norm_eps: float
     dtype: Any
     param_dtype: Any
+    lora: Any = None  # a lora.LoRA: which projections carry adapters
 
     def setup(self):
         h, kv, d, dt, pt = self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.param_dtype
         self.input_layernorm = RMSNorm(self.norm_eps, dt, pt)
         self.post_attention_layernorm = RMSNorm(self.norm_eps, dt, pt)
-        e, m = self.features, self.mlp_features
-        self.q_proj = _dense(e, h * d, "q_proj", dt, pt, self.attention_bias)
-        self.k_proj = _dense(e, kv * d, "k_proj", dt, pt, self.attention_bias)
-        self.v_proj = _dense(e, kv * d, "v_proj", dt, pt, self.attention_bias)
-        self.o_proj = _dense(h * d, e, "o_proj", dt, pt)
+        e, m, adapter = self.features, self.mlp_features, self.lora
+        self.q_proj = _dense(e, h * d, "q_proj", dt, pt, self.attention_bias, adapter)
+        self.k_proj = _dense(e, kv * d, "k_proj", dt, pt, self.attention_bias, adapter)
+        self.v_proj = _dense(e, kv * d, "v_proj", dt, pt, self.attention_bias, adapter)
+        self.o_proj = _dense(h * d, e, "o_proj", dt, pt, adapter=adapter)
         if self.qk_norm:
             self.q_norm = RMSNorm(self.norm_eps, dt, pt)
             self.k_norm = RMSNorm(self.norm_eps, dt, pt)
-        self.gate_proj = _dense(e, m, "gate_proj", dt, pt)
-        self.up_proj = _dense(e, m, "up_proj", dt, pt)
-        self.down_proj = _dense(m, e, "down_proj", dt, pt)
+        self.gate_proj = _dense(e, m, "gate_proj", dt, pt, adapter=adapter)
+        self.up_proj = _dense(e, m, "up_proj", dt, pt, adapter=adapter)
+        self.down_proj = _dense(m, e, "down_proj", dt, pt, adapter=adapter)
 
     def qkv(self, x, rope):
         """Rotated queries and keys and plain values for `x` `[B, S, E]`; `rope` is the
@@ -161,7 +184,9 @@ class Block(nn.Module):
         x = x + self.o_proj(attended)
         h = self.post_attention_layernorm(x)
         gate, up = fused(h, [self.gate_proj, self.up_proj])
-        return x + _gated_down(gate, up, self.down_proj.kernel, self.down_proj.dtype)
+        down = self.down_proj
+        adapter = (down.lora_a, down.lora_b, down.lora_scale) if down.lora_rank else ()
+        return x + _gated_down(gate, up, down.kernel, down.dtype, *adapter)
 
     def __call__(self, x, rope, segment_ids, block, kernel="auto"):
         q, k, v = self.qkv(x, rope)

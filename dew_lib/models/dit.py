@@ -152,8 +152,9 @@ class SimpleDiT(nn.Module):
         if condition is not None:
             c = c + nn.Dense(e, param_dtype=self.param_dtype, name="condition")(
                 condition.astype(jnp.float32))
-        for i in range(self.num_layers):
-            h = DiTBlock(self.num_heads, self.mlp_ratio, self.param_dtype, name=f"blocks_{i}")(h, c)
+        for i in range(self.num_layers):  # rows pinned to the batch split (partitioning.constrain_rows)
+            h = partitioning.constrain_rows(
+                DiTBlock(self.num_heads, self.mlp_ratio, self.param_dtype, name=f"blocks_{i}")(h, c))
         shift, scale = jnp.split(
             nn.Dense(2 * e, kernel_init=_ZERO, param_dtype=self.param_dtype, name="final_modulation")(
                 nn.silu(c)), 2, axis=-1)

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from dew_lib.models import partitioning
+
 # Bytes of float32 logits one chunk may hold: large enough for full-width matmuls, small enough
 # that a 150k vocabulary stays a few hundred MB however many tokens a batch holds. Below 128
 # tokens a chunk's products read the whole head weight for too few rows: at Qwen's 151,936 ids
@@ -113,7 +115,8 @@ def _chunked(weight, vocab_major, chunk, *flat):
     count = -(-tokens // size)
     pad = count * size - tokens
     padded = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x for x in flat]
-    chunks = tuple(jnp.swapaxes(x.reshape(size, count, *x.shape[1:]), 0, 1) for x in padded)
+    chunks = tuple(partitioning.constrain_rows(jnp.swapaxes(x.reshape(size, count, *x.shape[1:]), 0, 1), 1)
+                   for x in padded)
     return size, chunks, lambda x: jnp.swapaxes(x, 0, 1).reshape(count * size)[:tokens]
 
 

@@ -17,13 +17,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the rows of a batch and every activation are split over both
 
 # logical axis -> the mesh axes that split it (absent or empty: kept whole on every device)
 RULES: Mapping[str, tuple[str, ...]] = {
+    "batch": BATCH_AXES,
     "embed": ("fsdp",),
     "vocab": ("tensor",),
     "heads": ("tensor",),
@@ -117,5 +118,34 @@ def tree_specs(tree: Any, mesh: Mesh, *, required: bool = False, what: str = "pa
     return jax.tree_util.tree_map_with_path(spec, tree)
 
 
-__all__ = ["BATCH_AXES", "MESH_AXES", "RULES", "declare", "logical_axes", "path_names", "spec_for",
-           "splits_parameters", "tree_specs"]
+def constrain_rows(x: jax.Array, axis: int = 0) -> jax.Array:
+    """`x` with its rows (`axis`, the batch's) split over the `data` and `fsdp` axes of the mesh
+    the caller traces under (the Trainer's step sets its mesh), else unchanged.
+
+    Without it, XLA may partition a matmul whose weight is split over `fsdp` along its input by
+    computing partial products for the whole global batch on every device and summing them,
+    which keeps every activation whole on every device; pinned to the batch split, it gathers
+    the weight instead, as FSDP means to."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    axes = tuple(name for name in BATCH_AXES if dict(mesh.shape).get(name, 1) > 1)
+    if not axes:
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*[None] * axis, axes))
+
+
+def tree_shardings(tree: Any, mesh: Mesh, **options) -> Any:
+    """`tree_specs` as a NamedSharding per leaf: what `jax.device_put` and `jit` take."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), tree_specs(tree, mesh, **options),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def place(tree: Any, mesh: Mesh) -> Any:
+    """A copy of `tree` laid out on `mesh` by the declared axes, e.g. a decoder's variables split
+    over a `tensor` axis for `dew_lib.sampling.generate` to run tensor-parallel."""
+    return jax.device_put(tree, tree_shardings(tree, mesh), may_alias=False)
+
+
+__all__ = ["BATCH_AXES", "MESH_AXES", "RULES", "constrain_rows", "declare", "logical_axes", "path_names", "place",
+           "spec_for", "splits_parameters", "tree_shardings", "tree_specs"]

@@ -107,6 +107,9 @@ class PPOObjective(Objective):
         if not callable(critic) or not hasattr(critic, "init"):
             raise TypeError("PPOObjective.critic must be a Flax module returning one value per position, "
                             "e.g. ValueHead(backbone)")
+        if getattr(model, "lora", None) is not None:
+            raise ValueError("PPOObjective does not train LoRA adapters yet: with adapters the Trainer freezes "
+                             "everything else, the critic's value head included; train PPO on the full model")
         if behavior_importance is not None and not isinstance(behavior_importance, (int, float)):
             raise ValueError("PPOObjective.behavior_importance takes a TIS cap (a number >= 1) or None; "
                              "bands and sequence masks would drop tokens from the policy loss but not "

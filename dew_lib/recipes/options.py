@@ -183,6 +183,8 @@ class GRPOOptions(TrainOptions):
     timeout: float | None = Field(None, gt=0, description="async: seconds after which a running "
                                   "rollout is cancelled and drawn again")
     slots: int = Field(32, ge=1, description="async: requests the rollout server decodes together")
+    tensor_parallel_size: int = Field(1, ge=1, description="async: local devices the native rollout server "
+                                      "splits the model and its KV cache across (1: one device)")
     behavior_importance: float = Field(2.0, ge=1, description="async: TIS cap on the proximal over "
                                        "behavior likelihood ratio, which lagged rollouts need (>= 1: a "
                                        "cap below 1 would shrink every on-policy token)")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import jax
 
-from dew_lib.inference import NativeRolloutServer, Server, ServeTask
+from dew_lib.inference import NativeRolloutServer, Server, ServeTask, serving_mesh
 from dew_lib.rollouts import PromptSource, RolloutScheduler, prompt_tasks
 from dew_lib.rollouts.sampled import token_text
 from dew_lib.train.distributed import every_process
@@ -79,7 +79,8 @@ class ScheduledRollout:
         else:
             self.server = NativeRolloutServer(Server.from_task(
                 ServeTask(model=model, variables=variables, sampling=sampling),
-                slots=options.slots, capacity=width))
+                slots=options.slots, capacity=width,
+                mesh=serving_mesh(options.tensor_parallel_size) if options.tensor_parallel_size > 1 else None))
         self.source = None
         try:
             if source is not None:

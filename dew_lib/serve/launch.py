@@ -95,7 +95,8 @@ def serve(directory: str | Path, *, host: str = "127.0.0.1", port: int = 8000, s
           capacity: int | None = None, sampling: Sampling = Sampling(), dtype: str = "float32",
           logprobs_mode: str = "raw_logprobs", served_model_name: str | None = None,
           dev_endpoints: bool | None = None, steps: int = 16, seed: int = 0, grace: float = 5.0,
-          log_level: str = "info", options: ServeOptions = ServeOptions()) -> None:
+          log_level: str = "info", options: ServeOptions = ServeOptions(),
+          tensor_parallel_size: int = 1) -> None:
     """Serve the Hugging Face checkpoint in `directory` over HTTP until SIGTERM or SIGINT.
 
     slots: requests decoded together. capacity: ids per request, prompt and completion (default:
@@ -104,7 +105,8 @@ def serve(directory: str | Path, *, host: str = "127.0.0.1", port: int = 8000, s
     "raw_logprobs" (the model's log-softmax) or "processed_logprobs" (after temperature and
     filters). served_model_name: the model name clients send (default: the directory's name).
     dev_endpoints: mount the development routes (default no). options: the limits on clients
-    (`ServeOptions`). Prints one line with the URL once listening.
+    (`ServeOptions`). tensor_parallel_size: local devices the model is split across (vLLM's
+    `--tensor-parallel-size`). Prints one line with the URL once listening.
     """
     import uvicorn
 
@@ -117,14 +119,16 @@ def serve(directory: str | Path, *, host: str = "127.0.0.1", port: int = 8000, s
     sock = bind(host, port)  # before loading: a taken port fails fast
     policy = ServedPolicy.load(directory, slots=slots, capacity=capacity, sampling=sampling, dtype=dtype,
                                logprobs_mode=logprobs_mode, served_model_name=served_model_name,
-                               steps=steps, seed=seed)
+                               steps=steps, seed=seed, tensor_parallel_size=tensor_parallel_size)
     terminate = signal.getsignal(signal.SIGTERM)
     try:
         policy.warm_up()
         server = uvicorn.Server(_config(create_app(policy, dev_endpoints=mounted, options=options), log_level, grace))
         shown = f"[{host}]" if ":" in host else host
+        mesh = policy.native.server.mesh
+        split = f", tensor parallel over {mesh.size} devices" if mesh is not None else ""
         print(f"dew serve: {policy.name} on http://{shown}:{sock.getsockname()[1]} ({policy.native.server.slots} "
-              f"slots, capacity {policy.capacity}, development routes {'on' if mounted else 'off'}, "
+              f"slots, capacity {policy.capacity}{split}, development routes {'on' if mounted else 'off'}, "
               f"{'API key required' if options.api_key else 'no API key'})", flush=True)
         if threading.current_thread() is threading.main_thread():
             # uvicorn re-raises the SIGTERM it shut down for; exit with status 0 instead of dying by it

@@ -34,7 +34,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from dew_lib.inference import NativeRolloutServer, Server, ServerClosed, ServeTask
+from dew_lib.inference import NativeRolloutServer, Server, ServerClosed, ServeTask, serving_mesh
 from dew_lib.models.pretrained import load_pretrained
 from dew_lib.records.draw import Draw
 from dew_lib.sampling import Sampling
@@ -113,7 +113,7 @@ class ServedPolicy:
     def load(cls, directory: str | Path, *, slots: int = 8, capacity: int | None = None,
              sampling: Sampling = Sampling(), dtype: str = "float32", logprobs_mode: str = "raw_logprobs",
              served_model_name: str | None = None, steps: int = 16, seed: int = 0,
-             window: float = 0.025) -> ServedPolicy:
+             window: float = 0.025, tensor_parallel_size: int = 1) -> ServedPolicy:
         """Load `directory` and start serving it.
 
         sampling: temperature and filters for every request; its eos_id, when None, becomes the
@@ -121,12 +121,15 @@ class ServedPolicy:
         2048). dtype: "float32" or "bfloat16", the precision of weights and activations.
         steps: decode steps per compiled call. seed: the generator of seeds for requests
         without one. window: the most seconds a request reaching an idle engine waits for the
-        rest of its burst (0: submit at once).
+        rest of its burst (0: submit at once). tensor_parallel_size: local devices the model's
+        heads, MLP and KV cache are split across (1: one device).
         """
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
         directory = Path(directory)
-        pretrained, variables = load_pretrained(directory, dtype=DTYPES[dtype])
+        mesh = serving_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
+        # split as it is read: no device ever holds the whole model
+        pretrained, variables = load_pretrained(directory, dtype=DTYPES[dtype], sharding=mesh)
         primary, every = checkpoint_eos(pretrained.tokenizer, pretrained.config, pretrained.generation_config)
         if sampling.eos_id is None and every:
             sampling = dataclasses.replace(sampling, eos_id=every)
@@ -135,7 +138,7 @@ class ServedPolicy:
         model = pretrained.model
         capacity = min(model.max_seq_len, DEFAULT_CAPACITY) if capacity is None else capacity
         server = Server.from_task(ServeTask(model=model, variables=variables, sampling=sampling),
-                                  slots=slots, capacity=capacity, steps=steps)
+                                  slots=slots, capacity=capacity, steps=steps, mesh=mesh)
         return cls(NativeRolloutServer(server, seed=seed), name=served_model_name or directory.resolve().name,
                    directory=directory, tokenizer=pretrained.tokenizer, dtype=dtype, primary_eos=primary,
                    logprobs_mode=logprobs_mode, window=window)
@@ -257,7 +260,7 @@ class ServedPolicy:
             self._reloading = asyncio.Lock()
         async with self._reloading:
             loaded = await asyncio.to_thread(load_pretrained, self.directory, dtype=DTYPES[self.dtype],
-                                             tokenizer=False)
+                                             tokenizer=False, sharding=self.native.server.mesh)
             if loaded.model != self.model:
                 raise ReloadError(
                     f"{self.directory / 'config.json'} now describes a different model than the one "

@@ -119,8 +119,6 @@ def plan(config: Mapping[str, Any], *, stage: str, mesh: MeshSpec, seq_len: int,
 
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
-    if batch % accumulate:
-        raise ValueError(f"batch={batch} does not split into accumulate={accumulate} equal micro-batches")
     _, options = decoder_options(config)
     options["max_seq_len"] = max(options["max_seq_len"], seq_len)
     width = jnp.dtype(dtype)
@@ -128,24 +126,47 @@ def plan(config: Mapping[str, Any], *, stage: str, mesh: MeshSpec, seq_len: int,
                          attention_kernel="blockwise", remat=remat)
     trainer = Trainer(_objective(stage, model, seq_len - 1), optax.adamw(1e-6), key=jax.random.key(0),
                       mesh=mesh, accumulate=accumulate)
-    rows = batch // accumulate
+    return measure(trainer, stage, rows=batch, width=seq_len, device=device, remat=remat, dtype=dtype)
+
+
+def measure(trainer: Any, stage: str, *, rows: int, width: int, device: int | None = None,
+            remat: bool = False, dtype: str = "float32") -> MemoryPlan:
+    """Compile `trainer`'s update ahead of time for a `stage` batch of `rows` rows (DPO: pairs)
+    of `width` ids, split into the trainer's `accumulate` micro-steps, and return what device 0
+    holds. Nothing is allocated: the state and batch are abstract. remat and dtype only shape
+    the advice of a plan that does not fit."""
+    accumulate = trainer.accumulate
+    if rows % accumulate:
+        raise ValueError(f"batch={rows} does not split into accumulate={accumulate} equal micro-batches")
+    micro_rows = rows // accumulate
     shards = trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"]
-    if rows % shards:
-        raise ValueError(f"{rows} rows a micro-step do not split over the mesh's data x fsdp = {shards}")
+    if micro_rows % shards:
+        raise ValueError(f"{micro_rows} rows a micro-step do not split over the mesh's data x fsdp = {shards}")
     state = trainer.abstract_state()
     placed = NamedSharding(trainer.mesh, PartitionSpec(("data", "fsdp")))
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed),
-                         _batch(stage, rows, seq_len))
-    compiled = trainer._steps[True].lower(state, micro).compile()
-    analysis = compiled.memory_analysis()
+                         _batch(stage, micro_rows, width, trainer.objective))
+    analysis = trainer._steps[True].lower(state, micro).compile().memory_analysis()
     if analysis is None:
-        raise ValueError("this JAX's CPU compiler gives no memory analysis, which the plan reads")
+        raise ValueError(f"the {jax.default_backend()} compiler of this JAX gives no memory analysis, "
+                         "which the plan reads")
     parts = {name: _held(getattr(state, name)) for name in ("params", "opt_state", "ema", "grads")}
-    found = MemoryPlan(stage=stage, mesh=dict(trainer.mesh.shape), rows=batch, width=seq_len,
+    found = MemoryPlan(stage=stage, mesh=dict(trainer.mesh.shape), rows=rows, width=width,
                        parameters=parts["params"], optimizer=parts["opt_state"], reference=parts["ema"],
                        gradients=parts["grads"], batch=_held(micro),
                        temporary=int(analysis.temp_size_in_bytes), device_bytes=device)
     return dataclasses.replace(found, advice=_advice(found, remat, dtype, accumulate))
+
+
+def device_limit(devices: Any = None) -> int | None:
+    """The least memory any of `devices` (default: this process's) gives a program, from what
+    each reports (`memory_stats()["bytes_limit"]`); None where none reports it, as CPUs."""
+    limits = []
+    for dev in devices if devices is not None else jax.local_devices():
+        stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+        if stats and stats.get("bytes_limit"):
+            limits.append(int(stats["bytes_limit"]))
+    return min(limits) if limits else None
 
 
 def _held(tree: Any) -> int:
@@ -169,13 +190,14 @@ def _objective(stage: str, model: Any, seq_len: int):
     return PPOObjective(model, seq_len=seq_len, critic=ValueHead(model), beta=0.01)
 
 
-def _batch(stage: str, rows: int, width: int) -> Any:
-    """A batch of the stage's layout and these shapes, as arrays of zeros' shapes."""
+def _batch(stage: str, rows: int, width: int, objective: Any) -> Any:
+    """The abstract batch `objective` trains on for `stage`, of these shapes."""
     from dew_lib.objectives.batch import PackedBatch
 
     ids, floats = jax.ShapeDtypeStruct((rows, width), np.int32), jax.ShapeDtypeStruct((rows, width), np.float32)
-    if stage == "sft":
-        return {"text": ids, "text_segment_ids": ids}
+    if stage == "sft":  # chat data's roles where the loss counts one role's targets only
+        roles = {"text_roles": ids} if getattr(objective, "loss_role", None) is not None else {}
+        return {"text": ids, "text_segment_ids": ids, **roles}
     if stage == "dpo":
         pair = jax.ShapeDtypeStruct((rows, 2, width), np.int32)
         return {"input_ids": pair, "completion_mask": pair}
@@ -206,4 +228,5 @@ def _advice(plan: MemoryPlan, remat: bool, dtype: str, accumulate: int) -> tuple
     return tuple(lines)
 
 
-__all__ = ["DEVICE_BYTES", "MODELS", "STAGES", "MemoryPlan", "device_bytes", "model_config", "plan"]
+__all__ = ["DEVICE_BYTES", "MODELS", "STAGES", "MemoryPlan", "device_bytes", "device_limit", "measure",
+           "model_config", "plan"]

@@ -37,7 +37,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew_lib.data.dataset import Batch, Dataset, Partition
-from dew_lib.models import partitioning
+from dew_lib.models import lora, partitioning
 from dew_lib.objectives.base import Metrics, Objective, average
 from dew_lib.train import distributed
 from dew_lib.train.checkpoint import CheckpointMismatch, Checkpoints
@@ -53,9 +53,12 @@ Rollout = Callable[["TrainState", Batch, jax.Array], Batch]
 class TrainState:
     """Everything that changes during training; a pytree.
 
-    params: the full Flax variables mapping being optimized.
+    params: the full Flax variables mapping being optimized. When it holds low-rank adapters
+    (models/lora.py) only they are trained: the optimizer state and a gradient sum cover the
+    adapters alone, and the rest stays as it started.
     ema: the moving average of params (a frozen reference when the decay is 1), or None; of
     `objective.reference_params(params)` only when the objective names a part (PPO: the policy).
+    None for the frozen reference of adapted params, which is their base (adapters off).
     step: batches consumed. updates: optimizer updates applied.
     grads, grad_weight: the gradient sum and loss weight of an open accumulation window
     (None when accumulate == 1).
@@ -119,6 +122,8 @@ class Trainer:
         self.init_key, self.step_key, self.rollout_key = jax.random.split(key, 3)
         self.mesh: Mesh = (mesh or MeshSpec()).build(devices)
         self.compilations: dict[str, int] = {"init": 0, "train_step": 0, "eval_step": 0}
+        # params holding low-rank adapters train those alone (models/lora.py)
+        self.adapted = lora.has_adapters(jax.eval_shape(self.objective.init, self.init_key))
         self.state_sharding = self._state_sharding()
         self._init = jax.jit(self._count("init", self._build_state), out_shardings=self.state_sharding)
         self._steps = {
@@ -146,19 +151,17 @@ class Trainer:
             return _replicated(self.mesh)
         abstract = jax.eval_shape(self._build_state, self.init_key)
         partitioning.tree_specs(abstract.params, self.mesh, required=True)
-        specs = partitioning.tree_specs(abstract, self.mesh, what="state leaf")
-        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs,
-                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+        return partitioning.tree_shardings(abstract, self.mesh, what="state leaf")
 
     def _build_state(self, key) -> TrainState:
         params = self.objective.init(key)
-        decay = self.objective.ema_decay
+        trained = self._split(params)[0]
         accumulating = self.accumulate > 1
-        zeros = jax.tree.map(jnp.zeros_like, params) if accumulating else None
+        zeros = jax.tree.map(jnp.zeros_like, trained) if accumulating else None
         return TrainState(
             params=params,
-            opt_state=self.optimizer.init(params),
-            ema=None if decay is None else jax.tree.map(jnp.copy, self.objective.reference_params(params)),
+            opt_state=self.optimizer.init(trained),
+            ema=(jax.tree.map(jnp.copy, self.objective.reference_params(params)) if self._keeps_ema else None),
             step=jnp.zeros((), jnp.int32),
             updates=jnp.zeros((), jnp.int32),
             grads=zeros,
@@ -179,22 +182,43 @@ class Trainer:
         return jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
                             abstract, shardings)
 
+    @property
+    def _keeps_ema(self) -> bool:
+        """Whether the state holds a moving average: not for a frozen reference of adapted
+        params, which is their base with the adapters off (no copy)."""
+        decay = self.objective.ema_decay
+        return decay is not None and not (self.adapted and decay == 1.0)
+
+    def _split(self, params) -> tuple[Any, Any]:
+        """(what the optimizer trains, what stays frozen): the adapters and their base when the
+        params hold adapters, else all of them and nothing."""
+        return lora.split(params) if self.adapted else (params, None)
+
     # ----- compiled update ---------------------------------------------------------------------
     def _make_step(self, apply: bool):
         objective, optimizer, accumulate = self.objective, self.optimizer, self.accumulate
-        decay = objective.ema_decay
+        decay, adapted = objective.ema_decay, self.adapted
 
-        def total_and_aux(params, batch, step, reference, key):
+        def total_and_aux(trained, frozen, batch, step, reference, key):
+            params = lora.merge(trained, frozen) if adapted else trained
             terms = objective.terms(params, batch, step=step, reference=reference, key=key)
             return terms.total, (terms.weight, terms.metrics)
 
-        grad_fn = jax.value_and_grad(total_and_aux, has_aux=True)
+        grad_fn = jax.value_and_grad(total_and_aux, has_aux=True)  # of the trained part only
 
         def step_fn(state: TrainState, batch):
+            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # the model's row splits
+                return split_step(state, batch)
+
+        def split_step(state: TrainState, batch):
             self.compilations["train_step"] += 1
             key = jax.random.fold_in(self.step_key, state.step)
+            trained, frozen = self._split(state.params)
+            reference = state.ema
+            if adapted and decay == 1.0:
+                reference = lora.without_adapters(objective.reference_params(state.params))
             (total, (weight, metrics)), grads = grad_fn(
-                state.params, batch, state.updates, state.ema, key
+                trained, frozen, batch, state.updates, reference, key
             )
             metrics = dict(metrics)
             metrics["finite"] = (jnp.isfinite(total).astype(jnp.float32), jnp.ones(()))
@@ -206,10 +230,11 @@ class Trainer:
             scale = 1.0 / jnp.maximum(weight, 1e-12)
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
             metrics["grad_norm"] = (optax.tree.norm(grads), jnp.ones(()))
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
+            updates, opt_state = optimizer.update(grads, state.opt_state, trained)
+            trained = optax.apply_updates(trained, updates)
+            params = lora.merge(trained, frozen) if adapted else trained
             ema = state.ema
-            if decay is not None and decay != 1.0:
+            if ema is not None and decay is not None and decay != 1.0:
                 ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema,
                                    objective.reference_params(params))
             new = state.replace(
@@ -226,7 +251,8 @@ class Trainer:
 
     def _eval_step(self, params, batch) -> Metrics:
         self.compilations["eval_step"] += 1
-        return self.objective.evaluate(params, batch)
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            return self.objective.evaluate(params, batch)
 
     # ----- data placement ----------------------------------------------------------------------
     def _shard(self, batch: Batch) -> Batch:

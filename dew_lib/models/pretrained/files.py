@@ -3,9 +3,11 @@
 A checkpoint is `model.safetensors`, or shards named `model-0000i-of-0000n.safetensors` listed by
 `model.safetensors.index.json`. The `safetensors` library lists and validates the files; tensor
 bytes are then read one tensor at a time with `pread` into buffers the loader chooses, so the
-process never maps or holds the whole file at once and reads each byte once. Writing
-stages a complete directory beside the target and swaps it in with one rename, so a reader sees
-the old checkpoint or the new one, never a mixture.
+process never maps or holds the whole file at once and reads each byte once. Writing puts each
+tensor on disk as it arrives (the header, known beforehand, first; the bytes are those the
+`safetensors` library writes), so a save holds one tensor at a time, and stages a complete
+directory beside the target and swaps it in with one rename, so a reader sees the old
+checkpoint or the new one, never a mixture.
 
 Not here: what the tensors mean (see `layout`), torch (never imported).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import math
 import os
@@ -24,16 +27,18 @@ import tempfile
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16),
                 "F16": np.dtype(np.float16), "F64": np.dtype(np.float64)}
+_CODES = {dtype: code for code, dtype in FLOAT_DTYPES.items()}
+_WIDEST_FIRST = ("F64", "F32", "BF16", "F16")  # the order of safetensors' own Dtype, reversed
 ALIGNMENT = 64
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -211,38 +216,91 @@ def shard_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """A tensor a save will write, known before its data exists: name, shape and numpy dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass
+class Shard:
+    """One file's tensors (`planned`, in the order `stream` yields them) and the stream of
+    `(name, array)` they come from, shared with the shards after it."""
+
+    planned: list[Planned]
+    stream: Iterator[tuple[str, Any]]
+
+
 def write(
     directory: Path,
     tensors: Iterable[tuple[str, np.ndarray]],
-    sizes: Sequence[tuple[str, int]],
+    planned: Sequence[Planned],
     max_shard_size: int,
 ) -> list[str]:
-    """Write `tensors` (yielded in `sizes` order) as one file or as shards plus an index.
+    """Write `tensors` (yielded in `planned` order) as one file or as shards plus an index.
 
-    Holds at most one shard's tensors in memory. Returns the file names written.
+    Each tensor goes to disk as it is yielded, so no more than the one being written need be in
+    memory. Returns the file names written.
     """
-    plan = shard_plan(sizes, max_shard_size)
+    by_name = {tensor.name: tensor for tensor in planned}
+    plan = shard_plan([(tensor.name, tensor.nbytes) for tensor in planned], max_shard_size)
     names = shard_names(len(plan))
     stream = iter(tensors)
     weight_map = {}
     for file, members in zip(names, plan, strict=True):
-        shard = {}
-        for expected in members:
-            name, array = next(stream)
-            if name != expected:
-                raise RuntimeError(f"tensor stream out of order: got {name}, expected {expected}")
-            shard[name] = np.ascontiguousarray(array)
-            weight_map[name] = file
-        save_file(shard, directory / file, metadata={"format": "pt"})
-        del shard
+        save_file(Shard([by_name[name] for name in members], stream), directory / file,
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(members, file))
     if next(stream, None) is not None:
         raise RuntimeError("tensor stream yielded more tensors than planned")
     if len(names) > 1:
-        index = {"metadata": {"total_size": sum(size for _, size in sizes)},
+        index = {"metadata": {"total_size": sum(tensor.nbytes for tensor in planned)},
                  "weight_map": weight_map}
         (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         names.append(INDEX)
     return names
+
+
+def save_file(shard: Shard, path: Path, metadata: Mapping[str, str] | None = None) -> None:
+    """Write one safetensors file, a tensor at a time as `shard.stream` yields them.
+
+    Every name, dtype and shape is known beforehand, so the header goes first and each tensor's
+    bytes then go straight to their offset; nothing is held back. The bytes are those the
+    `safetensors` library writes for the same tensors: its header (compact JSON, the metadata
+    first, the tensors by dtype, widest first, then by name, padded with spaces to 8 bytes) and
+    the data in that order.
+    """
+    order = sorted(shard.planned, key=lambda t: (_WIDEST_FIRST.index(_CODES[t.dtype]), t.name))
+    header: dict[str, Any] = {} if metadata is None else {"__metadata__": dict(metadata)}
+    offsets, end = {}, 0
+    for tensor in order:
+        offsets[tensor.name] = end
+        header[tensor.name] = {"dtype": _CODES[tensor.dtype], "shape": list(tensor.shape),
+                               "data_offsets": [end, end + tensor.nbytes]}
+        end += tensor.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as out:
+        out.write(len(text).to_bytes(8, "little") + text)
+        start = out.tell()
+        for expected in shard.planned:
+            name, array = next(shard.stream, (None, None))
+            if name != expected.name:
+                raise RuntimeError(f"tensor stream out of order: got {name}, expected {expected.name}")
+            array = np.ascontiguousarray(array)
+            if array.shape != expected.shape or array.dtype != expected.dtype:
+                raise RuntimeError(f"tensor {name} arrived as {array.dtype}{list(array.shape)}, "
+                                   f"planned as {expected.dtype}{list(expected.shape)}")
+            out.seek(start + offsets[name])
+            out.write(array.reshape(-1).view(np.uint8).data)
+            del array  # the next tensor may be gathered now
 
 
 def _fsync(path: Path) -> None:

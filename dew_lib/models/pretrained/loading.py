@@ -2,13 +2,16 @@
 
 `load(pretrained, directory, sharding=...)` is what `Pretrained.load` runs: it checks every
 stored tensor's name, shape and dtype against the model before reading any, then streams the
-tensors from disk onto the devices (or a given `jax.sharding`). A tensor stored as Flax wants it
-is read straight into its final buffer; the others pass through one reused scratch buffer, so the
-host holds one copy of the model plus one scratch tensor. A layer's tensor goes into its index of
-the stacked `layers` leaf.
+tensors from disk onto the devices (or a given `jax.sharding`, or split over a mesh by the
+parameters' declared logical axes, as the Trainer splits them: each process fills only the
+shards of its own devices). A tensor stored as Flax wants it is read straight into its final
+buffer; the others pass through one reused scratch buffer, so the host holds one copy of the
+model plus one scratch tensor. A layer's tensor goes into its index of the stacked `layers` leaf.
 
 Not here: config.json and the tokenizer (`pretrained`), which tensor is which parameter
-(`layout`), the safetensors files themselves (`files`), writing checkpoints (`saving`).
+(`layout`), the safetensors files themselves (`files`), writing checkpoints (`saving`), which
+mesh axis splits which parameter (`dew_lib.models.partitioning`). Every process still reads
+each whole leaf from disk before keeping its shards.
 """
 
 from __future__ import annotations
@@ -17,28 +20,68 @@ import contextlib
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import Mesh, NamedSharding, Sharding
 
+from dew_lib.models import partitioning
 from dew_lib.models.pretrained import files, layout
 from dew_lib.models.pretrained.files import CheckpointError
 from dew_lib.models.pretrained.formats import numpy_dtype
 
 if TYPE_CHECKING:
     from dew_lib.models.pretrained.pretrained import Pretrained
+    from dew_lib.train.mesh import MeshSpec
 
-ShardingSpec = Sharding | Mesh | Callable[[tuple[str, ...], tuple[int, ...]], Sharding] | None
+Placement = Callable[[tuple[str, ...], tuple[int, ...]], Sharding]
+ShardingSpec = Union[Sharding, Mesh, "MeshSpec", Placement, None]  # noqa: UP007 (a forward reference)
 
 
-def _sharding_for(spec: ShardingSpec, path: tuple[str, ...], shape: tuple[int, ...]):
-    if spec is None or isinstance(spec, Sharding):
-        return spec
+def _placement(spec: ShardingSpec, shapes: Mapping[tuple[str, ...], tuple[int, ...]], dtype: np.dtype
+               ) -> Callable[[tuple[str, ...], tuple[int, ...]], Sharding | None]:
+    """Where each params leaf goes, from any form `sharding` takes. A mesh's splits are found
+    for every leaf here, before a tensor is read, so a mesh that cannot divide one is refused
+    (naming the parameter) before any reading."""
+    from dew_lib.train.mesh import MeshSpec  # dew_lib.train imports the models, so not at the top
+
+    if isinstance(spec, MeshSpec):
+        spec = spec.build()
     if isinstance(spec, Mesh):
-        return NamedSharding(spec, PartitionSpec())
-    return spec(path, shape)
+        split = mesh_shardings(spec, shapes, dtype)
+        return lambda path, shape: split[path]
+    if spec is None or isinstance(spec, Sharding):
+        fixed = spec
+        return lambda path, shape: fixed
+    return spec
+
+
+def mesh_shardings(mesh: Mesh, shapes: Mapping[tuple[str, ...], tuple[int, ...]], dtype: Any = np.float32
+                   ) -> dict[tuple[str, ...], NamedSharding]:
+    """The sharding of each params leaf (path under `params` -> shape) on `mesh`: what
+    `partitioning.tree_shardings` gives the same leaves of `{"params": ...}`, the function the
+    Trainer lays its state out with, so a loaded model is already where the Trainer keeps it."""
+    abstract = _nest({path: jax.ShapeDtypeStruct(shape, dtype) for path, shape in shapes.items()})
+    placed = partitioning.tree_shardings({"params": abstract}, mesh)["params"]
+    out = {}
+    for path in shapes:
+        node = placed
+        for key in path:
+            node = node[key]
+        out[path] = node
+    return out
+
+
+def _nest(flat: Mapping[tuple[str, ...], Any]) -> dict[str, Any]:
+    """`{("a", "b"): x}` as `{"a": {"b": x}}`."""
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
 
 
 def _place(array: np.ndarray, sharding: Sharding | None, *, owned: bool) -> jax.Array:
@@ -82,6 +125,7 @@ def load(pretrained: Pretrained, directory: str | Path, *, sharding: ShardingSpe
     for tensor in expected:
         by_leaf.setdefault(tensor.path, []).append(tensor)
     shapes = layout.leaf_shapes(expected)
+    placement = _placement(sharding, shapes, target)
     # Tensors not read straight into place pass through one scratch buffer, sized for the
     # largest of them.
     scratch_bytes = max(
@@ -89,23 +133,19 @@ def load(pretrained: Pretrained, directory: str | Path, *, sharding: ShardingSpe
          for t in expected if not direct(t)] or [0]
     )
     scratch = files.aligned_empty(scratch_bytes) if scratch_bytes else None
-    params: dict[str, Any] = {}
+    leaves: dict[tuple[str, ...], jax.Array] = {}
     with contextlib.ExitStack() as stack:
         readers = {path: stack.enter_context(files.Reader(path))
                    for path in dict.fromkeys(located[t.name] for t in expected)}
         for path, group in by_leaf.items():
-            placement = _sharding_for(sharding, path, shapes[path])
+            where = placement(path, shapes[path])
             if group[0].layer is None:
-                leaf = _read_one(readers[located[group[0].name]], group[0], direct,
-                                 scratch, target, placement)
+                leaves[path] = _read_one(readers[located[group[0].name]], group[0], direct,
+                                         scratch, target, where)
             else:
-                leaf = _read_stack(readers, located, group, shapes[path], direct,
-                                   scratch, target, placement)
-            node = params
-            for key in path[:-1]:
-                node = node.setdefault(key, {})
-            node[path[-1]] = leaf
-    return {"params": params}
+                leaves[path] = _read_stack(readers, located, group, shapes[path], direct,
+                                           scratch, target, where)
+    return {"params": _nest(leaves)}
 
 
 def _read_one(reader, tensor, direct, scratch, target, placement) -> jax.Array:

@@ -2,11 +2,13 @@
 
 `load_pretrained(directory)` reads a local Hugging Face directory (config.json, safetensors,
 tokenizer) into a `CausalTransformer`, its variables and its tokenizer, without torch. Weights
-stream tensor by tensor from disk onto the devices (or a given `jax.sharding`), so the host holds
-one copy of the model plus one scratch tensor. `Pretrained.save` writes the reverse: safetensors
-(bfloat16 by default, sharded above a size), config.json, generation_config.json and the tokenizer,
-staged beside the target and swapped in. `Pretrained.export` yields the same tensors by name
-without touching disk, for pushing weights straight into a serving engine.
+stream tensor by tensor from disk onto the devices (or a given `jax.sharding`, or split over a
+mesh as the Trainer splits them), so the host holds one copy of the model plus one scratch
+tensor. `Pretrained.save` writes the reverse: safetensors (bfloat16 by default, sharded above a
+size), config.json, generation_config.json and the tokenizer, staged beside the target and
+swapped in; sharded variables are gathered one tensor at a time as it writes.
+`Pretrained.export` yields the same tensors by name without touching disk, for pushing weights
+straight into a serving engine.
 
 Not here: reading the tensors (`loading`) and writing them (`saving`), downloading from the Hub
 (directories must be local), `.bin`/pickle checkpoints.
@@ -191,8 +193,12 @@ class Pretrained:
         `param_dtype` and transposed where Flax's layout differs; the layers' tensors go into
         their index of the stacked `layers` leaves (`model.layers.{i}.…` -> `[i]`). Each leaf is
         placed with `sharding`: None (the default device), a `Sharding` for every leaf, a `Mesh`
-        (replicated on it), or a callable `(params_path, flax_shape) -> Sharding` for per-leaf
-        layouts (a layer leaf's shape has the leading layer axis).
+        (or a `dew_lib.train.mesh.MeshSpec`, built over every device): each leaf split as its
+        declared logical axes ask on that mesh, the sharding a `Trainer` on it gives the
+        parameter (`partitioning.tree_shardings`; undeclared leaves and a mesh without `fsdp`
+        or `tensor` axes larger than one: replicated), or a callable
+        `(params_path, flax_shape) -> Sharding` for per-leaf layouts (a layer leaf's shape has
+        the leading layer axis). Every process fills only its own devices' shards.
         """
         return loading.load(self, directory, sharding=sharding)
 
@@ -203,9 +209,11 @@ class Pretrained:
         """Yield `(hf_name, array)` for every tensor `save` would write, in the same order.
 
         Arrays have the Hugging Face layout and `dtype` (None keeps each leaf's dtype). A
-        `jax.Array` leaf is cast and transposed where it lives and yielded as a `jax.Array`, so
-        a weight push can send it from the device; a NumPy leaf yields a NumPy array. Nothing
-        touches disk and only the tensor being yielded is newly allocated.
+        `jax.Array` leaf is cast and transposed where it lives and yielded as a `jax.Array`
+        (split as the leaf is), so a weight push can send it from the device; a NumPy leaf
+        yields a NumPy array. A leaf split across processes is gathered one tensor at a time
+        into a NumPy array on every process, so every process must run the export alongside.
+        Nothing touches disk and only the tensor being yielded is newly allocated.
         """
         return saving.export(self, variables, dtype=dtype)
 
@@ -217,6 +225,7 @@ class Pretrained:
         dtype: Any = jnp.bfloat16,
         max_shard_size: int | str = "5GB",
         overwrite: bool = True,
+        write: bool = True,
     ) -> Path:
         """Write a Hugging Face checkpoint directory that transformers, vLLM and SGLang load.
 
@@ -225,10 +234,16 @@ class Pretrained:
         or an int), in shards with `model.safetensors.index.json`. config.json records the
         dtype; the tokenizer and generation_config.json go along when present. Everything is
         written to a hidden sibling directory and renamed over `directory` at the end, so a
-        reader never sees half a checkpoint. At most one shard's tensors are on the host at once.
+        reader never sees half a checkpoint. Each tensor is written as it comes to the host
+        (gathered from its shards where the variables are split), so the host holds one tensor
+        at a time beside the variables' own host copies.
+
+        In a multi-process job whose variables are split across processes, every process calls
+        `save` together (each tensor's gather is a collective); one writes and the others pass
+        `write=False`, which takes part in the gathers and writes nothing.
         """
         return saving.save(self, variables, directory, dtype=dtype,
-                           max_shard_size=max_shard_size, overwrite=overwrite)
+                           max_shard_size=max_shard_size, overwrite=overwrite, write=write)
 
 
 class Loaded(NamedTuple):

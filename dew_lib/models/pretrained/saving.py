@@ -6,22 +6,31 @@ a serving engine. `save` (`Pretrained.save`) writes them to a directory transfor
 SGLang load: safetensors (bfloat16 by default, sharded above a size), config.json,
 generation_config.json and the tokenizer, staged beside the target and swapped in.
 
-Not here: reading checkpoints (`loading`), multi-process gathering before a save (gather to host
-first; `export` and `save` need every leaf's data on this process).
+Both take variables however they lie: NumPy, device arrays, arrays split over a mesh (FSDP,
+tensor parallelism) and, in a multi-process job, arrays split across the processes. A tensor is
+sliced, cast and transposed where it lives and comes to the host alone, just before it is
+written: a leaf split across processes is gathered one tensor at a time (a collective every
+process takes part in, so every process runs the export or the save, and only one writes:
+`save(..., write=False)` on the others). The host never holds more than the tensor being written.
+
+Not here: reading checkpoints (`loading`), the safetensors files (`files`), which process writes
+(the caller's choice).
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
+from dew_lib.models import lora
 from dew_lib.models.pretrained import files, layout
 from dew_lib.models.pretrained.formats import CONFIG, GENERATION_CONFIG, SAVE_DTYPES, numpy_dtype
 
@@ -56,18 +65,49 @@ def export(pretrained: Pretrained, variables: Mapping[str, Any], *, dtype: Any =
     target = None if dtype is None else numpy_dtype(dtype)
     if target is not None and target.name not in SAVE_DTYPES:
         raise ValueError(f"cannot export as {target.name}; use one of {SAVE_DTYPES}")
-    flat = _leaves(pretrained, variables)
+    flat = _leaves(pretrained, _without_adapters(pretrained, variables))
     for tensor in pretrained.tensors:
         leaf = flat[tensor.path]
-        if tensor.layer is not None:
-            leaf = leaf[tensor.layer]
-        if isinstance(leaf, jax.Array):
-            out = leaf if target is None else leaf.astype(target)
-            yield tensor.name, (out.T if tensor.transpose else out)
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable and leaf.is_fully_replicated:
+            leaf = leaf.addressable_data(0)  # this process's own copy: no collective
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            # Split across processes: this tensor alone, gathered onto every process's host.
+            out = multihost_utils.process_allgather(
+                _prepared(leaf, tensor.layer, target=target, transpose=tensor.transpose), tiled=True)
+        elif isinstance(leaf, jax.Array):
+            out = leaf if tensor.layer is None else leaf[tensor.layer]
+            out = out if target is None else out.astype(target)
+            out = out.T if tensor.transpose else out
         else:
             array = np.asarray(leaf)
+            array = array if tensor.layer is None else array[tensor.layer]
             array = array if target is None else array.astype(target, copy=False)
-            yield tensor.name, np.ascontiguousarray(array.T if tensor.transpose else array)
+            out = np.ascontiguousarray(array.T if tensor.transpose else array)
+            del array
+        yield tensor.name, out
+        del out, leaf  # not held while the next tensor is gathered
+
+
+@functools.partial(jax.jit, static_argnames=("target", "transpose"))
+def _prepared(leaf: jax.Array, layer: int | None, *, target: np.dtype | None, transpose: bool
+              ) -> jax.Array:
+    """One tensor of a leaf as `export` yields it (its layer, cast, transposed), still split: one
+    compile per leaf, the layer being an argument."""
+    out = leaf if layer is None else leaf[layer]
+    out = out if target is None else out.astype(target)
+    return out.T if transpose else out
+
+
+def _without_adapters(pretrained: Pretrained, variables: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`variables` with any low-rank adapters folded into their kernels (models/lora.py), as a
+    Hugging Face checkpoint holds an adapted model."""
+    if not lora.has_adapters(variables):
+        return variables
+    if getattr(pretrained.model, "lora", None) is None:
+        raise ValueError("these variables hold LoRA adapters but the Pretrained's model has none, so their "
+                         "scale is unknown; save through the adapted model's Pretrained "
+                         "(dataclasses.replace(pretrained, model=adapted_model))")
+    return lora.merged(pretrained.model, variables)[1]
 
 
 def _leaves(pretrained: Pretrained, variables: Mapping[str, Any]) -> dict[tuple[str, ...], Any]:
@@ -101,16 +141,12 @@ def save(
     dtype: Any = jnp.bfloat16,
     max_shard_size: int | str = "5GB",
     overwrite: bool = True,
+    write: bool = True,
 ) -> Path:
     """`Pretrained.save`: a Hugging Face checkpoint directory, staged and swapped in."""
     limit = files.parse_size(max_shard_size)
+    variables = _without_adapters(pretrained, variables)
     flat = _leaves(pretrained, variables)
-    for path, leaf in flat.items():
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            raise ValueError(
-                f"param {'.'.join(path)} spans processes; gather the variables to host "
-                "memory (e.g. multihost_utils.process_allgather) before saving"
-            )
     target = None if dtype is None else numpy_dtype(dtype)
     dtypes = {numpy_dtype(flat[t.path].dtype) if target is None else target
               for t in pretrained.tensors}
@@ -120,14 +156,17 @@ def save(
             f"{sorted(d.name for d in dtypes)} (pass dtype=...)"
         )
     saved = next(iter(dtypes))
-    sizes = [(t.name, math.prod(t.shape) * saved.itemsize) for t in pretrained.tensors]
+    exported = pretrained.export(variables, dtype=saved)
+    if not write:  # take part in the gathers of leaves split across processes, write nothing
+        for _ in exported:
+            pass
+        return Path(directory)
+    planned = [files.Planned(t.name, t.shape, saved) for t in pretrained.tensors]
     config = {**pretrained.config, "dtype": saved.name}
     if "torch_dtype" in config:
         config["torch_dtype"] = saved.name
-    stream = ((name, np.asarray(array))
-              for name, array in pretrained.export(variables, dtype=saved))
     with files.staged_directory(Path(directory), overwrite) as stage:
-        files.write(stage, stream, sizes, limit)
+        files.write(stage, _on_host(exported, flat.values()), planned, limit)
         (stage / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if pretrained.generation_config is not None:
             (stage / GENERATION_CONFIG).write_text(
@@ -136,3 +175,16 @@ def save(
         if pretrained.tokenizer is not None:
             pretrained.tokenizer.save_pretrained(str(stage))
     return Path(directory)
+
+
+def _on_host(exported: Iterator[tuple[str, Any]], leaves: Iterable[Any]) -> Iterator[tuple[str, np.ndarray]]:
+    """Each exported tensor copied to the host as the writer asks for it (a split one assembled
+    from its shards), no reference kept once the writer has it. A tensor that is one of the
+    variables' own leaves (the embedding, a norm) is copied on its devices first: a jax.Array
+    keeps the host copy NumPy takes of it, which would outlive the save on the leaf."""
+    own = {id(leaf) for leaf in leaves if isinstance(leaf, jax.Array)}
+    for name, array in exported:
+        host = np.asarray(jnp.copy(array) if id(array) in own else array)
+        del array
+        yield name, host
+        del host

@@ -1,0 +1,222 @@
+"""Low-rank adapters: PEFT's initialisation and scale, a fresh adapter changes nothing, the
+Trainer trains the adapters alone (base bit for bit unchanged, optimizer state for the adapters
+only), and DPO's frozen reference is the base with its adapters off, no copy kept."""
+
+import itertools
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import lm_batches, run_on_host_devices, tiny_model
+
+from dew_lib import Dataset, LMObjective, Trainer
+from dew_lib.data import Loading, Partition, PreferencePairs
+from dew_lib.models import lora
+from dew_lib.objectives import DPOObjective, loss
+from dew_lib.sampling import Sampling, generate
+from dew_lib.train.sinks import MemorySink
+
+MODEL = tiny_model()  # 2 layers, width 16, 4 heads of 4, 2 KV heads, MLP 32, vocabulary 32
+BASE = MODEL.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+IDS = jnp.array([[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]])
+EVERY = lora.LoRA(rank=4, alpha=8, targets="all-linear")
+
+
+def adapted(config=EVERY, variables=BASE, key=1):
+    return lora.attach(MODEL, variables, config, jax.random.key(key))
+
+
+def nudged(variables, by=0.1):
+    """Every adapter leaf moved off its start, so the adapters change the outputs."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: x + by if lora.is_adapter(p) else x, variables)
+
+
+def test_options_expand_all_linear_scale_as_peft_and_refuse_what_they_cannot_read():
+    assert EVERY.targets == lora.TARGETS and EVERY.scale == 2.0  # alpha / r
+    assert lora.LoRA(rank=16, alpha=8, rslora=True).scale == 2.0  # alpha / sqrt(r)
+    assert lora.LoRA(targets=("v_proj", "q_proj")).targets == ("q_proj", "v_proj")
+    with pytest.raises(ValueError, match="LoRA.targets must name projections among q_proj.*got \\('lm_head',\\)"):
+        lora.LoRA(targets=("lm_head",))
+    with pytest.raises(ValueError, match="LoRA.rank must be a whole number >= 1, got 0"):
+        lora.LoRA(rank=0)
+
+
+def test_adapters_start_as_peft_draws_them_and_change_no_logit():
+    model, variables = adapted()
+    layers = variables["params"]["layers"]
+    for name in lora.TARGETS:
+        a, b = layers[name]["lora_a"], layers[name]["lora_b"]
+        bound = 1 / math.sqrt(a.shape[1])  # Kaiming-uniform(a=sqrt 5) over the input width
+        assert a.shape[0] == 2 and a.shape[2] == 4 and b.shape == (2, 4, layers[name]["kernel"].shape[2])
+        assert 0.5 * bound < float(jnp.abs(a).max()) <= bound and not jnp.any(b)
+    np.testing.assert_array_equal(model.apply(variables, IDS), MODEL.apply(BASE, IDS))
+    # the model's own init makes the same leaves
+    fresh = model.init(jax.random.key(3), IDS)
+    assert jax.tree.map(jnp.shape, fresh) == jax.tree.map(jnp.shape, variables)
+    with pytest.raises(ValueError, match="already has adapters"):
+        lora.attach(model, variables, EVERY, jax.random.key(0))
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(scan_layers=False), dict(remat=True)],
+                         ids=["scanned", "looped", "remat"])
+def test_an_adapter_adds_its_low_rank_product_in_every_layout(layout):
+    """Against the merged kernel W + s A B, which is what the adapter computes."""
+    model, variables = adapted()
+    model = model.clone(**layout)
+    moved = nudged(variables)
+    merged = jax.tree.map(lambda x: x, BASE)
+    layers = dict(merged["params"]["layers"])
+    for name in lora.TARGETS:
+        part = moved["params"]["layers"][name]
+        product = jnp.einsum("lir,lro->lio", part["lora_a"], part["lora_b"])
+        layers[name] = {**layers[name], "kernel": part["kernel"] + EVERY.scale * product}
+    merged = {"params": {**merged["params"], "layers": layers}}
+    np.testing.assert_allclose(model.apply(moved, IDS), MODEL.clone(**layout).apply(merged, IDS), atol=2e-5)
+    grads = jax.grad(lambda v: model.apply(v, IDS).sum())(moved)
+    assert all(jnp.any(g != 0) for g in jax.tree.leaves(lora.split(grads["params"])[0]))
+
+
+def test_switched_off_adapters_give_the_base_logits_exactly():
+    model, variables = adapted()
+    moved = nudged(variables)
+    assert not np.array_equal(model.apply(moved, IDS), MODEL.apply(BASE, IDS))
+    np.testing.assert_array_equal(model.apply(lora.without_adapters(moved), IDS), MODEL.apply(BASE, IDS))
+
+
+def test_sampling_draws_through_the_adapters():
+    model, variables = adapted()
+    prompt, lengths = np.array([[0, 0, 5, 6], [7, 8, 9, 10]]), [2, 4]
+    draw = dict(key=jax.random.key(2), max_new_tokens=6, sampling=Sampling(temperature=0.0))
+    fresh = generate(model, variables, prompt, lengths, **draw)
+    np.testing.assert_array_equal(fresh.tokens, generate(MODEL, BASE, prompt, lengths, **draw).tokens)
+    moved = generate(model, nudged(variables, 0.3), prompt, lengths, **draw)
+    assert not np.array_equal(moved.tokens, fresh.tokens)
+
+
+def test_training_moves_only_the_adapters_and_the_optimizer_keeps_moments_for_them_alone():
+    model, variables = adapted(lora.LoRA(rank=2, targets=("q_proj", "v_proj")))
+    batches = list(lm_batches(0, 8, 9, count=4))
+    sink = MemorySink()
+    trainer = Trainer(LMObjective(model, seq_len=8, pretrained=variables, ema_decay=None), optax.adamw(1e-2),
+                      key=jax.random.key(0))
+    state = trainer.fit(Dataset(train=lambda p: itertools.cycle(batches), batch=8), steps=8, log_every=4,
+                        sinks=[sink])
+    trained, base = lora.split(state.params)
+    start_adapters, start_base = lora.split(variables)
+    for after, before in zip(jax.tree.leaves(base), jax.tree.leaves(start_base), strict=True):
+        np.testing.assert_array_equal(after, before)
+    assert all(jnp.any(a != b) for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(start_adapters)))
+    moments = state.opt_state[0].mu
+    assert jax.tree.map(jnp.shape, moments) == {"params": {"layers": {
+        "q_proj": {"lora_a": (2, 16, 2), "lora_b": (2, 2, 16)}, "v_proj": {"lora_a": (2, 16, 2), "lora_b": (2, 2, 8)}}}}
+    adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(moments))
+    assert adapter_bytes / sum(x.nbytes for x in jax.tree.leaves(BASE)) < 0.06
+    losses = [value for _, value in sink.series("loss")]
+    assert losses[-1] < losses[0]
+
+
+def pairs_batch():
+    rows = [{"chosen": [1, p, 3, 5], "rejected": [1, p, 4, 5],
+             "chosen_mask": [0, 0, 1, 1], "rejected_mask": [0, 0, 1, 1]} for p in (2, 6, 7, 8)]
+    spec = PreferencePairs(records=tuple(json.dumps(r) for r in rows * 2), seq_len=4,
+                           loading=Loading(workers=0, threads=1, read_buffer=2))
+    return next(iter(spec.load(batch=8).train(Partition())))
+
+
+def test_dpo_s_reference_is_the_base_with_adapters_off_and_no_copy_is_kept():
+    model, variables = adapted()
+    objective = DPOObjective(model, seq_len=3, beta=0.1, pretrained=variables)
+    batch = pairs_batch()
+    value, _ = loss(objective, variables, batch, reference=lora.without_adapters(variables))
+    np.testing.assert_allclose(value, np.log(2.0), rtol=1e-6)  # a fresh adapter: the policy is its reference
+    sink = MemorySink()
+    trainer = Trainer(objective, optax.adam(3e-2), key=jax.random.key(1))
+    state = trainer.fit(Dataset(train=lambda p: itertools.repeat(batch), batch=8), steps=6, log_every=3,
+                        sinks=[sink])
+    assert state.ema is None  # DPO without adapters keeps a whole frozen copy here
+    margins = [m for _, m in sink.series("rewards/margin")]
+    assert margins[-1] > margins[0] > 0
+    # the reference the update scored against: the base model's log-probs, to the bit
+    np.testing.assert_array_equal(model.apply(lora.without_adapters(state.params), IDS), MODEL.apply(BASE, IDS))
+
+
+def test_adapters_split_over_an_fsdp_mesh_train_as_on_one_device():
+    out = run_on_host_devices("""
+        import itertools, json
+        import jax, jax.numpy as jnp, numpy as np, optax
+        from conftest import lm_batches, tiny_model
+        from dew_lib import Dataset, LMObjective, Trainer
+        from dew_lib.models import lora
+        from dew_lib.train.mesh import MeshSpec
+
+        model = tiny_model()
+        base = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+        model, variables = lora.attach(model, base, lora.LoRA(rank=4, targets="all-linear"), jax.random.key(1))
+        batches = list(lm_batches(0, 8, 9, count=3))
+        states = {}
+        for name, mesh in (("data", MeshSpec(data=4)), ("fsdp", MeshSpec(fsdp=4))):
+            trainer = Trainer(LMObjective(model, seq_len=8, pretrained=variables, ema_decay=None),
+                              optax.adamw(1e-2), key=jax.random.key(0), mesh=mesh)
+            states[name] = trainer.fit(Dataset(train=lambda p: iter(batches), batch=8), steps=3, sinks=[])
+        b = states["fsdp"].params["params"]["layers"]["q_proj"]["lora_a"]
+        error = max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in
+                    zip(jax.tree.leaves(states["data"].params), jax.tree.leaves(states["fsdp"].params)))
+        share = b.addressable_shards[0].data.size / b.size
+        print(json.dumps({"error": error, "split": str(b.sharding.spec), "share": share}))
+        """, devices=4, timeout=300)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["error"] < 1e-5
+    assert report["split"] == "P(None, 'fsdp')" and report["share"] == 0.25
+
+
+def test_a_hugging_face_checkpoint_of_an_adapted_model_holds_the_adapters_folded_in(tmp_path):
+    import dataclasses
+
+    from dew_lib.models import Pretrained, load_pretrained
+
+    model, variables = adapted()
+    moved = nudged(variables)
+    base = Pretrained.from_model(MODEL)
+    with pytest.raises(ValueError, match="hold LoRA adapters but the Pretrained's model has none"):
+        base.save(moved, tmp_path / "refused", dtype=None)
+    dataclasses.replace(base, model=model).save(moved, tmp_path / "merged", dtype=None)
+    loaded = load_pretrained(tmp_path / "merged", tokenizer=False)
+    assert loaded.model.lora is None and not lora.has_adapters(loaded.variables)
+    np.testing.assert_allclose(loaded.model.apply(loaded.variables, IDS), model.apply(moved, IDS), atol=2e-5)
+
+
+def test_ppo_with_adapters_is_refused_until_its_critic_can_train():
+    from dew_lib.objectives import PPOObjective, ValueHead
+
+    model, _ = adapted()
+    with pytest.raises(ValueError, match="PPOObjective does not train LoRA adapters yet"):
+        PPOObjective(model, seq_len=8, critic=ValueHead(model))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_grpo_trains_the_adapters_against_the_base_and_keeps_no_reference_copy(mode):
+    """Through the recipe the pipeline uses, drawing its rollouts from the adapted policy."""
+    from dew_lib.data import Prompts
+    from dew_lib.recipes import GRPOOptions, build_grpo
+
+    model, variables = adapted(lora.LoRA(rank=2, targets=("q_proj", "o_proj", "down_proj")))
+    records = tuple(json.dumps({"prompt": [3, 4, 5], "ground_truth": "1"}) for _ in range(4))
+    data = Prompts(records=records, max_prompt_len=4, loading=Loading(seed=None))
+    options = GRPOOptions(steps=3, batch=2, groups=4, max_new_tokens=4, beta=0.05, mode=mode, slots=8)
+    built = build_grpo(model, variables, data, options, reward=lambda source, text, truth, extra: len(text) / 16,
+                       eos_id=2)
+    try:
+        trainer = Trainer(built.objective, optax.adam(1e-2), key=jax.random.key(0), rollout=built.rollout)
+        state = trainer.fit(built.dataset, steps=3, log_every=1, sinks=[])
+    finally:
+        built.close()
+    assert state.ema is None and built.objective.ema_decay == 1.0  # a frozen reference, kept as the base
+    trained, base = lora.split(state.params)
+    for after, before in zip(jax.tree.leaves(base), jax.tree.leaves(lora.split(variables)[1]), strict=True):
+        np.testing.assert_array_equal(after, before)
+    assert any(jnp.any(leaf != 0) for leaf in jax.tree.leaves(trained["params"]["layers"]["o_proj"]["lora_b"]))
+    np.testing.assert_array_equal(model.apply(lora.without_adapters(state.params), IDS), MODEL.apply(BASE, IDS))
