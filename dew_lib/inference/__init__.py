@@ -19,9 +19,10 @@ from dew_lib.inference.gateway import Gateway, GatewayNotReady
 from dew_lib.inference.native import NativeRolloutServer
 from dew_lib.inference.nccl import NCCLError, NCCLLibrary, NCCLPush
 from dew_lib.inference.openai_engine import Completion, CompletionChoice, OpenAICompletion, OpenAIRolloutServer
+from dew_lib.inference.placement import serving_mesh
 from dew_lib.inference.publish import Publication, SafetensorsReload
 from dew_lib.inference.remote import EngineError, RemoteOptions, RemoteRolloutServer
-from dew_lib.inference.server import Server, ServeTask, serving_mesh
+from dew_lib.inference.server import Server, ServeTask
 from dew_lib.inference.text import TextGeneration
 from dew_lib.inference.vllm_generate import VLLMGenerateServer
 from dew_lib.records.draw import Draw

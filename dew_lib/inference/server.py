@@ -41,20 +41,20 @@ import collections
 import dataclasses
 import functools
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
+from dew_lib.inference.placement import laid_out, place_state
 from dew_lib.models import partitioning
 from dew_lib.models.decoder import KVCache, split_layers
 from dew_lib.options import integer
 from dew_lib.records.draw import Draw
 from dew_lib.sampling import Sampling, _is_eos, sample
-from dew_lib.train.mesh import MeshSpec
 
 MIN_BUCKET = 16  # the narrowest prefill; shorter prompts share it
 
@@ -154,7 +154,7 @@ def _decode(model, sampling, steps, mesh, variables, state: _State):
     zeros = jnp.zeros((steps, slots), jnp.float32)
     out = (jnp.zeros((steps, slots), jnp.int32), zeros, zeros, jnp.zeros((steps, slots), bool))
     _, _, state, out = jax.lax.while_loop(going, one, (jnp.int32(0), jnp.bool_(False), state, out))
-    return _laid_out(state, mesh), out
+    return laid_out(state, mesh), out
 
 
 @functools.partial(jax.jit, static_argnames=("model", "sampling", "mesh"), donate_argnames=("state",))
@@ -189,35 +189,7 @@ def _prefill(model, sampling, mesh, variables, state: _State, prompts, lengths, 
     stop = _is_eos(ids, sampling) | (budgets <= 1)
     state = _State(cache, put(state.last, ids), put(state.keys, keys), put(state.sampled, jnp.ones_like(ids)),
                    put(state.budget, budgets), put(state.live, ~stop))
-    return _laid_out(state, mesh), (ids, raw, behavior)
-
-
-def serving_mesh(tensor_parallel_size: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh of `tensor_parallel_size` devices (default: the first local ones) on the `tensor`
-    axis, for a server that splits attention heads, KV heads and the MLP across them."""
-    size = integer("tensor_parallel_size", tensor_parallel_size)
-    devices = list(devices) if devices is not None else jax.local_devices()
-    if size > len(devices):
-        raise ValueError(f"tensor_parallel_size={size} needs {size} devices; this process has "
-                         f"{len(devices)} ({devices[0].platform})")
-    return MeshSpec(data=1, tensor=size).build(devices[:size])
-
-
-def _state_shardings(state: _State, mesh: Mesh) -> Any:
-    """Where a server's state lives on `mesh`: each layer's keys and values `[S, KV, T, D]` (the
-    state's only rank-4 leaves) split by KV heads, the per-slot bookkeeping whole on every device."""
-    def leaf(x):
-        if x.ndim != 4:
-            return NamedSharding(mesh, PartitionSpec())
-        where = "the KV cache"
-        return NamedSharding(mesh, partitioning.spec_for(("batch", "kv_heads", None, None), x.shape, mesh, where))
-
-    return jax.tree.map(leaf, state)
-
-
-def _laid_out(state: _State, mesh: Mesh | None) -> _State:
-    """`state` pinned to its layout on `mesh`, so the next call takes the arrays as they are."""
-    return state if mesh is None else jax.lax.with_sharding_constraint(state, _state_shardings(state, mesh))
+    return laid_out(state, mesh), (ids, raw, behavior)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -289,7 +261,7 @@ class Server:
             jax.vmap(jax.random.key)(jnp.zeros((slots,), jnp.uint32)), zeros(), zeros(),
             jnp.zeros((slots,), bool))
         if mesh is not None:  # the cache split by KV heads like the projections that fill it
-            self._state = jax.device_put(self._state, _state_shardings(self._state, mesh))
+            self._state = place_state(self._state, mesh)
         self._owners: list[_Request | None] = [None] * slots
         self._by_key: dict[Hashable, _Request] = {}
         self._joining: list[tuple[_Request, np.ndarray, int]] = []  # (request, prompt, seed) to prefill

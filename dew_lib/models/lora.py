@@ -9,8 +9,9 @@ scanned body, remat, the fused attention, checkpoints and the mesh (their logica
 declared with the decoder's) take them as they are.
 
 The Trainer trains the adapters alone once the params hold any (`split`): the base is frozen,
-the optimizer's moments exist for the adapters only, and the frozen reference of DPO, GRPO and
-PPO is the base with its adapters switched off (`without_adapters`), never a second copy.
+the optimizer's moments exist for the adapters only, and the frozen reference of DPO and GRPO
+is the base with its adapters switched off (`without_adapters`), never a second copy (PPO refuses
+adapters for now: its critic's head would be frozen too).
 
 `merged` folds the adapters into their kernels, which is what `Pretrained.save` and `export`
 write for an adapted model: a plain Hugging Face checkpoint.
