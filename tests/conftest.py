@@ -45,6 +45,20 @@ def tiny_model(**overrides):
     return models.build("causal_transformer", **options)
 
 
+def pairs_batch():
+    """Eight preference pairs of four ids that differ only in their third id; the last two ids
+    are the completion. What the DPO tests train on."""
+    import json
+
+    from dew_lib.data import Loading, Partition, PreferencePairs
+
+    rows = [{"chosen": [1, p, 3, 5], "rejected": [1, p, 4, 5],
+             "chosen_mask": [0, 0, 1, 1], "rejected_mask": [0, 0, 1, 1]} for p in (2, 6, 7, 8)]
+    spec = PreferencePairs(records=tuple(json.dumps(r) for r in rows * 2), seq_len=4,
+                           loading=Loading(workers=0, threads=1, read_buffer=2))
+    return next(iter(spec.load(batch=8).train(Partition())))
+
+
 def dense_mask(segments):
     """The `[B, S, S]` mask of causal attention within segments, for the dense reference."""
     import jax.numpy as jnp

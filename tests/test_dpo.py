@@ -1,30 +1,21 @@
 """DPOObjective: the loss against TRL's formula, the frozen reference, learning and bad input."""
 
 import itertools
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import pairs_batch
 
 from dew_lib import Dataset, Trainer, models
-from dew_lib.data import Loading, Partition, PreferencePairs
 from dew_lib.objectives import DPOObjective, loss
 from dew_lib.objectives.dpo import dpo_loss
 from dew_lib.train.sinks import MemorySink
 
 MODEL = models.build("causal_transformer", vocab_size=12, emb_features=16, num_layers=1,
                      num_heads=2, mlp_features=32, max_seq_len=8)
-
-
-def pairs_batch():
-    rows = [{"chosen": [1, p, 3, 5], "rejected": [1, p, 4, 5],
-             "chosen_mask": [0, 0, 1, 1], "rejected_mask": [0, 0, 1, 1]} for p in (2, 6, 7, 8)]
-    spec = PreferencePairs(records=tuple(json.dumps(r) for r in rows * 2), seq_len=4,
-                           loading=Loading(workers=0, threads=1, read_buffer=2))
-    return next(iter(spec.load(batch=8).train(Partition())))
 
 
 def test_dpo_loss_matches_the_sigmoid_formula():

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import lm_batches, run_on_host_devices, tiny_model
+from conftest import lm_batches, pairs_batch, run_on_host_devices, tiny_model
 
 from dew_lib import Dataset, LMObjective, Trainer
-from dew_lib.data import Loading, Partition, PreferencePairs
+from dew_lib.data import Loading
 from dew_lib.models import lora
 from dew_lib.objectives import DPOObjective, loss
 from dew_lib.sampling import Sampling, generate
@@ -117,14 +117,6 @@ def test_training_moves_only_the_adapters_and_the_optimizer_keeps_moments_for_th
     assert adapter_bytes / sum(x.nbytes for x in jax.tree.leaves(BASE)) < 0.06
     losses = [value for _, value in sink.series("loss")]
     assert losses[-1] < losses[0]
-
-
-def pairs_batch():
-    rows = [{"chosen": [1, p, 3, 5], "rejected": [1, p, 4, 5],
-             "chosen_mask": [0, 0, 1, 1], "rejected_mask": [0, 0, 1, 1]} for p in (2, 6, 7, 8)]
-    spec = PreferencePairs(records=tuple(json.dumps(r) for r in rows * 2), seq_len=4,
-                           loading=Loading(workers=0, threads=1, read_buffer=2))
-    return next(iter(spec.load(batch=8).train(Partition())))
 
 
 def test_dpo_s_reference_is_the_base_with_adapters_off_and_no_copy_is_kept():
