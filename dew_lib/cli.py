@@ -194,6 +194,8 @@ def _serve_parser(commands) -> None:
     serve.add_argument("--steps", type=int, default=16, help="decode steps per compiled call (default 16)")
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="local devices the model's heads, MLP and KV cache are split across (default 1)")
+    serve.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                       help="serve the PEFT adapter in PATH over the checkpoint as model NAME (repeatable)")
     serve.add_argument("--temperature", type=float, default=1.0, help="served temperature (default 1; 0 is greedy)")
     serve.add_argument("--top-k", type=int, default=None, help="served top-k (default: none; 0 or -1 also mean none)")
     serve.add_argument("--top-p", type=float, default=1.0, help="served top-p (default 1: none)")
@@ -232,6 +234,7 @@ def _serve(args) -> int:
     from dew_lib.models.pretrained import CheckpointError, UnsupportedCheckpoint
     from dew_lib.sampling import Sampling
     from dew_lib.serve import ServeOptions, serve
+    from dew_lib.serve.adapters import parse_lora_modules
 
     try:
         top_k = None if args.top_k in (None, 0, -1) else args.top_k
@@ -244,7 +247,8 @@ def _serve(args) -> int:
         serve(args.directory, host=args.host, port=args.port, slots=args.slots, capacity=args.capacity,
               sampling=sampling, dtype=args.dtype, logprobs_mode=args.logprobs_mode,
               served_model_name=args.served_model_name, dev_endpoints=args.dev_endpoints, steps=args.steps,
-              seed=args.seed, options=options, tensor_parallel_size=args.tensor_parallel_size)
+              seed=args.seed, options=options, tensor_parallel_size=args.tensor_parallel_size,
+              lora_modules=parse_lora_modules(args.lora))
     except (CheckpointError, UnsupportedCheckpoint, ValueError, OSError) as error:
         print(f"dew serve: {' '.join(str(error).split())}", file=sys.stderr)
         return 1

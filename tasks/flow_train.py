@@ -37,6 +37,7 @@ from prefect import get_run_logger, task
 
 from dew_lib.diffusion import FlowRollout, encode_png, presets
 from dew_lib.diffusion.preview import to_uint8
+from dew_lib.models import dit as dits
 from dew_lib.recipes.flow import build_flow_grpo, build_flow_pretrain
 from dew_lib.recipes.options import optimizer
 from dew_lib.recipes.recorded import RecordedRollout
@@ -214,7 +215,8 @@ def grpo_stage(stage: str, params: FlowGRPOParams, start: DiTRef, directory: str
 
     def build(writer, resumed, directory):
         dit, variables, shape, process = load_dit(start.path)
-        built = build_flow_grpo(dit, process, variables, shape, reward, params)
+        built = build_flow_grpo(dit, process, variables, shape, reward, params,
+                                key=jax.random.fold_in(jax.random.key(seed), 1))  # adapters, with a rank
         previews = Previews(stage, built.objective, params.preview_rows, shape, directory, scored=reward)
         recorded = RecordedRollout(built.rollout, flow_samples(built.rollout, writer, previews, params.log_every,
                                                                params.store_images))
@@ -222,8 +224,9 @@ def grpo_stage(stage: str, params: FlowGRPOParams, start: DiTRef, directory: str
             previews(variables, 0)
         trainer = Trainer(built.objective, optimizer(params), key=jax.random.key(seed + 1), rollout=recorded)
 
-        def save(state):
-            return save_dit(dit, state.params, shape, process, os.path.join(directory, "model"), key)
+        def save(state):  # adapters folded into their kernels: a plain SimpleDiT
+            plain, folded = dits.merged(built.model, state.params)
+            return save_dit(plain, folded, shape, process, os.path.join(directory, "model"), key)
 
         def extra():
             return {"preview_reward_start": previews.means[0], "preview_reward_final": previews.means[params.steps]}

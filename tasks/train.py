@@ -29,6 +29,7 @@ Not here: what a stage's options build (dew_lib/recipes), the image stages (task
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import jax
@@ -36,6 +37,7 @@ from prefect import get_run_logger, task
 
 from dew_lib import recipes
 from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts
+from dew_lib.models import lora, save_adapter
 from dew_lib.objectives import PPOObjective
 from dew_lib.recipes import (
     Built,
@@ -79,6 +81,11 @@ def _loading(seed: int) -> Loading:
 def completion_text(tokenizer):
     """How a GRPO completion's ids become the text its reward reads."""
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def adapter_key(seed: int) -> jax.Array:
+    """What a stage's LoRA adapters are drawn from: the run's seed, apart from the Trainer's key."""
+    return jax.random.fold_in(jax.random.key(seed), 1)
 
 
 def _needs(path: str | None, kind: str, what: str) -> str:
@@ -213,6 +220,10 @@ def run_stage(job: StageJob, logger, *, progress: bool = True, publish=None) -> 
     with recording as writer, TaskReward(job.reward or RewardParams()) as grader:
         recorder = _recorder(writer, params)
         pretrained, variables = load_policy(job.start, job.data.tokenizer)
+        if params.lora.rank:  # adapters on the frozen starting policy; its saves fold them in
+            model, variables = params.lora.attach(pretrained.model, variables, adapter_key(job.seed))
+            pretrained = dataclasses.replace(pretrained, model=model)
+            logger.info("%s trains LoRA adapters on its frozen starting policy: %s", stage, model.lora)
         tokenizer_dir = job.data.tokenizer or job.start.path
         built = _build(kind, params, pretrained, variables, job.data, tokenizer_dir, job.seed, recorder, grader,
                        job.tools, job.ppo)
@@ -246,6 +257,11 @@ def run_stage(job: StageJob, logger, *, progress: bool = True, publish=None) -> 
         # Every process saves: a policy split across processes is gathered a tensor at a time
         # as process 0 writes it, never the whole of it on one host.
         policy = save_policy(pretrained, trained, os.path.join(directory, "policy"), job.key, write=primary)
+        if params.lora.rank:  # the adapter alone too, as PEFT writes it, on the starting policy
+            adapters = distributed.local_copy(lora.split(trained)[0])  # every process gathers together
+            if primary:
+                save_adapter(os.path.join(directory, "adapter"), pretrained.model, {"params": adapters["params"]},
+                             base_model_name_or_path=os.path.abspath(job.start.path))
         if not primary:
             return None
         metrics = conclude(writer, stage, kind, directory, params.steps, policy.path, publish=publish)
@@ -273,7 +289,8 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
     logger = get_run_logger()
     key, inputs = stage_inputs(kind, params, data, start, seed, reward, tools, ppo)
     # a schedule that spans the steps (SFT's warmup-cosine) cannot train on from a shorter run
-    start_at = begin(stage, kind, params, key, inputs, directory, store_root, run, links=LINKS,
+    links = LINKS + ("adapter",) if params.lora.rank else LINKS
+    start_at = begin(stage, kind, params, key, inputs, directory, store_root, run, links=links,
                      labels=_labels(stage), result=StageResult, logger=logger,
                      shorter=params.schedule == "constant")
     if not isinstance(start_at, Start):

@@ -185,6 +185,28 @@ def test_a_rerun_with_the_same_inputs_reuses_both_stages(finished):
         assert query(root, f"SELECT count(*) FROM {table} WHERE run = '{again['run']}'") == recorded[table]
 
 
+@pytest.mark.slow
+def test_flow_grpo_with_lora_trains_adapters_on_the_pretrained_dit_and_saves_them_folded_in(finished):
+    """The finished run again with rank-2 adapters on Flow-GRPO: pre-training is reused, the
+    stage trains adapters alone (the store keeps its lora group) and saves a plain SimpleDiT."""
+    from dew_lib.recipes.options import DiTLoRAOptions
+    from flows.flow_grpo import flow_grpo_pipeline
+    from tasks.images import load_dit
+
+    root, params, first, _, _ = finished
+    adapters = DiTLoRAOptions(rank=2, alpha=4, targets="all-linear")
+    outcome = flow_grpo_pipeline(params.model_copy(update={"grpo": params.grpo.model_copy(update={"lora": adapters})}))
+    assert outcome["model"] != first["model"]  # a new run of other inputs, pre-training reused
+    recorded = json.loads(query(root, f"SELECT params FROM stages WHERE run = '{outcome['run']}' "
+                                      "AND stage = 'flow_grpo'")[0][0])
+    assert recorded["lora"] == {"rank": 2, "alpha": 4.0, "targets": "all-linear", "rslora": False, "dropout": 0.0}
+    model, variables, _, _ = load_dit(outcome["model"])
+    before, _, _, _ = load_dit(first["model"])
+    assert model.lora is None and model == before  # the adapters folded into a plain DiT's kernels
+    with pytest.raises(ValidationError, match="DiTLoRA.targets must name projections among qkv"):
+        DiTLoRAOptions(rank=2, targets=("q_proj",))
+
+
 def test_bad_flow_parameters_are_refused_before_anything_runs(tmp_path):
     with pytest.raises(ValidationError, match="greenish"):
         FlowGRPOParams(reward="greenish")

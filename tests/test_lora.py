@@ -181,12 +181,26 @@ def test_a_hugging_face_checkpoint_of_an_adapted_model_holds_the_adapters_folded
     np.testing.assert_allclose(loaded.model.apply(loaded.variables, IDS), model.apply(moved, IDS), atol=2e-5)
 
 
-def test_ppo_with_adapters_is_refused_until_its_critic_can_train():
+def test_ppo_trains_the_policy_s_adapters_and_its_critic_s_adapters_and_value_head():
+    """What `PPOObjective.trainable` marks (tests/test_lora_stages.py trains it)."""
+    from dew_lib.models.partitioning import path_names
     from dew_lib.objectives import PPOObjective, ValueHead
 
-    model, _ = adapted()
-    with pytest.raises(ValueError, match="PPOObjective does not train LoRA adapters yet"):
-        PPOObjective(model, seq_len=8, critic=ValueHead(model))
+    model, variables = adapted(lora.LoRA(rank=2, targets=("q_proj",)))
+    objective = PPOObjective(model, seq_len=8, critic=ValueHead(model), pretrained=variables, beta=0.1)
+    marks = objective.trainable(jax.eval_shape(objective.init, jax.random.key(0)))
+    assert {"/".join(path_names(path)) for path, trains in jax.tree_util.tree_leaves_with_path(marks) if trains} == {
+        "policy/params/layers/q_proj/lora_a", "policy/params/layers/q_proj/lora_b",
+        "critic/params/backbone/layers/q_proj/lora_a", "critic/params/backbone/layers/q_proj/lora_b",
+        "critic/params/value/kernel", "critic/params/value/bias"}
+    # a policy without adapters trains whole, so its frozen reference is a copy, as without LoRA
+    whole = PPOObjective(MODEL, seq_len=8, critic=ValueHead(model), pretrained=BASE, beta=0.1)
+    state = Trainer(whole, optax.adam(1e-3), key=jax.random.key(0)).initial_state()
+    assert jax.tree.map(jnp.shape, state.ema) == jax.tree.map(jnp.shape, BASE)
+    assert jax.tree.map(jnp.shape, state.opt_state[0].mu["policy"]) == jax.tree.map(jnp.shape, BASE)
+    with pytest.raises(ValueError, match="PPOObjective.critic holds LoRA adapters but is a CausalTransformer"):
+        Trainer(PPOObjective(model, seq_len=8, critic=model, pretrained=variables), optax.adam(1e-3),
+                key=jax.random.key(0))
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -212,3 +226,115 @@ def test_grpo_trains_the_adapters_against_the_base_and_keeps_no_reference_copy(m
         np.testing.assert_array_equal(after, before)
     assert any(jnp.any(leaf != 0) for leaf in jax.tree.leaves(trained["params"]["layers"]["o_proj"]["lora_b"]))
     np.testing.assert_array_equal(model.apply(lora.without_adapters(state.params), IDS), MODEL.apply(BASE, IDS))
+
+
+# ----- adapter dropout -------------------------------------------------------------------------
+
+DROPPING = lora.LoRA(rank=4, alpha=8, targets="all-linear", dropout=0.5)
+
+
+def test_dropout_is_a_probability_below_one():
+    assert lora.LoRA().dropout == 0.0 and lora.LoRA(dropout=0.1).dropout == 0.1
+    for bad in (1.0, -0.1, True):
+        with pytest.raises(ValueError, match="LoRA.dropout must be a probability with 0 <= dropout < 1"):
+            lora.LoRA(dropout=bad)
+
+
+def test_dropout_zeroes_about_p_of_the_units_and_scales_the_rest_by_one_over_one_minus_p():
+    x = jnp.ones((400, 500))
+    seen = lora.dropped(x, jax.random.key(0), 0.25)
+    assert abs(float(jnp.mean(seen == 0)) - 0.25) < 0.005
+    assert set(np.unique(np.asarray(seen)).tolist()) == {0.0, float(np.float32(4 / 3))}
+    assert lora.dropped(x, jax.random.key(0), 0.0) is x
+
+
+def test_a_fresh_adapter_under_dropout_still_changes_no_logit():
+    """B = 0: whatever reaches A, the adapter adds (dropped x A) 0 = 0."""
+    model, variables = adapted(DROPPING)
+    dropped = model.apply(variables, IDS, rngs={"dropout": jax.random.key(5)})
+    np.testing.assert_array_equal(dropped, MODEL.apply(BASE, IDS))
+
+
+def test_training_drops_reproducibly_by_key_and_evaluation_never_does():
+    model, variables = adapted(DROPPING)
+    moved = nudged(variables)
+    batch = next(lm_batches(0, 4, 9))
+    objective = LMObjective(model, seq_len=8, ema_decay=None)
+    plain = LMObjective(model.clone(lora=EVERY), seq_len=8, ema_decay=None)  # same adapters, dropout 0
+    value = lambda o, key: float(loss(o, moved, batch, key=jax.random.key(key))[0])  # noqa: E731
+    evaluated = objective.evaluate(moved, batch)["loss"]
+    unmasked = float(evaluated[0] / evaluated[1])
+    assert value(plain, 1) == value(plain, 2) == unmasked  # p = 0: the training loss is the evaluation loss
+    assert value(objective, 1) == value(objective, 1)  # the same key, the same masks
+    assert len({value(objective, 1), value(objective, 2), unmasked}) == 3
+    np.testing.assert_array_equal(objective.evaluate(moved, batch)["loss"], plain.evaluate(moved, batch)["loss"])
+
+
+@pytest.mark.parametrize("layout", [dict(scan_layers=False), dict(remat=True)], ids=["looped", "remat"])
+def test_every_layout_drops_the_same_units(layout):
+    model, variables = adapted(DROPPING)
+    moved, rngs = nudged(variables), {"dropout": jax.random.key(5)}
+    np.testing.assert_allclose(model.clone(**layout).apply(moved, IDS, rngs=rngs), model.apply(moved, IDS, rngs=rngs),
+                               atol=1e-6)
+
+
+def test_each_layer_draws_its_own_mask():
+    """Two identical layers whose outputs are zero (o_proj, down_proj and B at zero) see the same
+    input, so the gradients of their o_proj adapters' B agree exactly unless their masks differ."""
+    config = lora.LoRA(rank=4, targets=("o_proj",), dropout=0.5)
+    model, variables = adapted(config)
+    layers = jax.tree.map(lambda x: jnp.stack([x[0], x[0]]), variables["params"]["layers"])
+    for name in ("o_proj", "down_proj"):
+        layers[name] = {**layers[name], "kernel": jnp.zeros_like(layers[name]["kernel"])}
+    twins = {"params": {**variables["params"], "layers": layers}}
+
+    def grad_b(rngs):
+        grads = jax.grad(lambda v: model.apply(v, IDS, rngs=rngs)[..., 3].sum())(twins)
+        return grads["params"]["layers"]["o_proj"]["lora_b"]
+
+    same = grad_b(None)
+    np.testing.assert_array_equal(same[0], same[1])
+    assert jnp.any(same[0] != 0)
+    dropped = grad_b({"dropout": jax.random.key(5)})
+    assert not np.allclose(dropped[0], dropped[1], atol=1e-3)
+
+
+def test_dpo_drops_in_the_policy_s_forward_only():
+    """Policy and reference are the same params: without dropout the loss is log 2 exactly; with it
+    the policy's scores move and the reference's do not."""
+    batch = pairs_batch()
+    for config, at_log_2 in ((EVERY, True), (DROPPING, False)):
+        model, variables = adapted(config)
+        moved = nudged(variables)
+        objective = DPOObjective(model, seq_len=3, beta=0.1)
+        value, _ = loss(objective, moved, batch, reference=moved, key=jax.random.key(3))
+        assert (float(value) == pytest.approx(np.log(2.0), rel=1e-6)) == at_log_2
+
+
+def test_grpo_drops_in_the_policy_s_forward_only():
+    """The KL to a reference that equals the policy is 0 without dropout and not with it."""
+    from dew_lib.objectives import GRPOObjective
+    from dew_lib.records.sessions import Call, Session
+    from dew_lib.rollouts.packing import pack
+
+    call = Call(prompt_ids=np.array([3, 4]), sampled_ids=np.array([5, 6, 7]),
+                behavior_log_probs=np.full(3, -1.0), raw_log_probs=np.full(3, -1.0))
+    batch = pack([Session(task="t", group=0, sample=i, calls=(call,), reward=float(i)) for i in range(2)], 8)
+    for config, drops in ((EVERY, False), (DROPPING, True)):
+        model, variables = adapted(config)
+        moved = nudged(variables)
+        objective = GRPOObjective(model, seq_len=7, beta=0.1)
+        _, metrics = loss(objective, moved, batch, reference=moved, key=jax.random.key(3))
+        kl = float(metrics["kl"])
+        assert (kl > 1e-6) == drops and kl >= 0
+        np.testing.assert_array_equal(objective.packed_log_probs(moved, batch),
+                                      GRPOObjective(model.clone(lora=EVERY), seq_len=7).packed_log_probs(moved, batch))
+
+
+def test_sampling_never_drops():
+    model, variables = adapted(DROPPING)
+    moved = nudged(variables, 0.3)
+    prompt, lengths = np.array([[0, 0, 5, 6], [7, 8, 9, 10]]), [2, 4]
+    draw = dict(key=jax.random.key(2), max_new_tokens=6, sampling=Sampling(temperature=1.0))
+    np.testing.assert_array_equal(generate(model, moved, prompt, lengths, **draw).tokens,
+                                  generate(model.clone(lora=EVERY), moved, prompt, lengths, **draw).tokens)

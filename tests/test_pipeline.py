@@ -13,6 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import run_log
 
@@ -208,6 +209,41 @@ def test_the_rl_stage_trains_the_loss_its_options_choose(finished, chosen):
     inputs = sorted(Path(root, "demo", "grpo").glob("*/inputs.json"))
     assert any(json.loads(p.read_text())["inputs"]["params"].get("policy_loss") == chosen["policy_loss"]
                for p in inputs)
+
+
+@pytest.mark.slow
+def test_dpo_and_grpo_train_lora_adapters_the_store_records_them_and_the_stage_keeps_the_adapter(finished):
+    """The finished run again with adapters on DPO and GRPO: SFT is reused, both stages train
+    rank-4 adapters on their frozen starting policy, the store records rank and targets with
+    each stage, and each stage directory holds the adapter as PEFT files beside the merged policy."""
+    from dew_lib.models import load_adapter, load_pretrained
+    from dew_lib.recipes import LoRAOptions
+    from flows.pipeline import pipeline
+
+    root, params, first = finished
+    adapters = LoRAOptions(rank=4, alpha=8, targets="all-linear")
+    outcome = pipeline(params.model_copy(update={  # adapters start at B = 0: a rate they move at
+        "dpo": params.dpo.model_copy(update={"lora": adapters, "learning_rate": 1e-2}),
+        "grpo": params.grpo.model_copy(update={"lora": adapters})}))
+    assert outcome["reused"] == {"start": True, "sft": True, "dpo": False, "grpo": False}
+    rows = query(root, f"SELECT stage, json_extract(params, '$.lora.rank')::INT, "
+                       f"json_extract_string(params, '$.lora.targets') FROM stages "
+                       f"WHERE run = '{outcome['run']}' AND kind IN ('dpo', 'grpo') ORDER BY stage")
+    assert rows == [("dpo", 4, "all-linear"), ("grpo", 4, "all-linear")]
+    for stage in ("dpo", "grpo"):
+        adapter = Path(root, "demo", stage, "adapter")
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        assert (config["r"], config["lora_alpha"]) == (4, 8)
+        assert sorted(config["target_modules"]) == sorted(
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        merged = load_pretrained(Path(root, "demo", stage, "policy"), tokenizer=False)
+        assert getattr(merged.model, "lora", None) is None  # a plain checkpoint, adapters folded in
+        start = load_pretrained(config["base_model_name_or_path"], tokenizer=False)  # the stage's start
+        model, variables = load_adapter(adapter, start.model, start.variables)
+        ids = np.arange(1, 17, dtype=np.int32)[None]
+        np.testing.assert_allclose(model.apply(variables, ids), merged.model.apply(merged.variables, ids), atol=1e-5)
+        if stage == "dpo":  # moved by its step (GRPO's tiny policy earns no reward: no gradient)
+            assert not np.allclose(start.model.apply(start.variables, ids), model.apply(variables, ids), atol=1e-4)
 
 
 @pytest.mark.slow

@@ -81,3 +81,45 @@ def test_stage_and_recipe_refuse_bad_settings(tmp_path):
     with pytest.raises(ValueError, match="must be distinct"):
         Recipe(model=None, optimizer=optax.sgd(0.1), key=jax.random.key(0), directory=tmp_path,
                stages=[stage, stage])
+
+
+@pytest.mark.slow
+def test_stages_with_lora_train_adapters_on_their_start_and_hand_on_the_folded_policy(tmp_path):
+    """SFT trains every weight; DPO and GRPO train rank-2 adapters: DPO's reference is its start
+    with the adapters off (no copy), and GRPO starts from DPO's policy with its adapters folded in."""
+    from dew_lib.models import lora
+    from dew_lib.recipes import LoRAOptions
+
+    model = models.build("causal_transformer", vocab_size=300, emb_features=16, num_layers=1,
+                         num_heads=2, mlp_features=32, max_seq_len=32)
+    adapters = LoRAOptions(rank=2, alpha=4, targets="all-linear")
+    sft_stage, dpo_stage, grpo_stage = stages(tmp_path)
+    chained = [sft_stage, dpo_stage.__class__(name="dpo", data=dpo_stage.data,
+                                              options=dpo_stage.options.model_copy(update={"lora": adapters})),
+               grpo_stage.__class__(name="grpo", data=grpo_stage.data, reward=grpo_stage.reward,
+                                    options=grpo_stage.options.model_copy(update={"lora": adapters}))]
+    recipe = Recipe(model=model, key=jax.random.key(0), directory=tmp_path / "run", stages=chained)
+    sft, dpo, grpo = recipe.run(sinks_for=lambda stage: [])
+    assert dpo.ema is None and grpo.ema is None  # the references are the bases, adapters off
+    moved, dpo_base = lora.split(dpo.params)
+    assert jax.tree.leaves(moved) and jax.tree.leaves(lora.split(grpo.params)[0])
+    for a, b in zip(jax.tree.leaves(dpo_base), jax.tree.leaves(sft.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # frozen: bit for bit the SFT policy
+    folded = lora.merged(model.clone(lora=adapters.config()), dpo.params)[1]
+    for a, b in zip(jax.tree.leaves(lora.split(grpo.params)[1]), jax.tree.leaves(folded), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # GRPO starts from DPO, folded
+    dpo_q = dpo.params["params"]["layers"]["q_proj"]
+    assert not np.allclose(folded["params"]["layers"]["q_proj"]["kernel"], dpo_q["kernel"])  # B moved
+
+
+def test_lora_options_are_off_by_default_name_their_field_and_need_a_start():
+    from dew_lib.recipes import LoRAOptions
+
+    assert SFTOptions().lora == LoRAOptions() and LoRAOptions().config() is None
+    model = models.build("causal_transformer", vocab_size=32, emb_features=16, num_layers=1,
+                         num_heads=2, mlp_features=32, max_seq_len=16)
+    assert LoRAOptions().attach(model, None, jax.random.key(0)) == (model, None)  # rank 0: as given
+    with pytest.raises(ValueError, match="lora: LoRA.targets must name projections among"):
+        DPOOptions(lora=dict(rank=4, targets=("lm_head",)))
+    with pytest.raises(ValueError, match="lora.rank is set but the stage has no starting weights"):
+        LoRAOptions(rank=4).attach(model, None, jax.random.key(0))

@@ -14,6 +14,12 @@ Runs in Dew's own environment (no torch). Three subcommands, each printing one J
     nccl --url URL --dir DIR --library LIBNCCL [--pushes 5]
         `NCCLPush` from this process's first GPU: the same read-back, and the median push time
         of `--pushes` pushes after a first one that also opens the NCCL group.
+    lora --url URL --dir DIR [--rank 8] [--engine vllm]
+        `AdapterReload` against an engine launched on DIR with LoRA on (vLLM: --enable-lora
+        --max-lora-rank R --max-loras 2 and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): pushes a fresh
+        adapter (B zero: the base's draw), then two trained ones; each is listed on /v1/models
+        with the base as parent, each name draws its own probe, the two newest differ from the
+        base and from each other, and the oldest is unloaded (its name answers 404).
 
 The probe is one seeded completion of a fixed prompt (sampled ids and their log-probs) with
 `prompt_logprobs: 0`, so vLLM answers the prompt's log-probabilities too; `--no-prompt-logprobs`
@@ -223,6 +229,69 @@ def run_nccl(url: str, directory: str, library: str, pushes: int, nccl_version: 
             "bytes": size}
 
 
+def lora_versions(model: Any, variables: Any, rank: int) -> tuple[Any, list[Any]]:
+    """The adapted model and three adapter versions on every projection: fresh (B zero), then two
+    with B drawn (each moves the model's log-probs)."""
+    import jax
+
+    from dew_lib.models import lora
+
+    adapted, fresh = lora.attach(model, variables, lora.LoRA(rank=rank, alpha=2 * rank, targets="all-linear"),
+                                 key=jax.random.key(7))
+
+    def drawn(seed: int) -> Any:
+        layers = dict(fresh["params"]["layers"])
+        for index, target in enumerate(lora.TARGETS):
+            b = layers[target]["lora_b"]
+            layers[target] = {**layers[target], "lora_b": 0.05 * jax.random.normal(
+                jax.random.fold_in(jax.random.key(seed), index), b.shape, b.dtype)}
+        return {**fresh, "params": {**fresh["params"], "layers": layers}}
+
+    return adapted, [fresh, drawn(1), drawn(2)]
+
+
+def run_lora(url: str, directory: str, engine: str, rank: int, tolerance: float, prompt_logprobs: bool) -> dict:
+    import dataclasses
+
+    import httpx
+
+    from dew_lib.inference import AdapterReload
+    from dew_lib.models import load_pretrained
+
+    pretrained, variables = load_pretrained(directory)
+    adapted, versions = lora_versions(pretrained.model, variables, rank)
+    push = AdapterReload(dataclasses.replace(pretrained, model=adapted), directory, [url], engine=engine,
+                         prefix="gpu-lora")
+    base_name = served_model(url)
+    base = probe(url, base_name, prompt_logprobs)
+    lines, probes, ok = [], {}, True
+    for version, weights in enumerate(versions):
+        started = time.perf_counter()
+        push(weights, version)
+        name = push.name(version)
+        lines.append(f"v{version}: {push.written[-1]} bytes pushed in {time.perf_counter() - started:.2f} s as {name}")
+        probes[version] = probe(url, name, prompt_logprobs) if engine == "vllm" else None
+    listed = {entry["id"]: entry.get("parent") for entry in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
+    want = {push.name(1): base_name, push.name(2): base_name}
+    good = all(listed.get(name) == parent for name, parent in want.items()) and push.name(0) not in listed
+    ok &= good
+    lines.append(f"/v1/models: {listed} ({'ok' if good else 'FAIL: want v1 and v2 with parent ' + base_name})")
+    gone = httpx.post(f"{url}/v1/completions", json=probe_body(push.name(0), False), timeout=60).status_code
+    ok &= gone == 404
+    lines.append(f"the retired v0 answers {gone} ({'ok' if gone == 404 else 'FAIL: want 404'})")
+    if engine == "vllm":
+        checks = ((0, "base", base, "same"), (1, "base", base, "moved"), (2, "base", base, "moved"),
+                  (2, "v1", probes[1], "moved"))
+        for version, other, reference, wanted in checks:
+            gap = difference(reference, probes[version])
+            good = gap <= max(tolerance, 0.05) if wanted == "same" else gap > max(tolerance, 1e-3)
+            ok &= good
+            lines.append(f"v{version} against {other}: max |d log p| = {gap:.4g} (want {wanted}) "
+                         f"{'ok' if good else 'FAIL'}")
+    print("\n".join(lines))
+    return {"ok": ok, "detail": "; ".join(lines), "bytes": push.written}
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="tools/gpu_engines.py", description=__doc__.split("\n")[0])
     sub = top.add_subparsers(dest="command", required=True)
@@ -233,8 +302,10 @@ def parser() -> argparse.ArgumentParser:
     checkpoint.add_argument("--tokenizer", default="Qwen/Qwen3-0.6B",
                             help="a local tokenizer directory or a Hugging Face hub id")
     checkpoint.add_argument("--seed", type=int, default=0)
-    for name in ("reload", "nccl"):
-        command = sub.add_parser(name, help=f"{'SafetensorsReload' if name == 'reload' else 'NCCLPush'} read back")
+    helps = {"reload": "SafetensorsReload read back", "nccl": "NCCLPush read back",
+             "lora": "AdapterReload: adapters pushed, loaded, drawn from and retired"}
+    for name in ("reload", "nccl", "lora"):
+        command = sub.add_parser(name, help=helps[name])
         command.add_argument("--url", required=True, help="the engine's root URL, http://host:port")
         command.add_argument("--dir", required=True, help="the checkpoint directory the engine was launched on")
         command.add_argument("--tolerance", type=float, default=0.0,
@@ -242,6 +313,8 @@ def parser() -> argparse.ArgumentParser:
         command.add_argument("--no-prompt-logprobs", dest="prompt_logprobs", action="store_false",
                              help="probe without prompt_logprobs (for dew serve, which refuses the field)")
     sub.choices["reload"].add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
+    sub.choices["lora"].add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
+    sub.choices["lora"].add_argument("--rank", type=int, default=8, help="the adapters' rank (<= --max-lora-rank)")
     sub.choices["nccl"].add_argument("--library", required=True, help="the engine's own libnccl.so.2")
     sub.choices["nccl"].add_argument("--nccl-version", default=None, help="the engine's NCCL version, e.g. 2.27.3")
     sub.choices["nccl"].add_argument("--pushes", type=int, default=5)
@@ -257,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "reload":
             result = run_reload(args.url.rstrip("/"), args.dir, args.engine, args.tolerance,
                                 args.prompt_logprobs)
+        elif args.command == "lora":
+            result = run_lora(args.url.rstrip("/"), args.dir, args.engine, args.rank, args.tolerance,
+                              args.prompt_logprobs)
         else:
             result = run_nccl(args.url.rstrip("/"), args.dir, args.library, args.pushes, args.nccl_version,
                               args.tolerance, args.prompt_logprobs)

@@ -14,7 +14,10 @@
 #      them, the launch weights back give identical log-probs again
 #   6. NCCLPush: the same read-back and the median push time, against the spec's 6.8-7.3 s for
 #      Qwen3-0.6B (needs two GPUs: NCCL refuses two ranks on one GPU; skipped with one)
-#   7. vLLM again with --enable-scale-out --return-sampling-mask, for the token route's tests: an
+#   7. vLLM again with --enable-lora --max-lora-rank $LORA_RANK --max-loras 2 and
+#      VLLM_ALLOW_RUNTIME_LORA_UPDATING=True: AdapterReload pushes three adapter versions through
+#      /v1/load_lora_adapter, each drawn from by its name, the oldest unloaded (tools/gpu_engines.py lora)
+#   8. vLLM again with --enable-scale-out --return-sampling-mask, for the token route's tests: an
 #      engine with that flag refuses every request without a top-k, /v1/completions included
 #
 # Run from anywhere:  bash tools/gpu_engines.sh        (needs nvidia-smi, pip access, ~15 GB disk)
@@ -30,7 +33,7 @@
 #   PRESET=small               small: Qwen3-0.6B's widths, 4 layers; 0.6b: all 28 (1.1 GiB, the
 #                              spec's size); LAYERS=N overrides the layer count
 #   TOKENIZER=<repo>/../shared/data/tokenizers/qwen3 if present, else the hub id Qwen/Qwen3-0.6B
-#   PORT=8123  HEALTH_TIMEOUT=900  PUSHES=5  VLLM_GPU_UTIL=0.8  VLLM_EXTRA_ARGS=
+#   PORT=8123  HEALTH_TIMEOUT=900  PUSHES=5  VLLM_GPU_UTIL=0.8  VLLM_EXTRA_ARGS=  LORA_RANK=8
 #   VLLM_GPU, TRAINER_GPU      GPU indices (default 1 and 0 with two or more GPUs, else both 0)
 #   DEW_PYTHON, VLLM_BIN       reuse an existing Dew python / vllm executable instead of the venvs
 #   NCCL_LIBRARY, NCCL_VERSION vLLM's libnccl.so.2 and its version (default: found in vLLM's venv)
@@ -68,6 +71,7 @@ HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-900}
 PUSHES=${PUSHES:-5}
 VLLM_GPU_UTIL=${VLLM_GPU_UTIL:-0.8}
 VLLM_EXTRA_ARGS=${VLLM_EXTRA_ARGS:-}
+LORA_RANK=${LORA_RANK:-8}  # one of vLLM's --max-lora-rank choices (8, 16, 32, 64, ...)
 MODEL_NAME=dew-qwen3-check
 URL="http://127.0.0.1:$PORT"
 CKPT="$WORK/checkpoint"
@@ -151,9 +155,11 @@ trap stop_engine EXIT
 trap 'stop_engine; exit 130' INT
 trap 'stop_engine; exit 143' TERM
 
-start_engine() {  # start_engine completions|token: the server in its own session (setsid)
-  local mode=$1 flags=() log="$LOGS/server-$1.log"  # the engine's own output
+start_engine() {  # start_engine completions|lora|token: the server in its own session (setsid)
+  local mode=$1 flags=() lora_updating=False log="$LOGS/server-$1.log"  # the engine's own output
   [ "$mode" = token ] && flags=(--enable-scale-out --return-sampling-mask)
+  # two adapters at once: the newest version and the one draws in flight may still use
+  [ "$mode" = lora ] && flags=(--enable-lora --max-lora-rank "$LORA_RANK" --max-loras 2) && lora_updating=True
   if curl -s -o /dev/null "$URL/health" 2>/dev/null; then
     echo "something already answers on $URL; stop it or set PORT"
     return 1
@@ -162,7 +168,7 @@ start_engine() {  # start_engine completions|token: the server in its own sessio
     # --enable-return-routed-experts is left out: Dew writes dense checkpoints, which route nothing.
     # --return-tokens-as-token-ids is not needed: Dew's client asks for it in every request.
     # shellcheck disable=SC2086  # VLLM_EXTRA_ARGS is a list of flags
-    (export VLLM_SERVER_DEV_MODE=1 CUDA_VISIBLE_DEVICES="$VLLM_GPU"
+    (export VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_RUNTIME_LORA_UPDATING="$lora_updating" CUDA_VISIBLE_DEVICES="$VLLM_GPU"
      [ -n "$NCCL_LIBRARY" ] && export VLLM_NCCL_SO_PATH="$NCCL_LIBRARY"
      exec setsid "$VLLM_BIN" serve "$CKPT" --host 127.0.0.1 --port "$PORT" \
        --served-model-name "$MODEL_NAME" --dtype bfloat16 --max-model-len 2048 --seed 0 \
@@ -258,6 +264,13 @@ reload_read_back() {
   local extra=()
   [ "$ENGINE_KIND" = dew ] && extra=(--no-prompt-logprobs)
   JAX_PLATFORMS=cpu "$DEW_PY" "$ROOT/tools/gpu_engines.py" reload --url "$URL" --dir "$CKPT" ${extra[@]+"${extra[@]}"}
+}
+
+lora_push() {
+  local extra=()
+  [ "$ENGINE_KIND" = dew ] && extra=(--no-prompt-logprobs)
+  JAX_PLATFORMS=cpu "$DEW_PY" "$ROOT/tools/gpu_engines.py" lora --url "$URL" --dir "$CKPT" --rank "$LORA_RANK" \
+    ${extra[@]+"${extra[@]}"}
 }
 
 nccl_push() {
@@ -369,6 +382,19 @@ else
 fi
 
 stop_engine
+if failed checkpoint || [ "$ENGINE_READY" = 0 ]; then
+  skip engine-lora "needs the checkpoint and the engine installed"
+  skip lora "needs a running engine"
+else  # dew serve answers the same LoRA routes under --dev-endpoints, so the dry run runs this too
+  step engine-lora start_engine lora
+  if failed engine-lora; then
+    skip lora "needs a running engine"
+  else
+    step lora lora_push
+  fi
+  stop_engine
+fi
+
 if [ "$ENGINE_KIND" = dew ]; then
   skip engine-token "dry run: dew serve has no token route"
   skip token-tests "dry run: dew serve has no token route"

@@ -8,8 +8,11 @@ with `beta > 0` each transition adds `beta` times the per-coordinate conditional
 the frozen starting policy (kept in the EMA slot), whose variance includes the elapsed time. The
 loss is the mean over kept stochastic transitions.
 
+A SimpleDiT with low-rank adapters (`dit.attach`, models/dit.py) trains its adapters alone, and
+the KL's frozen reference is then its base with the adapters off, not a second copy.
+
 Not here: sampling and rewards (`FlowRollout`), multi-process rollouts, reward models that need
-a GPU of their own, LoRA.
+a GPU of their own.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class FlowGRPOObjective(Objective):
     same bound; DAPO's clip-higher makes it wider). adv_clip_max: advantages are clipped to
     +-this. guidance: CFG used in rollouts and rescoring (needs a condition field). sampler,
     steps: deterministic sampling for `evaluate` and `preview`. pretrained: starting variables
-    as returned by model.init.
+    as returned by model.init (or `dit.attach`'s, to train adapters).
     """
 
     def __init__(self, model, process: Process, inputs: InputSpec, *, sde: FlowSDE = FlowSDE(),

@@ -9,10 +9,12 @@ drives it on a background thread, on one device or tensor-parallel over `serving
 
 Remote engines speak the same contract: `OpenAIRolloutServer` (vLLM's or SGLang's completions
 route) and `VLLMGenerateServer` (vLLM's token route) draw over HTTP (docs/remote_engines.md);
-`SafetensorsReload` and `NCCLPush` push weights to them, `Publication` versions the pushes and
-`Gateway` stamps them on a recording gateway (docs/publishing.md).
+`SafetensorsReload` and `NCCLPush` push weights to them (`AdapterReload` a LoRA policy's adapters
+alone), `Publication` versions the pushes and `Gateway` stamps them on a recording gateway
+(docs/publishing.md).
 """
 
+from dew_lib.inference.adapter_push import AdapterReload
 from dew_lib.inference.base import Publisher, RolloutServer, ServerClosed
 from dew_lib.inference.endpoints import EndpointFailed, PushFailed
 from dew_lib.inference.gateway import Gateway, GatewayNotReady
@@ -27,8 +29,9 @@ from dew_lib.inference.text import TextGeneration
 from dew_lib.inference.vllm_generate import VLLMGenerateServer
 from dew_lib.records.draw import Draw
 
-__all__ = ["Completion", "CompletionChoice", "Draw", "EndpointFailed", "EngineError", "Gateway", "GatewayNotReady",
-           "NCCLError", "NCCLLibrary", "NCCLPush", "NativeRolloutServer", "OpenAICompletion", "OpenAIRolloutServer",
+__all__ = ["AdapterReload", "Completion", "CompletionChoice", "Draw", "EndpointFailed", "EngineError", "Gateway",
+           "GatewayNotReady", "NCCLError", "NCCLLibrary", "NCCLPush", "NativeRolloutServer", "OpenAICompletion",
+           "OpenAIRolloutServer",
            "Publication", "Publisher", "PushFailed", "RemoteOptions", "RemoteRolloutServer", "RolloutServer",
            "SafetensorsReload", "ServeTask", "Server", "ServerClosed", "TextGeneration", "VLLMGenerateServer",
            "serving_mesh"]

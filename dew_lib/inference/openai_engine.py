@@ -24,6 +24,10 @@ prompt and every sampled id but the last, which the engines never run through th
 
 SGLang leaves sglext out, without an error, when it was launched without the flag.
 
+A draw from a LoRA adapter the engine serves over its base (`adapter_push.AdapterReload` loads one
+per version) names it the engine's way: vLLM (and `dew serve`) take the adapter's name as the
+request's `model`; SGLang keeps the base's `model` and takes the name in `lora_path`.
+
 Both engines keep the EOS id they stopped on in those ids and report its log-probability (vLLM
 appends each sampled id before its stop check and leaves it out of the text only; SGLang trims
 it from the text only), so a natural stop's draw ends with EOS, as Dew's own draws do.
@@ -49,7 +53,7 @@ import binascii
 import dataclasses
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -117,12 +121,14 @@ class OpenAICompletion:
         return f"{label} at {getattr(self.client, 'base_url', '?')}"
 
     def request(self, prompt_ids, *, max_tokens: int, sampling: Sampling, seed: int | None,
-                routing: tuple[int, int] | None = None) -> dict[str, Any]:
+                routing: tuple[int, int] | None = None, adapter: str | None = None) -> dict[str, Any]:
         """The JSON fields of one request (the body `create` posts, model and prompt included).
         routing: (layers, top_k) when the routing is wanted; SGLang is asked for it
-        (return_routed_experts), vLLM sends it whenever it runs with the flag."""
+        (return_routed_experts), vLLM sends it whenever it runs with the flag. adapter: the name
+        of a LoRA adapter the engine serves over the base, to draw from it (None: the base)."""
+        model = adapter if adapter is not None and self.provider == "vllm" else self.name
         body: dict[str, Any] = {
-            "model": self.name, "prompt": _prompt(prompt_ids), "max_tokens": int(max_tokens),
+            "model": model, "prompt": _prompt(prompt_ids), "max_tokens": int(max_tokens),
             "temperature": float(sampling.temperature), "top_p": float(sampling.top_p),
             "top_k": -1 if sampling.top_k is None else int(sampling.top_k),  # -1: no top-k, both engines
             "min_p": float(sampling.min_p), "logprobs": 0}
@@ -133,18 +139,22 @@ class OpenAICompletion:
         body["return_tokens_as_token_ids" if self.provider == "vllm" else "return_token_ids"] = True
         if routing is not None and self.provider == "sglang":
             body["return_routed_experts"] = True
+        if adapter is not None and self.provider == "sglang":
+            body["lora_path"] = adapter  # SGLang's field for the adapter's name
         return body
 
     def create(self, prompt_ids, *, max_tokens: int, sampling: Sampling,
-               seed: int | None = None, routing: tuple[int, int] | None = None) -> Completion:
+               seed: int | None = None, routing: tuple[int, int] | None = None,
+               adapter: str | None = None) -> Completion:
         """Post a token-id prompt (one row of ids, or a list of rows: one choice each) and read the
         answer; `EngineError` on any failure. routing: (layers, top_k) to ask for the routing
         and read it in that shape (SGLang needs it; a vLLM routing of another shape is refused).
-        Without it vLLM's routing is still read when sent, SGLang's is not asked for."""
+        Without it vLLM's routing is still read when sent, SGLang's is not asked for. adapter:
+        the LoRA adapter to draw from (`request`)."""
         if routing is not None:
             routing = _routing_shape(routing)
         body = self.request(prompt_ids, max_tokens=max_tokens, sampling=sampling, seed=seed,
-                            routing=routing)
+                            routing=routing, adapter=adapter)
         named: dict[str, Any] = {key: body.pop(key) for key in ("model", "prompt", "max_tokens", "temperature",
                                                  "top_p", "logprobs", "seed") if key in body}
         answer = _post(self, named, body)
@@ -286,13 +296,16 @@ class OpenAIRolloutServer(RemoteRolloutServer):
     for vLLM, optional, and a routing of another shape fails the draw. processed_logprobs: vLLM
     runs with --logprobs-mode processed_logprobs, so a temperature other than 1 is reported
     truthfully. options: threads and timeouts (RemoteOptions() when None); the client is copied
-    with them and with retries off (the scheduler retries failed sessions).
+    with them and with retries off (the scheduler retries failed sessions). adapter: None, or a
+    callable `adapter(version)` giving the LoRA adapter a draw labelled `version` is drawn from
+    (`AdapterReload.name`), None for the base.
     """
 
     def __init__(self, completion: OpenAICompletion, sampling: Sampling, weights: Publisher | None,
                  routing: bool = False, processed_logprobs: bool = False, *,
                  options: RemoteOptions | None = None, seed: int = 0,
-                 routing_shape: tuple[int, int] | None = None):
+                 routing_shape: tuple[int, int] | None = None,
+                 adapter: Callable[[int], str | None] | None = None):
         import openai
 
         if not isinstance(completion, OpenAICompletion):
@@ -300,6 +313,9 @@ class OpenAIRolloutServer(RemoteRolloutServer):
                             f"provider), got {type(completion).__name__}")
         if routing_shape is not None:
             routing_shape = _routing_shape(routing_shape)
+        if adapter is not None and not callable(adapter):
+            raise TypeError(f"OpenAIRolloutServer.adapter must be None or callable as adapter(version), got "
+                            f"{type(adapter).__name__}")
         if isinstance(sampling, Sampling):
             _refuse(completion.provider, sampling, bool(processed_logprobs))
         _refuse_routing(completion.provider, bool(routing), routing_shape)
@@ -310,13 +326,14 @@ class OpenAIRolloutServer(RemoteRolloutServer):
             timeout=openai.Timeout(options.timeout, connect=options.connect_timeout), max_retries=0)
         super().__init__(sampling, weights, options=options, seed=seed)
         self.routing, self.processed_logprobs = bool(routing), bool(processed_logprobs)
-        self.routing_shape = routing_shape
+        self.routing_shape, self.adapter = routing_shape, adapter
         self.completion = dataclasses.replace(completion, client=client)
         self.engine = completion.engine
 
     def _draw(self, prompt: np.ndarray, max_new_tokens: int, seed: int, version: int) -> Draw:
         answer = self.completion.create(prompt, max_tokens=max_new_tokens, sampling=self.sampling,
-                                        seed=seed, routing=self.routing_shape if self.routing else None)
+                                        seed=seed, routing=self.routing_shape if self.routing else None,
+                                        adapter=None if self.adapter is None else self.adapter(version))
         if len(answer.choices) != 1:
             raise EngineError(f"{self.engine} answered {len(answer.choices)} choices to a request for one")
         (drawn,) = answer.choices

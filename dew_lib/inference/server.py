@@ -227,11 +227,13 @@ class Server:
     Use `Server.from_task(task, slots=..., capacity=..., steps=16)`. `add` puts a request into a
     free slot, `step` decodes every slot (at most `steps` ids, fewer once a request finishes) and
     returns the draws that finished, `cancel` frees a request's slot, `reload` swaps the weights
-    between two calls. A request needs `len(prompt_ids) + max_new_tokens <= capacity`.
+    between two calls. A request needs `len(prompt_ids) + max_new_tokens <= capacity`. `shared`
+    serves `variables` as given rather than a copy: arrays nobody donates, such as another
+    server's base under an adapter.
     """
 
     def __init__(self, model, variables, *, sampling: Sampling, slots: int, capacity: int,
-                 steps: int = 16, version: int = 0, mesh: Mesh | None = None):
+                 steps: int = 16, version: int = 0, mesh: Mesh | None = None, shared: bool = False):
         slots, capacity, steps = (integer(f"Server.{name}", value) for name, value in
                                   (("slots", slots), ("capacity", capacity), ("steps", steps)))
         if capacity < 2:
@@ -247,8 +249,8 @@ class Server:
         self.version = int(version)
         self.mesh = mesh
         # A copy of its own: a trainer that donates its state must not delete the served weights.
-        self.variables = (jax.tree.map(lambda x: jnp.array(x, copy=True), variables) if mesh is None
-                          else partitioning.place(variables, mesh))
+        self.variables = (variables if shared else jax.tree.map(lambda x: jnp.array(x, copy=True), variables)
+                          if mesh is None else partitioning.place(variables, mesh))
         self.vocab_size = getattr(model, "vocab_size", None)
         self.buckets = _buckets(capacity)  # prompt widths of a prefill
         self.row_buckets = _buckets(slots, 1)  # requests prefilled together

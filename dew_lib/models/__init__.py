@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from dew_lib.models.decoder import CausalTransformer, KVCache
 from dew_lib.models.decoder_layer import RMSNorm
 from dew_lib.models.dit import SimpleDiT
-from dew_lib.models.pretrained import Pretrained, load_pretrained
+from dew_lib.models.pretrained import Pretrained, load_adapter, load_pretrained, save_adapter
 from dew_lib.options import integer
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
@@ -98,5 +98,5 @@ def build(name: str, **options: Any):
 
 __all__ = [
     "CausalTransformer", "KVCache", "RMSNorm", "Pretrained", "SimpleDiT", "build", "check_options",
-    "load_pretrained", "options_of", "REGISTRY",
+    "load_adapter", "load_pretrained", "options_of", "REGISTRY", "save_adapter",
 ]

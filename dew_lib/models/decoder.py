@@ -12,8 +12,13 @@ Inputs may be packed: `segment_ids` keep attention inside each document (0 marks
 `positions` restart the rotary clock per document. Generation uses an explicit `KVCache` pytree
 rather than a mutable Flax collection, so the decode loop can donate and carry it.
 
+Adapter dropout (models/lora.py) runs when a call is given a `dropout` rng (`rngs={"dropout":
+key}`), each layer with its own key (the layer index folded in). With `quantized` the layers'
+projection kernels are int8 (models/quantize.py), read one layer at a time.
+
 Not here: one layer and its parts (`decoder_layer`), the attention functions
-(`decoder_attention`), sliding-window attention, mixture-of-experts layers, dropout.
+(`decoder_attention`), sliding-window attention, mixture-of-experts layers, dropout outside the
+adapters.
 """
 
 from __future__ import annotations
@@ -57,6 +62,10 @@ partitioning.declare({
        (("q_proj", "embed"), ("k_proj", "embed"), ("v_proj", "embed"), ("o_proj", "heads"),
         ("gate_proj", "embed"), ("up_proj", "embed"), ("down_proj", "mlp"))},
     **{("layers", name, "lora_b"): ("layers", None, out) for name, out in
+       (("q_proj", "heads"), ("k_proj", "kv_heads"), ("v_proj", "kv_heads"), ("o_proj", "embed"),
+        ("gate_proj", "mlp"), ("up_proj", "mlp"), ("down_proj", "embed"))},
+    # an int8 kernel's scale per output channel (models/quantize.py): split like that output
+    **{("layers", name, "kernel_scale"): ("layers", out) for name, out in
        (("q_proj", "heads"), ("k_proj", "kv_heads"), ("v_proj", "kv_heads"), ("o_proj", "embed"),
         ("gate_proj", "mlp"), ("up_proj", "mlp"), ("down_proj", "embed"))},
 })
@@ -174,6 +183,7 @@ class CausalTransformer(nn.Module):
     scan_layers: bool = True  # layers as one lax.scan (compiles once); False: a loop, same params
     remat: bool = False  # recompute each layer's activations in the backward pass
     lora: Any = None  # a models.lora.LoRA: low-rank adapters on the projections it targets
+    quantized: bool = False  # int8 layer projection kernels (models/quantize.quantize_base)
 
     @property
     def kv_heads(self) -> int:
@@ -220,7 +230,7 @@ class CausalTransformer(nn.Module):
                     num_kv_heads=self.kv_heads, head_dim=self.head_features,
                     mlp_features=self.mlp_features, qk_norm=self.qk_norm,
                     attention_bias=self.attention_bias, norm_eps=self.norm_eps, dtype=self.dtype,
-                    param_dtype=self.param_dtype, lora=self.lora)
+                    param_dtype=self.param_dtype, lora=self.lora, quantized=self.quantized)
 
     def _block(self) -> Block:
         """The layer module, unbound: applied to one layer's slice of `self.layers`."""
@@ -249,26 +259,37 @@ class CausalTransformer(nn.Module):
         """Layer `i`'s parameters: a slice of the stacked `layers` subtree."""
         return jax.tree.map(lambda p: p[i], self.layers)
 
+    def _dropout_key(self):
+        """The key of adapter dropout for this call, or None: only adapters with a nonzero rate
+        in a call given a `dropout` rng (a training forward) drop anything."""
+        if self.lora is None or not self.lora.dropout or not self.has_rng("dropout"):
+            return None
+        return self.make_rng("dropout")
+
     def _run_layers(self, x, rope, segment_ids, return_kv: bool):
         """Every layer over `x`: one `lax.scan` over the stacked parameters (`scan_layers`), or
         a Python loop over static slices of them (one copy of the layer in the program per
-        layer). Returns the output and, if asked, each layer's `(keys, values)` `[B, S, KV, D]`."""
+        layer). Returns the output and, if asked, each layer's `(keys, values)` `[B, S, KV, D]`.
+        Layer i's adapter dropout draws from the call's dropout key folded with i."""
         block = self._block()
+        dropout = self._dropout_key()
 
-        def body(x, params):
+        def body(x, layer):
+            params, index = layer
+            key = None if dropout is None else jax.random.fold_in(dropout, index)
             x, kv = block.apply({"params": params}, partitioning.constrain_rows(x), rope, segment_ids,
-                                self.attention_block, self.attention_kernel)
+                                self.attention_block, self.attention_kernel, key)
             return partitioning.constrain_rows(x), (kv if return_kv else None)
 
         if self.remat:
             body = jax.checkpoint(body)
         if self.scan_layers:
-            x, kvs = jax.lax.scan(body, x, self.layers)
+            x, kvs = jax.lax.scan(body, x, (self.layers, jnp.arange(self.num_layers)))
             return x, ([(kvs[0][i], kvs[1][i]) for i in range(self.num_layers)] if return_kv
                        else [])
         kvs = []
         for i in range(self.num_layers):
-            x, kv = body(x, self._layer(i))
+            x, kv = body(x, (self._layer(i), i))
             kvs.append(kv)
         return x, (kvs if return_kv else [])
 

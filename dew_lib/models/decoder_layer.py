@@ -6,6 +6,11 @@ SiLU-gated MLP, each with its residual. `Linear` has `nn.Dense`'s parameters but
 projections that share an input run as one matmul (`fused`). RMSNorm and the MLP's gated
 product are recomputed in the backward pass rather than kept.
 
+A layer's methods take `dropout`, a key or None: with a key, each adapter (models/lora.py) reads
+its own dropped copy of its input; without one (evaluation, sampling) nothing is dropped. With
+`quantized`, the projections' kernels are int8 with a scale per output channel
+(models/quantize.py), dequantized here, per layer.
+
 Not here: the layer stack, embeddings and output head (`decoder.CausalTransformer`), the
 attention functions (`decoder_attention`).
 """
@@ -20,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew_lib.models import lora, rotary
+from dew_lib.models import lora, quantize, rotary
 from dew_lib.models.decoder_attention import attend_causal
 
 _INIT = nn.initializers.normal(stddev=0.02)
@@ -54,7 +59,8 @@ class Linear(nn.Module):
     Same parameters as `nn.Dense` (`kernel` `[in, out]`, optional `bias`), declared in `setup`
     so a parent can concatenate kernels that share an input. With `lora_rank`, a low-rank
     adapter beside the kernel (`lora_a` `[in, r]`, `lora_b` `[r, out]`, models/lora.py) adds
-    `lora_scale * (x A) B` to the output.
+    `lora_scale * (dropout(x) A) B` to the output. With `quantized`, `kernel` is int8 and
+    `kernel_scale` `[out]` its float32 scale per output channel.
     """
 
     in_features: int
@@ -64,9 +70,17 @@ class Linear(nn.Module):
     param_dtype: Any = jnp.float32
     lora_rank: int = 0
     lora_scale: float = 1.0
+    lora_dropout: float = 0.0
+    quantized: bool = False
 
     def setup(self):
-        self.kernel = self.param("kernel", _INIT, (self.in_features, self.features), self.param_dtype)
+        shape = (self.in_features, self.features)
+        if self.quantized:
+            self.kernel = self.param("kernel", quantize.init_values, shape, jnp.int8)
+            self.kernel_scale = self.param(quantize.SCALE, quantize.init_scale, (self.features,), jnp.float32)
+        else:
+            self.kernel = self.param("kernel", _INIT, shape, self.param_dtype)
+            self.kernel_scale = None
         if self.use_bias:
             self.bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
         if self.lora_rank:
@@ -74,21 +88,28 @@ class Linear(nn.Module):
             self.lora_b = self.param("lora_b", nn.initializers.zeros, (self.lora_rank, self.features),
                                      self.param_dtype)
 
-    def __call__(self, x):
-        return fused(x, [self])[0]
+    def __call__(self, x, dropout=None):
+        return fused(x, [self], dropout)[0]
 
 
-def fused(x, projections):
+def _joined(arrays):
+    return arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays, axis=-1)
+
+
+def fused(x, projections, dropout=None):
     """Apply projections that share the input `x` as one matmul; returns one output each.
 
     The matmul runs on `[B*S, in]` rows: then the weight gradient contracts one axis. Over
     `[B, S, in]` it contracts two, which XLA:CPU compiles into a transposed copy of the output
     gradient and a matmul at half the speed (the step ran 1.08-1.11x faster as rows).
+
+    The adapters' `x A` are one matmul too, unless `dropout` (a key) and a nonzero rate give
+    each adapter its own dropped input (its own mask, the key folded with its projection).
     """
-    kernels = [p.kernel for p in projections]
-    kernel = kernels[0] if len(kernels) == 1 else jnp.concatenate(kernels, axis=1)
+    kernel = _joined([p.kernel for p in projections])
+    scale = _joined([p.kernel_scale for p in projections]) if projections[0].quantized else None
     dtype = projections[0].dtype
-    out = _on_rows(x, kernel, dtype)
+    out = _on_rows(x, kernel, dtype, scale)
     if any(p.use_bias for p in projections):
         out = out + jnp.concatenate([
             p.bias if p.use_bias else jnp.zeros((p.features,), p.param_dtype) for p in projections
@@ -96,7 +117,12 @@ def fused(x, projections):
     cuts = np.cumsum([p.features for p in projections])[:-1].tolist()
     outs = jnp.split(out, cuts, axis=-1)
     adapted = [i for i, p in enumerate(projections) if p.lora_rank]
-    if adapted:  # every adapter's x A as one matmul, then each its own B
+    if dropout is not None and any(projections[i].lora_dropout for i in adapted):
+        for i in adapted:  # each adapter reads its own dropped copy of x
+            p = projections[i]
+            seen = lora.dropped(x, jax.random.fold_in(dropout, lora.TARGETS.index(p.name)), p.lora_dropout)
+            outs[i] = outs[i] + p.lora_scale * _on_rows(_on_rows(seen, p.lora_a, dtype), p.lora_b, dtype)
+    elif adapted:  # every adapter's x A as one matmul, then each its own B
         inner = _on_rows(x, jnp.concatenate([projections[i].lora_a for i in adapted], axis=1), dtype)
         parts = jnp.split(inner, np.cumsum([projections[i].lora_rank for i in adapted])[:-1].tolist(), axis=-1)
         for i, part in zip(adapted, parts, strict=True):
@@ -104,22 +130,30 @@ def fused(x, projections):
     return outs
 
 
-def _on_rows(x, kernel, dtype):
-    """`x @ kernel` computed on `[B*S, in]` rows (see `fused`), shaped back like `x`."""
+def _on_rows(x, kernel, dtype, scale=None):
+    """`x @ kernel` computed on `[B*S, in]` rows (see `fused`), shaped back like `x`. With
+    `scale` `[out]`, `kernel` is int8 and is dequantized here (`q * scale`, in float32), one
+    layer's kernel at a time inside the layer scan."""
     rows = x.reshape(-1, x.shape[-1]).astype(dtype)
+    if scale is not None:
+        kernel = kernel.astype(jnp.float32) * scale.astype(jnp.float32)
     return jnp.dot(rows, kernel.astype(dtype)).reshape(*x.shape[:-1], kernel.shape[-1])
 
 
-def _dense(in_features, features, name, dtype, param_dtype, bias=False, adapter=None):
-    """A projection, with the low-rank adapter `adapter` (a `lora.LoRA`) asks for it."""
-    rank, scale = (adapter.rank, adapter.scale) if adapter is not None and name in adapter.targets else (0, 1.0)
-    return Linear(in_features, features, bias, dtype, param_dtype, rank, scale, name=name)
+def _dense(in_features, features, name, dtype, param_dtype, bias=False, adapter=None, quantized=False):
+    """A projection, with the low-rank adapter `adapter` (a `lora.LoRA`) asks for it, and an int8
+    kernel when `quantized`."""
+    targeted = adapter is not None and name in adapter.targets
+    rank, scale, rate = (adapter.rank, adapter.scale, adapter.dropout) if targeted else (0, 1.0, 0.0)
+    return Linear(in_features, features, bias, dtype, param_dtype, rank, scale, rate, quantized, name=name)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(3,))
-def _gated_down(gate, up, kernel, dtype, lora_a=None, lora_b=None, lora_scale=1.0):
-    """The MLP's `down_proj(silu(gate) * up)` on rows, given the down projection's kernel (and
-    its adapter's `A` and `B`, when it has one).
+@functools.partial(jax.checkpoint, static_argnums=(3, 9))
+def _gated_down(gate, up, kernel, dtype, scale=None, lora_a=None, lora_b=None, lora_scale=1.0, dropout=None,
+                rate=0.0):
+    """The MLP's `down_proj(silu(gate) * up)` on rows, given the down projection's kernel (its
+    scale when quantized), and its adapter's `A` and `B` when it has one, which reads the gated
+    product dropped at `rate` when `dropout` is a key.
 
     Under `jax.checkpoint` with the down projection inside: a layer keeps `gate` and `up` for
     the backward pass and recomputes the gated product there (an elementwise pass) rather
@@ -127,9 +161,10 @@ def _gated_down(gate, up, kernel, dtype, lora_a=None, lora_b=None, lora_scale=1.
     in the layer scan's stacked residuals, and five fewer than autodiff keeps for the SiLU.
     """
     gated = nn.silu(gate) * up
-    out = _on_rows(gated, kernel, dtype)
+    out = _on_rows(gated, kernel, dtype, scale)
     if lora_a is not None:
-        out = out + lora_scale * _on_rows(_on_rows(gated, lora_a, dtype), lora_b, dtype)
+        seen = gated if dropout is None else lora.dropped(gated, dropout, rate)
+        out = out + lora_scale * _on_rows(_on_rows(seen, lora_a, dtype), lora_b, dtype)
     return out
 
 
@@ -147,29 +182,32 @@ class Block(nn.Module):
     dtype: Any
     param_dtype: Any
     lora: Any = None  # a lora.LoRA: which projections carry adapters
+    quantized: bool = False  # int8 projection kernels (models/quantize.py)
 
     def setup(self):
         h, kv, d, dt, pt = self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.param_dtype
         self.input_layernorm = RMSNorm(self.norm_eps, dt, pt)
         self.post_attention_layernorm = RMSNorm(self.norm_eps, dt, pt)
-        e, m, adapter = self.features, self.mlp_features, self.lora
-        self.q_proj = _dense(e, h * d, "q_proj", dt, pt, self.attention_bias, adapter)
-        self.k_proj = _dense(e, kv * d, "k_proj", dt, pt, self.attention_bias, adapter)
-        self.v_proj = _dense(e, kv * d, "v_proj", dt, pt, self.attention_bias, adapter)
-        self.o_proj = _dense(h * d, e, "o_proj", dt, pt, adapter=adapter)
+        e, m, adapter, bias = self.features, self.mlp_features, self.lora, self.attention_bias
+        extra = dict(adapter=adapter, quantized=self.quantized)
+        self.q_proj = _dense(e, h * d, "q_proj", dt, pt, bias, **extra)
+        self.k_proj = _dense(e, kv * d, "k_proj", dt, pt, bias, **extra)
+        self.v_proj = _dense(e, kv * d, "v_proj", dt, pt, bias, **extra)
+        self.o_proj = _dense(h * d, e, "o_proj", dt, pt, **extra)
         if self.qk_norm:
             self.q_norm = RMSNorm(self.norm_eps, dt, pt)
             self.k_norm = RMSNorm(self.norm_eps, dt, pt)
-        self.gate_proj = _dense(e, m, "gate_proj", dt, pt, adapter=adapter)
-        self.up_proj = _dense(e, m, "up_proj", dt, pt, adapter=adapter)
-        self.down_proj = _dense(m, e, "down_proj", dt, pt, adapter=adapter)
+        self.gate_proj = _dense(e, m, "gate_proj", dt, pt, **extra)
+        self.up_proj = _dense(e, m, "up_proj", dt, pt, **extra)
+        self.down_proj = _dense(m, e, "down_proj", dt, pt, **extra)
 
-    def qkv(self, x, rope):
+    def qkv(self, x, rope, dropout=None):
         """Rotated queries and keys and plain values for `x` `[B, S, E]`; `rope` is the
-        `rotary.table` of the positions, shared by all layers."""
+        `rotary.table` of the positions, shared by all layers. `dropout`: this layer's key for
+        adapter dropout, or None."""
         b, s, _ = x.shape
         h = self.input_layernorm(x)
-        q, k, v = fused(h, [self.q_proj, self.k_proj, self.v_proj])
+        q, k, v = fused(h, [self.q_proj, self.k_proj, self.v_proj], dropout)
         q = q.reshape(b, s, self.num_heads, self.head_dim)
         k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
         v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
@@ -179,15 +217,19 @@ class Block(nn.Module):
         k = rotary.apply(k, rope)
         return q, k, v
 
-    def finish(self, x, attended):
+    def finish(self, x, attended, dropout=None):
         """Output projection, residual, then the gated MLP with its residual."""
-        x = x + self.o_proj(attended)
+        x = x + self.o_proj(attended, dropout)
         h = self.post_attention_layernorm(x)
-        gate, up = fused(h, [self.gate_proj, self.up_proj])
+        gate, up = fused(h, [self.gate_proj, self.up_proj], dropout)
         down = self.down_proj
-        adapter = (down.lora_a, down.lora_b, down.lora_scale) if down.lora_rank else ()
-        return x + _gated_down(gate, up, down.kernel, down.dtype, *adapter)
+        adapter = (None, None, 1.0, None, 0.0)
+        if down.lora_rank:
+            key = (None if dropout is None or not down.lora_dropout
+                   else jax.random.fold_in(dropout, lora.TARGETS.index("down_proj")))
+            adapter = (down.lora_a, down.lora_b, down.lora_scale, key, down.lora_dropout)
+        return x + _gated_down(gate, up, down.kernel, down.dtype, down.kernel_scale, *adapter)
 
-    def __call__(self, x, rope, segment_ids, block, kernel="auto"):
-        q, k, v = self.qkv(x, rope)
-        return self.finish(x, attend_causal(q, k, v, segment_ids, block, kernel)), (k, v)
+    def __call__(self, x, rope, segment_ids, block, kernel="auto", dropout=None):
+        q, k, v = self.qkv(x, rope, dropout)
+        return self.finish(x, attend_causal(q, k, v, segment_ids, block, kernel), dropout), (k, v)

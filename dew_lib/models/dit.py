@@ -7,12 +7,19 @@ embedding that modulates every block through adaptive layer norm (shift, scale a
 The gates and the output projection start at zero, so a fresh model predicts 0 everywhere and
 each block starts as the identity.
 
+With `lora=DiTLoRA(...)` the blocks' attention and MLP projections carry low-rank adapters beside
+their kernels, initialised and scaled as the decoder's (models/lora.py: `A` Kaiming-uniform, `B`
+zero, so a fresh adapter changes no velocity); the Trainer then trains the adapters alone.
+`attach` adds fresh adapters to a trained DiT's variables, `merged` folds them into the kernels
+(`W + s A B`) for a plain SimpleDiT's checkpoint.
+
 Not here: cross-attention to token sequences (conditions arrive as one feature vector),
 learned position embeddings, dropout, mixed precision.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -20,9 +27,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dew_lib.models import partitioning
+from dew_lib.models import lora, partitioning
 
 _ZERO = nn.initializers.zeros
+TARGETS = ("qkv", "attention_out", "mlp_in", "mlp_out")  # each block's projections LoRA may adapt
 
 # Logical axes (partitioning.py): under FSDP each weight is split along its model-width side.
 _WIDE_IN, _WIDE_OUT, _BIAS = ("embed", None), (None, "embed"), (None,)
@@ -34,7 +42,55 @@ partitioning.declare({
                                           "time_out", "attention_out", "mlp_out", "time_in", "condition",
                                           "patches")},
     ("patches", "kernel"): (None, None, None, "embed"),
+    # adapters: A splits like its kernel's input, B like its output
+    **{(name, "lora_a"): (kernel[0], None) for name, kernel in
+       (("qkv", _WIDE_IN), ("mlp_in", _WIDE_IN), ("attention_out", _WIDE_OUT), ("mlp_out", _WIDE_OUT))},
+    **{(name, "lora_b"): (None, kernel[1]) for name, kernel in
+       (("qkv", _WIDE_IN), ("mlp_in", _WIDE_IN), ("attention_out", _WIDE_OUT), ("mlp_out", _WIDE_OUT))},
 })
+
+
+@dataclasses.dataclass(frozen=True)
+class DiTLoRA(lora.LoRA):
+    """Which of a SimpleDiT's block projections get adapters, and how large (rank, alpha, rslora
+    and the scale as in `lora.LoRA`).
+
+    targets: among qkv, attention_out, mlp_in, mlp_out, or "all-linear" for the four; the
+    adaptive norms' modulation, the time and condition embeddings, the patch embedding and the
+    output projection are never adapted. Adapter dropout is not implemented on the DiT.
+    """
+
+    targets: tuple[str, ...] | str = ("qkv", "attention_out")
+
+    def __post_init__(self):
+        # LoRA's own checks of every other field
+        lora.LoRA(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "targets"})
+        if getattr(self, "dropout", 0.0):
+            raise ValueError(f"DiTLoRA.dropout must be 0: the DiT has no adapter dropout; got {self.dropout!r}")
+        targets = TARGETS if self.targets == "all-linear" else self.targets
+        if isinstance(targets, str):
+            targets = (targets,)
+        if not targets or any(name not in TARGETS for name in targets):
+            raise ValueError(f"DiTLoRA.targets must name projections among {', '.join(TARGETS)} or be "
+                             f"'all-linear'; got {self.targets!r}")
+        object.__setattr__(self, "targets", tuple(name for name in TARGETS if name in targets))
+        object.__setattr__(self, "alpha", float(self.alpha))
+
+
+class _Adapted(nn.Dense):
+    """`nn.Dense` (the same `kernel` and `bias`) plus `lora_scale * (x A) B`, with `lora_a`
+    `[in, r]` and `lora_b` `[r, out]` beside the kernel."""
+
+    lora_rank: int = 1
+    lora_scale: float = 1.0
+
+    @nn.compact
+    def __call__(self, x):
+        out = super().__call__(x)
+        a = self.param("lora_a", lora.A_INIT, (jnp.shape(x)[-1], self.lora_rank), self.param_dtype)
+        b = self.param("lora_b", _ZERO, (self.lora_rank, self.features), self.param_dtype)
+        low = jnp.dot(jnp.dot(x.astype(out.dtype), a.astype(out.dtype)), b.astype(out.dtype))
+        return out + self.lora_scale * low
 
 
 def timestep_embedding(t: jax.Array, features: int, max_period: float = 10_000.0) -> jax.Array:
@@ -72,16 +128,23 @@ class DiTBlock(nn.Module):
     num_heads: int
     mlp_ratio: float
     param_dtype: Any = jnp.float32
+    lora: Any = None  # a DiTLoRA: which projections carry adapters
+
+    def _dense(self, features: int, name: str):
+        """A projection, with an adapter when `lora` targets it."""
+        if self.lora is not None and name in self.lora.targets:
+            return _Adapted(features, param_dtype=self.param_dtype, lora_rank=self.lora.rank,
+                            lora_scale=self.lora.scale, name=name)
+        return nn.Dense(features, param_dtype=self.param_dtype, name=name)
 
     def _attention(self, x):
         batch, length, features = x.shape
         heads = self.num_heads
-        qkv = nn.Dense(3 * features, param_dtype=self.param_dtype, name="qkv")(x)
+        qkv = self._dense(3 * features, "qkv")(x)
         q, k, v = jnp.split(qkv.reshape(batch, length, 3 * heads, features // heads), 3, axis=2)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(features // heads)
         mixed = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
-        return nn.Dense(features, param_dtype=self.param_dtype, name="attention_out")(
-            mixed.reshape(batch, length, features))
+        return self._dense(features, "attention_out")(mixed.reshape(batch, length, features))
 
     @nn.compact
     def __call__(self, h, c):
@@ -98,8 +161,8 @@ class DiTBlock(nn.Module):
         h = h + gate1[:, None] * a
         m = _modulate(norm("norm2")(h), shift2, scale2)
         hidden = max(1, int(round(features * self.mlp_ratio)))
-        m = nn.Dense(hidden, param_dtype=self.param_dtype, name="mlp_in")(m)
-        m = nn.Dense(features, param_dtype=self.param_dtype, name="mlp_out")(nn.gelu(m))
+        m = self._dense(hidden, "mlp_in")(m)
+        m = self._dense(features, "mlp_out")(nn.gelu(m))
         return h + gate2[:, None] * m
 
 
@@ -110,6 +173,7 @@ class SimpleDiT(nn.Module):
     patch_size: side of the square patches; height and width must be multiples of it.
     emb_features: width of patch and time embeddings (a multiple of num_heads and of 4).
     mlp_ratio: MLP width as a multiple of emb_features.
+    lora: a DiTLoRA for low-rank adapters on the blocks' projections (module docstring), or None.
     """
 
     output_channels: int
@@ -119,6 +183,7 @@ class SimpleDiT(nn.Module):
     num_heads: int = 4
     mlp_ratio: float = 4.0
     param_dtype: Any = jnp.float32
+    lora: Any = None
 
     def _check(self, x):
         if self.output_channels < 1 or self.patch_size < 1 or self.num_layers < 0 or self.num_heads < 1:
@@ -132,6 +197,9 @@ class SimpleDiT(nn.Module):
                 f"SimpleDiT.emb_features={self.emb_features} must be a multiple of num_heads="
                 f"{self.num_heads} and of 4"
             )
+        if self.lora is not None and not isinstance(self.lora, DiTLoRA):
+            raise TypeError(f"SimpleDiT.lora must be a dew_lib.models.dit.DiTLoRA (targets among "
+                            f"{', '.join(TARGETS)}), got {self.lora!r}")
         if x.ndim != 4 or x.shape[1] % self.patch_size or x.shape[2] % self.patch_size:
             raise ValueError(
                 f"SimpleDiT takes images [B, H, W, C] with H and W multiples of patch_size="
@@ -154,7 +222,7 @@ class SimpleDiT(nn.Module):
                 condition.astype(jnp.float32))
         for i in range(self.num_layers):  # rows pinned to the batch split (partitioning.constrain_rows)
             h = partitioning.constrain_rows(
-                DiTBlock(self.num_heads, self.mlp_ratio, self.param_dtype, name=f"blocks_{i}")(h, c))
+                DiTBlock(self.num_heads, self.mlp_ratio, self.param_dtype, self.lora, name=f"blocks_{i}")(h, c))
         shift, scale = jnp.split(
             nn.Dense(2 * e, kernel_init=_ZERO, param_dtype=self.param_dtype, name="final_modulation")(
                 nn.silu(c)), 2, axis=-1)
@@ -164,3 +232,43 @@ class SimpleDiT(nn.Module):
                        name="output")(h)  # [B, rows * cols, p * p * C]
         out = out.reshape(batch, rows, cols, p, p, self.output_channels)
         return out.transpose(0, 1, 3, 2, 4, 5).reshape(batch, height, width, self.output_channels)
+
+
+def attach(model: SimpleDiT, variables: Any, config: DiTLoRA, key: jax.Array) -> tuple[SimpleDiT, dict]:
+    """`model` with adapters as `config` says, and `variables` with fresh ones beside its kernels
+    (A drawn from `key`, B zero: the same velocities as before). The base is not copied."""
+    if not isinstance(config, DiTLoRA):
+        raise TypeError(f"dit.attach needs a dew_lib.models.dit.DiTLoRA, got {type(config).__name__}")
+    if model.lora is not None or lora.has_adapters(variables):
+        raise ValueError("the SimpleDiT already has adapters; attach them to the base model once")
+    params = dict(variables["params"])
+    for i in range(model.num_layers):
+        block = dict(params[f"blocks_{i}"])
+        for j, name in enumerate(config.targets):
+            kernel = block[name]["kernel"]  # [in, out]
+            a = lora.A_INIT(jax.random.fold_in(jax.random.fold_in(key, i), j), (kernel.shape[0], config.rank),
+                            kernel.dtype)
+            block[name] = {**block[name], "lora_a": a, "lora_b": jnp.zeros((config.rank, kernel.shape[1]),
+                                                                           kernel.dtype)}
+        params[f"blocks_{i}"] = block
+    return model.clone(lora=config), {**variables, "params": params}
+
+
+def merged(model: SimpleDiT, variables: Any) -> tuple[SimpleDiT, dict]:
+    """The model without adapters and `variables` with each adapter folded into its kernel
+    (`W + s A B`): what a plain SimpleDiT checkpoint of the adapted model holds."""
+    config = model.lora
+    if config is None:
+        return model, dict(variables)
+    params = dict(variables["params"])
+    for i in range(model.num_layers):
+        block = dict(params[f"blocks_{i}"])
+        for name in config.targets:
+            part = dict(block[name])
+            a, b = part.pop("lora_a"), part.pop("lora_b")
+            kernel = part["kernel"]
+            product = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
+            part["kernel"] = (kernel.astype(jnp.float32) + config.scale * product).astype(kernel.dtype)
+            block[name] = part
+        params[f"blocks_{i}"] = block
+    return model.clone(lora=None), {**variables, "params": params}

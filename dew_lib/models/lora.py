@@ -8,15 +8,24 @@ are ordinary leaves of the params tree under the stacked layer axis (`[L, in, r]
 scanned body, remat, the fused attention, checkpoints and the mesh (their logical axes are
 declared with the decoder's) take them as they are.
 
-The Trainer trains the adapters alone once the params hold any (`split`): the base is frozen,
-the optimizer's moments exist for the adapters only, and the frozen reference of DPO and GRPO
-is the base with its adapters switched off (`without_adapters`), never a second copy (PPO refuses
-adapters for now: its critic's head would be frozen too).
+The Trainer trains what the objective marks (`Objective.trainable`; by default the adapters
+alone once the params hold any): the base is frozen, the optimizer's moments exist for the
+trained leaves only, and the frozen reference of DPO, GRPO, PPO (its policy) and Flow-GRPO is
+the base with its adapters switched off (`without_adapters`), never a second copy. PPO's critic
+trains its own adapters and value head, or all of it without adapters; a SimpleDiT's adapters
+are in models/dit.py (`DiTLoRA`, `dit.attach`, `dit.merged`). An int8 base (models/quantize.py)
+stays frozen the same way.
+
+Adapter dropout (`LoRA.dropout`, PEFT's `lora_dropout`) drops units of a targeted projection's
+input on the adapter's path only (`s B A dropout(x)`), and only in a forward that is given a
+`dropout` rng: the training forwards of the LM, DPO and GRPO objectives. Evaluation, the frozen
+reference, rescoring, sampling and serving pass none and never drop.
 
 `merged` folds the adapters into their kernels, which is what `Pretrained.save` and `export`
-write for an adapted model: a plain Hugging Face checkpoint.
+write for an adapted model: a plain Hugging Face checkpoint (a quantized base, models/quantize.py,
+is dequantized first).
 
-Not here: adapter dropout, PEFT's file format, quantized bases, serving several adapters.
+Not here: PEFT's files (models/pretrained/peft.py), serving several adapters (dew_lib/serve/adapters.py).
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from dew_lib.models import quantize
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTERS = ("lora_a", "lora_b")
@@ -46,13 +57,16 @@ class LoRA:
     rank: r, the adapters' inner width. alpha: the scale's numerator (PEFT's `lora_alpha`).
     targets: projection names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)
     or "all-linear" for all seven (PEFT's name; the output head is never adapted). rslora: scale
-    by alpha / sqrt(r) instead of alpha / r (rank-stabilised LoRA).
+    by alpha / sqrt(r) instead of alpha / r (rank-stabilised LoRA). dropout: the probability
+    that a unit of a targeted projection's input is dropped on the adapter's path while training
+    (PEFT's `lora_dropout`; kept units are scaled by 1 / (1 - dropout)).
     """
 
     rank: int = 8
     alpha: float = 8.0
     targets: tuple[str, ...] | str = ("q_proj", "v_proj")
     rslora: bool = False
+    dropout: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -68,11 +82,24 @@ class LoRA:
                              f"'all-linear'; got {self.targets!r}")
         object.__setattr__(self, "targets", tuple(name for name in TARGETS if name in targets))
         object.__setattr__(self, "alpha", float(self.alpha))
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRA.dropout must be a probability with 0 <= dropout < 1 (PEFT's lora_dropout; "
+                             f"0 turns it off), got {self.dropout!r}")
+        object.__setattr__(self, "dropout", float(self.dropout))
 
     @property
     def scale(self) -> float:
         """What the adapters' product is multiplied by."""
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+def dropped(x: jax.Array, key: jax.Array, rate: float) -> jax.Array:
+    """Inverted dropout of `x`: each unit zeroed with probability `rate`, the rest scaled by
+    `1 / (1 - rate)` so the expected value is unchanged. What an adapter reads while training."""
+    if not rate:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
 def is_adapter(path: Any) -> bool:
@@ -124,7 +151,12 @@ def without_adapters(params: Any) -> Any:
 
 def merged(model: Any, variables: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The model without adapters and `variables` with each adapter folded into its kernel
-    (`W + s A B`): what a Hugging Face checkpoint of the adapted model holds."""
+    (`W + s A B`): what a Hugging Face checkpoint of the adapted model holds. A quantized base
+    (models/quantize.py) is dequantized first, so the result is a plain full-precision model."""
+    if quantize.is_quantized(variables):
+        variables = quantize.dequantized(variables, model.param_dtype)
+    if getattr(model, "quantized", False):
+        model = model.clone(quantized=False)
     config = getattr(model, "lora", None)
     if config is None:
         return model, dict(variables)
@@ -147,6 +179,9 @@ def attach(model: Any, variables: Mapping[str, Any], lora: LoRA, key: jax.Array)
         raise TypeError(f"attach needs a dew_lib.models.lora.LoRA, got {type(lora).__name__}")
     if getattr(model, "lora", None) is not None or has_adapters(variables):
         raise ValueError("the model already has adapters; attach them to the base model once")
+    if getattr(model, "quantized", False) or quantize.is_quantized(variables):
+        raise ValueError("the base is already quantized; attach adapters to the full-precision base, then "
+                         "quantize it (lora.attach, then quantize.quantize_base)")
     adapted = model.clone(lora=lora)
     params = variables["params"]
     layers = dict(params["layers"])
@@ -160,5 +195,5 @@ def attach(model: Any, variables: Mapping[str, Any], lora: LoRA, key: jax.Array)
     return adapted, {**variables, "params": {**params, "layers": layers}}
 
 
-__all__ = ["ADAPTERS", "TARGETS", "LoRA", "attach", "has_adapters", "is_adapter", "merge", "merged", "split",
+__all__ = ["ADAPTERS", "TARGETS", "LoRA", "attach", "dropped", "has_adapters", "is_adapter", "merge", "merged", "split",
            "without_adapters"]

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew_lib.models import lora
+
 Metric = tuple[jax.Array, jax.Array]
 Metrics = dict[str, Metric]
 
@@ -32,7 +34,8 @@ class Objective(abc.ABC):
     """What the Trainer needs from an objective: subclass it and implement the four abstract
     methods. The hooks below it are optional: their defaults leave plain training as it is, and
     an objective overrides the ones it needs (DPO and GRPO keep a frozen reference through
-    `ema_decay`, PPO references only its policy, token objectives derive perplexity)."""
+    `ema_decay`, PPO references only its policy and trains its critic beside the policy's
+    adapters, token objectives derive perplexity)."""
 
     ema_decay: float | None = None
     """Decay of the moving average the Trainer keeps in `TrainState.ema` of `reference_params`:
@@ -59,6 +62,12 @@ class Objective(abc.ABC):
         """The part of `params` that `TrainState.ema` tracks: all of them unless overridden."""
         return params
 
+    def trainable(self, params: Any) -> Any:
+        """Which leaves of `params` the optimizer trains, as a tree of Python bools shaped like
+        them; the others stay bit for bit as they started and have no optimizer state. The
+        Trainer asks once, with the starting params' shapes. Default: `adapters_or_all`."""
+        return adapters_or_all(params)
+
     def derive(self, means: dict[str, float]) -> dict[str, float]:
         """Validation means as reported: the averages unless overridden (e.g. with perplexity)."""
         return means
@@ -66,6 +75,13 @@ class Objective(abc.ABC):
     def derive_training(self, means: dict[str, float]) -> dict[str, float]:
         """A training window's means as reported (ratios of window means belong here)."""
         return means
+
+
+def adapters_or_all(params: Any) -> Any:
+    """True on the low-rank adapters (models/lora.py) when `params` hold any, so their base
+    stays frozen; else True on every leaf (a full fine-tune)."""
+    adapted = lora.has_adapters(params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: not adapted or lora.is_adapter(path), params)
 
 
 def mean(metric: Metric) -> jax.Array:

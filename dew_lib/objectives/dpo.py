@@ -96,19 +96,21 @@ class DPOObjective(Objective):
                 "mask is 0 after the first token); every pair needs an answer to compare"
             )
 
-    def _scores(self, params, batch):
-        """Summed completion log-probs `[B, 2]` and their target counts."""
+    def _scores(self, params, batch, dropout_key=None):
+        """Summed completion log-probs `[B, 2]` and their target counts; only the policy's
+        training forward passes `dropout_key` (adapter dropout), never the reference."""
         ids = batch["input_ids"]
         b, _, s = ids.shape
         flat = ids.reshape(2 * b, s)
         mask = batch["completion_mask"].reshape(2 * b, s)[:, 1:].astype(jnp.float32)
-        log_probs, top = score_targets(self.model, params, flat[:, :-1], flat[:, 1:])  # [2B, S-1]
+        log_probs, top = score_targets(self.model, params, flat[:, :-1], flat[:, 1:],
+                                       dropout_key=dropout_key)  # [2B, S-1]
         summed = (log_probs * mask).sum(-1).reshape(b, 2)
         return summed, log_probs, top, mask
 
     def terms(self, params, batch, *, step, reference, key) -> LossTerms:
-        del step, key
-        policy, _, _, mask = self._scores(params, batch)
+        del step
+        policy, _, _, mask = self._scores(params, batch, dropout_key=key)
         if reference is None:
             raise ValueError("DPOObjective needs the frozen reference in TrainState.ema")
         ref, _, _, _ = self._scores(jax.lax.stop_gradient(reference), batch)

@@ -181,8 +181,10 @@ class GRPOObjective(Objective):
             raise KeyError("batch has support_ids without support_columns; pack writes both")
 
     # ----- scoring -----------------------------------------------------------------------------
-    def target_log_probs(self, params, batch) -> jax.Array:
-        """log-probability of ids 1..W-1 of each row given their chain's prefix, `[R, W - 1]`."""
+    def target_log_probs(self, params, batch, dropout_key=None) -> jax.Array:
+        """log-probability of ids 1..W-1 of each row given their chain's prefix, `[R, W - 1]`.
+        dropout_key: the training forward's (adapter dropout); rescoring and the reference
+        pass none."""
         ids = batch["input_ids"]
         inputs, targets = ids[:, :-1], ids[:, 1:]
         segments = batch["text_segment_ids"][:, :-1]
@@ -190,9 +192,9 @@ class GRPOObjective(Objective):
         if "support_ids" in batch:
             return support_log_probs(self.model, params, inputs, targets, segments, positions,
                                      batch["support_ids"], batch["support_columns"],
-                                     self.sampling_temperature)
+                                     self.sampling_temperature, dropout_key)
         log_probs, _ = score_targets(self.model, params, inputs, targets, segments, positions,
-                                     temperature=self.sampling_temperature)
+                                     temperature=self.sampling_temperature, dropout_key=dropout_key)
         return log_probs
 
     def packed_log_probs(self, params, batch) -> jax.Array:
@@ -207,8 +209,8 @@ class GRPOObjective(Objective):
 
     # ----- the loss ----------------------------------------------------------------------------
     def terms(self, params, batch, *, step, reference, key) -> LossTerms:
-        del step, key
-        log_probs = self.target_log_probs(params, batch)  # [R, T]
+        del step
+        log_probs = self.target_log_probs(params, batch, dropout_key=key)  # [R, T]
         mask = batch["response_mask"][:, 1:].astype(jnp.float32)
         advantages = batch["advantages"][:, 1:].astype(jnp.float32)
         behavior = batch["behavior_log_probs"][:, 1:].astype(jnp.float32)

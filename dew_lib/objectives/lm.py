@@ -31,34 +31,45 @@ def token_log_probs(logits: jax.Array, targets: jax.Array, temperature: float = 
     return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
+def dropout_rngs(key: jax.Array | None) -> dict[str, jax.Array] | None:
+    """The rngs of a training forward: `key` as the `dropout` stream (adapter dropout,
+    models/lora.py), or none for a forward that must not drop (evaluation, references)."""
+    return None if key is None else {"dropout": key}
+
+
 def score_targets(model, params, inputs, targets, segments=None, positions=None, *,
-                  temperature: float = 1.0):
+                  temperature: float = 1.0, dropout_key: jax.Array | None = None):
     """log p(target) and whether it was the argmax, `[B, S]` each, for any decoder.
 
     temperature: score under `softmax(logits / temperature)`, as a sampler at that temperature
     drew (the argmax test does not depend on it). Models with a `target_scores` method (the
     causal transformer) score in chunks of tokens and never hold the `[B, S, V]` logits or their
-    gradient; others are scored from their full logits.
+    gradient; others are scored from their full logits. dropout_key: given only by a training
+    forward, which then drops what the model drops in training (adapter dropout).
     """
+    rngs = dropout_rngs(dropout_key)
     if hasattr(model, "target_scores"):
-        hidden = model.apply(params, inputs, segments, positions, method=model.hidden)
+        hidden = model.apply(params, inputs, segments, positions, method=model.hidden, rngs=rngs)
         return model.apply(params, hidden, targets, temperature, method=model.target_scores)
-    logits = model.apply(params, inputs, segments, positions)
+    logits = model.apply(params, inputs, segments, positions, rngs=rngs)
     return token_log_probs(logits, targets, temperature), jnp.argmax(logits, axis=-1) == targets
 
 
-def weighted_log_prob_sum(model, params, inputs, targets, weights, segments=None, positions=None):
+def weighted_log_prob_sum(model, params, inputs, targets, weights, segments=None, positions=None, *,
+                          dropout_key: jax.Array | None = None):
     """`(sum(weights * log p(target)), is_top)` for any decoder: the LM loss's sum, scalar, and
     whether each target was the argmax, `[B, S]`.
 
     `weights` `[B, S]` is data and gets no gradient. The causal transformer forms the sum's
     gradient in the forward pass of its chunked head (one head product fewer than
-    `score_targets` under the same loss); other models sum `score_targets`.
+    `score_targets` under the same loss); other models sum `score_targets`. dropout_key: as
+    `score_targets` takes it.
     """
     if hasattr(model, "weighted_log_prob_sum"):
-        hidden = model.apply(params, inputs, segments, positions, method=model.hidden)
+        hidden = model.apply(params, inputs, segments, positions, method=model.hidden,
+                             rngs=dropout_rngs(dropout_key))
         return model.apply(params, hidden, targets, weights, method=model.weighted_log_prob_sum)
-    log_probs, top = score_targets(model, params, inputs, targets, segments, positions)
+    log_probs, top = score_targets(model, params, inputs, targets, segments, positions, dropout_key=dropout_key)
     return jnp.sum(log_probs * jax.lax.stop_gradient(weights)), top
 
 
@@ -145,8 +156,9 @@ class LMObjective(Objective):
             weights = weights * (batch["text_roles"][:, 1:] == int(self.loss_role))
         return weights
 
-    def _loss_sums(self, params, batch) -> Metrics:
-        """Summed negative log-likelihood, right argmax predictions and counted targets."""
+    def _loss_sums(self, params, batch, dropout_key=None) -> Metrics:
+        """Summed negative log-likelihood, right argmax predictions and counted targets; the
+        training forward passes `dropout_key` (adapter dropout), evaluation does not."""
         text = batch["text"]
         segments = batch.get("text_segment_ids")
         positions = batch.get("text_positions")
@@ -155,13 +167,14 @@ class LMObjective(Objective):
             self.model, params, text[:, :-1], text[:, 1:], weights,
             None if segments is None else segments[:, :-1],
             None if positions is None else positions[:, :-1],
+            dropout_key=dropout_key,
         )
         count = weights.sum()
         return {"loss": (-log_prob_sum, count), "accuracy": ((top * weights).sum(), count)}
 
     def terms(self, params, batch, *, step, reference, key) -> LossTerms:
-        del step, reference, key
-        sums = self._loss_sums(params, batch)
+        del step, reference
+        sums = self._loss_sums(params, batch, dropout_key=key)
         total, count = sums["loss"]
         return LossTerms(total, count, {**sums, "tokens": (count, jnp.ones(()))})
 

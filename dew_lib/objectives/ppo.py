@@ -13,6 +13,11 @@ reduce over the same token mass, so session-mean and sequence masks are refused)
 reads the same packed rows as the policy: its value for sampled id j is its output at position
 j - 1, the state the id was drawn from.
 
+With LoRA (models/lora.py) the policy trains its adapters alone and its frozen reference is its
+base with the adapters off (no copy kept). The critic trains whole, or, when its backbone carries
+adapters of its own (`ValueHead` on an adapted decoder), those adapters and its value head
+(`trainable`).
+
 Batch columns beyond GRPO's, aligned with `input_ids`: `old_values` (the critic when the rows
 were prepared), `advantages` (GAE, whitened) and `returns` (advantages plus old values).
 
@@ -31,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dew_lib.models import partitioning
+from dew_lib.models import lora, partitioning
 from dew_lib.objectives import algorithms
-from dew_lib.objectives.base import LossTerms, Metrics, Objective, with_perplexity
+from dew_lib.objectives.base import LossTerms, Metrics, Objective, adapters_or_all, with_perplexity
 from dew_lib.objectives.grpo import GRPOObjective
 from dew_lib.options import number
 
@@ -107,9 +112,6 @@ class PPOObjective(Objective):
         if not callable(critic) or not hasattr(critic, "init"):
             raise TypeError("PPOObjective.critic must be a Flax module returning one value per position, "
                             "e.g. ValueHead(backbone)")
-        if getattr(model, "lora", None) is not None:
-            raise ValueError("PPOObjective does not train LoRA adapters yet: with adapters the Trainer freezes "
-                             "everything else, the critic's value head included; train PPO on the full model")
         if behavior_importance is not None and not isinstance(behavior_importance, (int, float)):
             raise ValueError("PPOObjective.behavior_importance takes a TIS cap (a number >= 1) or None; "
                              "bands and sequence masks would drop tokens from the policy loss but not "
@@ -142,6 +144,22 @@ class PPOObjective(Objective):
     def reference_params(self, params):
         """What the frozen reference keeps: the policy subtree."""
         return params["policy"]
+
+    def trainable(self, params):
+        """The policy's adapters (or all of it without any); the critic whole, or, when its
+        backbone has adapters, those and every leaf outside the backbone (the value head)."""
+        critic = params["critic"]
+        if not lora.has_adapters(critic):
+            return {"policy": adapters_or_all(params["policy"]), "critic": jax.tree.map(lambda _: True, critic)}
+        if not isinstance(self.critic, ValueHead):
+            raise ValueError(f"PPOObjective.critic holds LoRA adapters but is a {type(self.critic).__name__}, "
+                             "whose value head cannot be told from its frozen base; use ValueHead(backbone)")
+
+        def head_or_adapter(path, _):
+            return lora.is_adapter(path) or partitioning.path_names(path)[:2] != ("params", "backbone")
+
+        return {"policy": adapters_or_all(params["policy"]),
+                "critic": jax.tree_util.tree_map_with_path(head_or_adapter, critic)}
 
     def policy(self, variables: Any = None, *, pad_id: int = 0) -> PolicyOf:
         """The policy for `EpisodeRollout`: binds the `policy` part of each snapshot."""

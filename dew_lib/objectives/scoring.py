@@ -13,24 +13,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dew_lib.objectives.lm import score_targets
+from dew_lib.objectives.lm import dropout_rngs, score_targets
 
 
 def support_log_probs(model, params, inputs, targets, segments, positions, support_ids,
-                      support_columns, temperature: float):
+                      support_columns, temperature: float, dropout_key: jax.Array | None = None):
     """log p(target) `[R, T]`, over the recorded support where a column has one.
 
     inputs/targets/segments/positions: `[R, T]` (targets are input_ids[:, 1:]). support_ids,
     support_columns: `[R, C]` aligned with input_ids columns. Columns without support entries
-    are scored over the whole vocabulary at `temperature`.
+    are scored over the whole vocabulary at `temperature`. dropout_key: a training forward's
+    (adapter dropout); both passes below draw the same masks from it.
     """
     rows, t = targets.shape
     full, _ = score_targets(model, params, inputs, targets, segments, positions,
-                            temperature=temperature)
+                            temperature=temperature, dropout_key=dropout_key)
     valid = (support_columns >= 1) & (support_ids >= 0)  # [R, C]
     position = jnp.clip(support_columns - 1, 0, t - 1)  # prediction position of that column
     ids = jnp.maximum(support_ids, 0)
-    hidden = model.apply(params, inputs, segments, positions, method=model.hidden)  # [R, T, E]
+    hidden = model.apply(params, inputs, segments, positions, method=model.hidden,
+                         rngs=dropout_rngs(dropout_key))  # [R, T, E]
     at = jnp.take_along_axis(hidden, position[..., None], axis=1)  # [R, C, E]
     if hasattr(model, "id_logits"):
         z = model.apply(params, at, ids, method=model.id_logits)

@@ -21,6 +21,7 @@ from dew_lib.recipes.options import (
     FlowGRPOOptions,
     FlowPretrainOptions,
     GRPOOptions,
+    LoRAOptions,
     Options,
     PPOOptions,
     SFTOptions,
@@ -32,7 +33,7 @@ from dew_lib.recipes.remote import RemoteEngine, remote_server
 from dew_lib.recipes.scheduled import ScheduledRollout
 
 __all__ = ["Built", "DPOOptions", "EpisodeOptions", "FlowGRPOOptions", "FlowPretrainOptions", "GRPOOptions",
-           "OneTurn", "Options", "PPOOptions", "Recipe", "RecordedRollout", "RemoteEngine", "SFTOptions",
+           "LoRAOptions", "OneTurn", "Options", "PPOOptions", "Recipe", "RecordedRollout", "RemoteEngine", "SFTOptions",
            "ScheduledRollout", "Stage", "TrainOptions", "build_dpo", "build_episode_grpo", "build_flow_grpo",
            "build_flow_pretrain", "build_grpo", "build_sft", "episode_sessions", "image_batches", "optimizer",
            "remote_server", "sampled_sessions"]

@@ -30,6 +30,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+
 from dew_lib.data import ChatMessages, Dataset, PreferencePairs, Prompts
 from dew_lib.data.chat import Role
 from dew_lib.objectives import DPOObjective, LMObjective
@@ -49,6 +51,7 @@ class Built:
     dataset: Dataset
     rollout: Any = None
     eval_every: int | None = None
+    model: Any = None  # the model trained: the one given, with adapters when the options' lora asks
 
     def close(self) -> None:
         """Stop what the rollout runs (an async stage's scheduler, source and server)."""
@@ -57,28 +60,41 @@ class Built:
             close()
 
 
-def build_sft(model, variables, data: ChatMessages, options: SFTOptions, *, eval_every: int | None = None) -> Built:
+ADAPTER_KEY = 0  # seeds the adapters' A when a builder is given no key
+
+
+def adapted(model, variables, options, key: jax.Array | None) -> tuple[Any, Any]:
+    """`(model, variables)` with the adapters `options.lora` asks for (A drawn from `key`,
+    else from key ADAPTER_KEY), or as given at rank 0."""
+    return options.lora.attach(model, variables, jax.random.key(ADAPTER_KEY) if key is None else key)
+
+
+def build_sft(model, variables, data: ChatMessages, options: SFTOptions, *, eval_every: int | None = None,
+              key: jax.Array | None = None) -> Built:
     """SFT on the assistant turns of `data`, starting from `variables` (None: a fresh init).
     eval_every: steps between validations (None: never; the spec's validation split is read
-    only when this is set)."""
+    only when this is set). key: seeds the adapters when `options.lora` has a rank."""
     integer("build_sft eval_every", eval_every, optional=True)
+    model, variables = adapted(model, variables, options, key)
     objective = LMObjective(model, data.seq_len, pretrained=variables, loss_role=Role.ASSISTANT,
                             ema_decay=None)
-    return Built(objective=objective, dataset=data.load(batch=options.batch), eval_every=eval_every)
+    return Built(objective=objective, dataset=data.load(batch=options.batch), eval_every=eval_every, model=model)
 
 
-def build_dpo(model, variables, data: PreferencePairs, options: DPOOptions) -> Built:
-    """DPO on `data` against the frozen `variables` (None: a fresh init)."""
+def build_dpo(model, variables, data: PreferencePairs, options: DPOOptions, *, key: jax.Array | None = None) -> Built:
+    """DPO on `data` against the frozen `variables` (None: a fresh init); with `options.lora`,
+    adapters seeded by `key` train and the reference is `variables` themselves."""
+    model, variables = adapted(model, variables, options, key)
     objective = DPOObjective(model, data.seq_len - 1, beta=options.beta, pretrained=variables,
                              nll_weight=options.nll_weight)
-    return Built(objective=objective, dataset=data.load(batch=options.batch))
+    return Built(objective=objective, dataset=data.load(batch=options.batch), model=model)
 
 
 def build_grpo(model, variables, data: Prompts, options: GRPOOptions, *,
                reward: Callable[[str, str, str, str], float], eos_id: int | Sequence[int] | None = None,
                decode: Callable[[Sequence[int]], str] | None = None,
                reward_details: Callable[[], Any] | None = None,
-               writer=None, verdicts: Verdicts | None = None, server=None) -> Built:
+               writer=None, verdicts: Verdicts | None = None, server=None, key: jax.Array | None = None) -> Built:
     """GRPO on the prompts of `data` graded by `reward`, from the frozen `variables`.
 
     eos_id: the id (or ids) that end a completion, the tokenizer's (None: only the budget).
@@ -88,7 +104,9 @@ def build_grpo(model, variables, data: Prompts, options: GRPOOptions, *,
     sessions (and, async, scheduler records) in the run store; None records nothing.
     verdicts: turns reward_details' program runs into the store's Verdict rows. server: async
     only, `sampling -> RolloutServer` for a remote engine (`remote_server`; None: the native server).
+    key: seeds the adapters when `options.lora` has a rank.
     """
+    model, variables = adapted(model, variables, options, key)
     if server is not None and options.mode != "async":
         raise ValueError("a remote rollout server draws ahead of the trainer: it needs GRPOOptions.mode='async'")
     if options.mode == "async":
@@ -100,7 +118,7 @@ def build_grpo(model, variables, data: Prompts, options: GRPOOptions, *,
         except BaseException:
             scheduled.close()  # the server and the source's threads are already running
             raise
-        return Built(objective=scheduled.objective, dataset=dataset, rollout=scheduled)
+        return Built(objective=scheduled.objective, dataset=dataset, rollout=scheduled, model=model)
     objective = options.objective(model, variables, data.max_prompt_len + options.max_new_tokens)
     decoded = {} if decode is None else {"decode": decode}
     rollout = SampledRollout(
@@ -110,7 +128,7 @@ def build_grpo(model, variables, data: Prompts, options: GRPOOptions, *,
     dataset = data.load(batch=options.batch)
     if writer is not None:
         rollout = RecordedRollout(rollout, sampled_sessions(rollout, writer, verdicts))
-    return Built(objective=objective, dataset=dataset, rollout=rollout)
+    return Built(objective=objective, dataset=dataset, rollout=rollout, model=model)
 
 
 __all__ = ["Built", "build_dpo", "build_grpo", "build_sft"]

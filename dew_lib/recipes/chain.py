@@ -12,7 +12,9 @@ A stage starts a fresh optimizer and step counter from the previous stage's fina
 (the first stage from the Recipe's `pretrained` variables, or a fresh init); DPO and GRPO freeze
 that starting policy as their reference. A stage whose directory already holds a checkpoint
 continues from it, and one that already reached its steps restores without training, so a
-rerun of a finished chain only reloads. The stage name only labels the directory.
+rerun of a finished chain only reloads. The stage name only labels the directory. A stage whose
+options ask for LoRA adapters (`lora.rank`) trains them on its starting policy, and the next
+stage starts from the policy with them folded in.
 
 The options are the same models the pipeline's forms are made of (options.py), so every choice
 the pipeline offers (policy loss, aggregation, KL estimator, advantage estimator, the schedule)
@@ -37,11 +39,13 @@ import optax
 from dew_lib.data.chat_messages import ChatMessages
 from dew_lib.data.preference import PreferencePairs
 from dew_lib.data.prompts import Prompts
+from dew_lib.models import lora
 from dew_lib.recipes.build import Built, build_dpo, build_grpo, build_sft
 from dew_lib.recipes.options import DPOOptions, GRPOOptions, SFTOptions, optimizer
 from dew_lib.train.trainer import Trainer, TrainState
 
 DataSpec = ChatMessages | PreferencePairs | Prompts
+ADAPTERS = 1  # folded into a stage's key for its adapters' draw (the Trainer's is the stage key itself)
 
 
 OPTIONS = {"sft": SFTOptions, "dpo": DPOOptions, "grpo": GRPOOptions}  # what each kind's stage reads
@@ -107,18 +111,20 @@ class Recipe:
         if len(set(names)) != len(names):
             raise ValueError(f"Recipe stage names must be distinct (they name directories), got {names}")
 
-    def build(self, stage: Stage, start: Any) -> Built:
-        """The objects of one stage (objective, loaded data, rollout), starting from `start`."""
+    def build(self, stage: Stage, start: Any, index: int = 0) -> Built:
+        """The objects of the `index`th stage (objective, loaded data, rollout), starting from
+        `start`; its adapters, if it trains any, are drawn from the Recipe's key and `index`."""
+        key = jax.random.fold_in(jax.random.fold_in(self.key, index), ADAPTERS)
         if isinstance(stage.options, SFTOptions):
-            return build_sft(self.model, start, stage.data, stage.options)
+            return build_sft(self.model, start, stage.data, stage.options, key=key)
         if isinstance(stage.options, DPOOptions):
-            return build_dpo(self.model, start, stage.data, stage.options)
-        return build_grpo(self.model, start, stage.data, stage.options, reward=stage.reward)
+            return build_dpo(self.model, start, stage.data, stage.options, key=key)
+        return build_grpo(self.model, start, stage.data, stage.options, reward=stage.reward, key=key)
 
     def trainer(self, index: int, stage: Stage, start: Any, built: Built | None = None) -> Trainer:
         """The Trainer for one stage, starting from the variables `start` (from `built` when
         given, else from `build(stage, start)`, which also loads the stage's data)."""
-        built = self.build(stage, start) if built is None else built
+        built = self.build(stage, start, index) if built is None else built
         key = jax.random.fold_in(self.key, index)
         chosen = optimizer(stage.options) if self.optimizer is None else self.optimizer
         return Trainer(built.objective, chosen, key=key, rollout=built.rollout)
@@ -128,7 +134,7 @@ class Recipe:
         states: list[TrainState] = []
         start = self.pretrained
         for index, stage in enumerate(self.stages):
-            built = self.build(stage, start)
+            built = self.build(stage, start, index)
             try:
                 state = self.trainer(index, stage, start, built).fit(
                     built.dataset, steps=stage.options.steps, log_every=stage.options.log_every,
@@ -140,5 +146,5 @@ class Recipe:
             finally:
                 built.close()  # an async stage's server and scheduler
             states.append(state)
-            start = state.params
+            start = lora.merged(built.model, state.params)[1]  # adapters folded into their kernels
         return states

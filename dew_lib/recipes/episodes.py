@@ -29,7 +29,7 @@ from dew_lib.data import Prompts
 from dew_lib.inference import TextGeneration
 from dew_lib.objectives import PPOObjective, ValueHead
 from dew_lib.objectives.ppo import critic_from_policy
-from dew_lib.recipes.build import Built
+from dew_lib.recipes.build import Built, adapted
 from dew_lib.recipes.options import EpisodeOptions, GRPOOptions, PPOOptions
 from dew_lib.recipes.recorded import RecordedRollout, episode_sessions
 from dew_lib.recipes.scheduled import ScheduledRollout
@@ -63,7 +63,7 @@ class OneTurn:
 
 def build_episode_grpo(model, variables, data: Prompts, options: GRPOOptions, episodes: EpisodeOptions, *,
                        environment: EnvironmentFactory, verifier: Verifier, eos_id, decode=None,
-                       writer=None, ppo: PPOOptions | None = None, server=None) -> Built:
+                       writer=None, ppo: PPOOptions | None = None, server=None, key=None) -> Built:
     """GRPO (or, given `ppo`, PPO with a critic) over tool episodes of `data`'s prompts, from the
     frozen `variables`.
 
@@ -73,7 +73,9 @@ def build_episode_grpo(model, variables, data: Prompts, options: GRPOOptions, ep
     recorded); async records its scheduler records and sessions, sync also each turn. ppo: runs
     synchronously; the built objective's params are `{"policy", "critic"}`. server: async only,
     `sampling -> RolloutServer` for a remote engine (`remote_server`; None: the native server).
+    key: seeds the adapters when `options.lora` has a rank (PPO's critic starts with a copy).
     """
+    model, variables = adapted(model, variables, options, key)
     if eos_id is None:
         raise ValueError("build_episode_grpo(eos_id=None): a tool episode's turn ends at EOS, so give the "
                          "tokenizer's end-of-turn id")
@@ -103,14 +105,14 @@ def build_episode_grpo(model, variables, data: Prompts, options: GRPOOptions, ep
         except BaseException:
             scheduled.close()
             raise
-        return Built(objective=scheduled.objective, dataset=dataset, rollout=scheduled)
+        return Built(objective=scheduled.objective, dataset=dataset, rollout=scheduled, model=model)
     objective = options.objective(model, variables, width)
     drawn = EpisodeRollout(TextGeneration(model, pad_id=data.pad_id), environment, verifier,
                            max_prompt_tokens=episodes.max_prompt_len, max_new_tokens=options.max_new_tokens,
                            max_turns=episodes.max_turns, groups=options.groups, sampling=sampling,
                            estimator=options.advantage_estimator, workers=episodes.workers)
     rollout = drawn if writer is None else RecordedRollout(drawn, episode_sessions(drawn, writer, decode))
-    return Built(objective=objective, dataset=data.load(batch=options.batch), rollout=rollout)
+    return Built(objective=objective, dataset=data.load(batch=options.batch), rollout=rollout, model=model)
 
 
 def _episode_ppo(model, variables, data: Prompts, options: GRPOOptions, episodes: EpisodeOptions,
@@ -131,7 +133,7 @@ def _episode_ppo(model, variables, data: Prompts, options: GRPOOptions, episodes
     trained = PPORollout(objective, sampled, gamma=ppo.gamma, lam=ppo.lam, epochs=ppo.epochs,
                          minibatches=ppo.minibatches)
     rollout = trained if writer is None else RecordedRollout(trained, episode_sessions(trained, writer, decode))
-    return Built(objective=objective, dataset=data.load(batch=options.batch), rollout=rollout)
+    return Built(objective=objective, dataset=data.load(batch=options.batch), rollout=rollout, model=model)
 
 
 __all__ = ["OneTurn", "build_episode_grpo"]

@@ -19,12 +19,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 
+import jax
 import numpy as np
 
 from dew_lib.data import Dataset
 from dew_lib.diffusion import DiffusionObjective, Field, FlowGRPOObjective, FlowRollout, FlowSDE, InputSpec
 from dew_lib.options import integer
-from dew_lib.recipes.build import Built
+from dew_lib.recipes.build import Built, adapted
 from dew_lib.recipes.options import FlowGRPOOptions, FlowPretrainOptions
 
 
@@ -55,9 +56,11 @@ def build_flow_pretrain(model, process, variables, images: np.ndarray, options: 
 
 
 def build_flow_grpo(model, process, variables, shape: Sequence[int], reward,
-                    options: FlowGRPOOptions) -> Built:
+                    options: FlowGRPOOptions, *, key: jax.Array | None = None) -> Built:
     """Flow-GRPO of the unconditioned `model` (its `variables` also the frozen reference) on
-    images of `shape` (H, W, C), scored by `reward(images, batch) -> [N]`."""
+    images of `shape` (H, W, C), scored by `reward(images, batch) -> [N]`. With `options.lora`
+    adapters drawn from `key` train on the frozen `variables` (`Built.model` carries them)."""
+    model, variables = adapted(model, variables, options, key)
     inputs = InputSpec(Field("image", shape))
     objective = FlowGRPOObjective(model, process, inputs, sde=FlowSDE(noise_level=options.noise_level),
                                   beta=options.beta, clip_range=options.epsilon_low,
@@ -67,7 +70,7 @@ def build_flow_grpo(model, process, variables, shape: Sequence[int], reward,
                           train_steps=options.train_steps)
     source = {"image": np.zeros((options.batch, *shape), np.uint8)}  # only its size is used
     dataset = Dataset(train=lambda partition: itertools.repeat(source), batch=options.batch)
-    return Built(objective=objective, dataset=dataset, rollout=rollout)
+    return Built(objective=objective, dataset=dataset, rollout=rollout, model=model)
 
 
 __all__ = ["build_flow_grpo", "build_flow_pretrain", "image_batches"]

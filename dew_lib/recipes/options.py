@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
 
 import optax
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dew_lib.models import dit, lora
 from dew_lib.objectives import GRPOObjective, split_optimizer
 from dew_lib.options import lag_bound
 from dew_lib.sampling import Sampling
@@ -108,10 +109,73 @@ class TrainOptions(Options):
     log_every: int = Field(10, ge=1, description="steps per logged metric window")
     checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints (a retry resumes there)")
 
-    LATER = frozenset({"weight_decay", "schedule", "max_grad_norm"})
+    LATER = frozenset({"weight_decay", "schedule", "max_grad_norm", "lora"})
 
 
-class SFTOptions(TrainOptions):
+class LoRAOptions(Options):
+    """Low-rank adapters on the policy (dew_lib.models.lora, docs/lora.md): with a rank, the
+    stage trains adapters on its frozen starting weights, and its reference is those weights
+    with the adapters off. The defaults other than `rank` are PEFT's (and `lora.LoRA`'s)."""
+
+    ADAPTERS: ClassVar[Callable[..., lora.LoRA]] = lora.LoRA  # the model's adapter config
+    ATTACH: ClassVar[Callable[..., tuple[Any, Any]]] = staticmethod(lora.attach)
+
+    rank: int = Field(0, ge=0, description="the adapters' rank r; 0: no adapters, every weight trains")
+    alpha: float = Field(8.0, gt=0, description="the adapters add alpha / r * (x A) B (PEFT's lora_alpha)")
+    targets: tuple[str, ...] | Literal["all-linear"] = Field(
+        ("q_proj", "v_proj"), description="the projections adapted, among q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj; 'all-linear': all seven (the output head never is)")
+    rslora: bool = Field(False, description="scale by alpha / sqrt(r) rather than alpha / r (rank-stabilised)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="share of a projection's input dropped on the adapters' "
+                           "path in training (PEFT's lora_dropout)")
+
+    @model_validator(mode="after")
+    def _reads(self) -> LoRAOptions:
+        self.config()
+        return self
+
+    def config(self) -> lora.LoRA | None:
+        """The adapters these options ask for; None at rank 0."""
+        if self.rank == 0:
+            return None
+        try:
+            return self.ADAPTERS(rank=self.rank, alpha=self.alpha, targets=self.targets, rslora=self.rslora,
+                                 dropout=self.dropout)
+        except ValueError as error:
+            raise ValueError(f"lora: {error}") from None
+
+    def attach(self, model, variables, key) -> tuple[Any, Any]:
+        """`(model, variables)` with fresh adapters (A drawn from `key`) when a rank is set, else
+        as given, as they are when they already carry these adapters. The adapters go on the
+        starting weights, which a stage must have."""
+        config = self.config()
+        if config is None or (getattr(model, "lora", None) == config and lora.has_adapters(variables)):
+            return model, variables
+        if variables is None:
+            raise ValueError("lora.rank is set but the stage has no starting weights: adapters train on a "
+                             "frozen model, so start from a trained policy, or set lora.rank=0")
+        return self.ATTACH(model, variables, config, key)
+
+
+class DiTLoRAOptions(LoRAOptions):
+    """Low-rank adapters on a SimpleDiT's block projections (models/dit.py)."""
+
+    ADAPTERS = dit.DiTLoRA
+    ATTACH = staticmethod(dit.attach)
+
+    targets: tuple[str, ...] | Literal["all-linear"] = Field(
+        ("qkv", "attention_out"), description="the block projections adapted, among qkv, attention_out, "
+        "mlp_in, mlp_out; 'all-linear': all four")
+    dropout: float = Field(0.0, ge=0, le=0, description="0: the DiT has no adapter dropout")
+
+
+class Adapted(Options):
+    """A stage that can train low-rank adapters in place of every weight."""
+
+    lora: LoRAOptions = Field(LoRAOptions.model_validate({}), description="low-rank adapters (rank 0: off)")
+
+
+class SFTOptions(Adapted, TrainOptions):
     steps: int = Field(3200, ge=1, description="optimizer steps")
     learning_rate: float = Field(3e-3, gt=0, description="peak AdamW learning rate")
     weight_decay: float = Field(0.1, ge=0, description="AdamW's decoupled weight decay; 0.1 lets the "
@@ -120,10 +184,10 @@ class SFTOptions(TrainOptions):
         "warmup_cosine", description="'warmup_cosine': a linear warmup over a tenth of the steps (50 "
         "at most), then a cosine decay to a tenth of the rate; or 'constant'")
 
-    LATER = frozenset({"schedule", "max_grad_norm"})
+    LATER = frozenset({"schedule", "max_grad_norm", "lora"})
 
 
-class DPOOptions(TrainOptions):
+class DPOOptions(Adapted, TrainOptions):
     steps: int = Field(120, ge=1, description="optimizer steps")
     learning_rate: float = Field(1e-5, gt=0, description="AdamW learning rate")
     beta: float = Field(1.0, gt=0, description="the scale of the log-ratio to the reference (larger "
@@ -132,7 +196,7 @@ class DPOOptions(TrainOptions):
                               "DPO loss (RPO; TRL's rpo_alpha); 0 is plain DPO")
 
 
-class GRPOOptions(TrainOptions):
+class GRPOOptions(Adapted, TrainOptions):
     """One GRPO stage: sampling, the loss and its corrections, and, with mode 'async', the
     schedule of the RolloutScheduler (docs/rl.md)."""
 
@@ -299,6 +363,9 @@ class FlowPretrainOptions(ImageTrainOptions):
 
 class FlowGRPOOptions(ImageTrainOptions):
     """Flow-GRPO on an unconditioned image model: SDE rollouts scored by a reward."""
+
+    lora: DiTLoRAOptions = Field(DiTLoRAOptions.model_validate({}), description="low-rank adapters on the DiT's blocks "
+                                 "(rank 0: off)")
 
     steps: int = Field(40, ge=1, description="optimizer steps (one rollout each)")
     batch: int = Field(8, ge=1, description="groups per step (unconditioned: rows of fresh noise)")

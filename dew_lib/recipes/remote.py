@@ -7,6 +7,11 @@ weights are a `Publication` over `SafetensorsReload`. Whatever the engine was la
 serves the stage's own weights before anything is drawn: the scheduler's first call pushes the
 state it trains (version 0 on a fresh stage, the checkpoint's update on a resumed one).
 
+A stage that trains LoRA adapters on a frozen base (`pretrained.model.lora` set) pushes the
+adapters alone instead (`AdapterReload`): the engine keeps the base it was launched on, loads one
+PEFT adapter per version, and every draw names the adapter of the version it is labelled with.
+Launch the engine on the base with LoRA on (docs/remote_engines.md, "Adapter pushes").
+
 Not here: the wire formats (dew_lib.inference.openai_engine), the pushes (dew_lib.inference.publish),
 launching engines (docs/remote_engines.md, `dew serve`).
 """
@@ -19,7 +24,14 @@ from typing import Any
 
 import httpx
 
-from dew_lib.inference import OpenAICompletion, OpenAIRolloutServer, Publication, RemoteOptions, SafetensorsReload
+from dew_lib.inference import (
+    AdapterReload,
+    OpenAICompletion,
+    OpenAIRolloutServer,
+    Publication,
+    RemoteOptions,
+    SafetensorsReload,
+)
 from dew_lib.inference.endpoints import root_urls
 from dew_lib.models.pretrained import Pretrained
 from dew_lib.options import choice, number
@@ -61,11 +73,12 @@ class RemoteEngine:
 
 
 def served_model(url: str, timeout: float = 30.0) -> str:
-    """The one model an OpenAI-compatible engine at `url` lists on /v1/models."""
+    """The one base model an OpenAI-compatible engine at `url` lists on /v1/models (LoRA adapters,
+    listed with a `parent`, are not counted)."""
     try:
         answer = httpx.get(f"{url}/v1/models", timeout=timeout)
         answer.raise_for_status()
-        names = [entry["id"] for entry in answer.json()["data"]]
+        names = [entry["id"] for entry in answer.json()["data"] if not entry.get("parent")]
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"could not read the served model from {url}/v1/models ({error}); is the engine up? "
                          "Or set RemoteEngine.model") from error
@@ -76,19 +89,29 @@ def served_model(url: str, timeout: float = 30.0) -> str:
 
 def remote_server(engine: RemoteEngine, pretrained: Pretrained) -> Callable[[Sampling], Any]:
     """A factory `sampling -> OpenAIRolloutServer` on `engine`, pushing to every replica the
-    weights a RolloutScheduler hands it (its first push comes before its first draw)."""
+    weights a RolloutScheduler hands it (its first push comes before its first draw): the
+    adapters alone (`AdapterReload`) when `pretrained.model` has a LoRA, else the whole model."""
     import openai
 
     def build(sampling: Sampling) -> OpenAIRolloutServer:
         options = RemoteOptions(timeout=engine.timeout)
         client = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="EMPTY")  # timeouts: options'
         completion = OpenAICompletion(engine.model or served_model(engine.url), client, engine.provider)
-        publication = Publication(SafetensorsReload(pretrained, engine.directory, engine.replicas,
-                                                    engine=engine.provider, timeout=engine.timeout), version=0)
-        return OpenAIRolloutServer(completion, sampling, publication,
-                                   processed_logprobs=engine.processed_logprobs, options=options)
+        push = pushes(engine, pretrained)
+        return OpenAIRolloutServer(completion, sampling, Publication(push, version=0),
+                                   processed_logprobs=engine.processed_logprobs, options=options,
+                                   adapter=push.name if isinstance(push, AdapterReload) else None)
 
     return build
 
 
-__all__ = ["RemoteEngine", "remote_server", "served_model"]
+def pushes(engine: RemoteEngine, pretrained: Pretrained) -> AdapterReload | SafetensorsReload:
+    """The push for `pretrained`: its adapters alone when its model has a LoRA, else the whole model."""
+    if getattr(pretrained.model, "lora", None) is not None:
+        return AdapterReload(pretrained, engine.directory, engine.replicas, engine=engine.provider,
+                             timeout=engine.timeout)
+    return SafetensorsReload(pretrained, engine.directory, engine.replicas, engine=engine.provider,
+                             timeout=engine.timeout)
+
+
+__all__ = ["RemoteEngine", "pushes", "remote_server", "served_model"]

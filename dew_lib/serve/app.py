@@ -8,8 +8,11 @@
 - with dev_endpoints, the calls a weight push makes on a vLLM launched with
   VLLM_SERVER_DEV_MODE=1: POST /pause?mode=wait, POST /collective_rpc {"method":
   "reload_weights"}, POST /reset_prefix_cache, POST /update_weight_version, POST /resume, and GET
-  /is_paused, GET /weight_info. Whoever reaches them can stop the server and swap its weights for
-  whatever the launch directory holds: they are behind the API key when there is one.
+  /is_paused, GET /weight_info, and vLLM's runtime LoRA routes POST /v1/load_lora_adapter and
+  /v1/unload_lora_adapter (`lora_routes`). Whoever reaches them can stop the server and swap its
+  weights for whatever the launch directory holds: they are behind the API key when there is one.
+
+A request's `model` picks the base or one of the adapters served over it (`adapters.ServedModels`).
 
 `options` (`guard.ServeOptions`) are the limits on clients: the API key, the request size, read
 and write timeouts, the per-request max_tokens ceiling, and whether chat templates sent with
@@ -43,8 +46,10 @@ from pydantic import BaseModel
 from dew_lib.records.draw import Draw
 from dew_lib.sampling import Sampling
 from dew_lib.serve import render, stream
+from dew_lib.serve.adapters import ServedModels
 from dew_lib.serve.dev import dev_routes
 from dew_lib.serve.guard import ServeOptions, install
+from dew_lib.serve.lora_routes import lora_routes
 from dew_lib.serve.policy import ServedPolicy
 from dew_lib.serve.protocol import (
     ChatChoice,
@@ -54,7 +59,6 @@ from dew_lib.serve.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    ModelCard,
     ModelList,
     ServeError,
     UsageInfo,
@@ -68,19 +72,23 @@ GREEDY_BELOW = 1e-5  # vLLM samples greedily under this temperature
 SEEDS = 2**32  # the native server's seeds are uint32
 
 
-def create_app(policy: ServedPolicy, *, dev_endpoints: bool = False, options: ServeOptions = ServeOptions()) -> FastAPI:
-    """The app serving `policy`; dev_endpoints adds the pause/reload routes (trusted callers only);
+def create_app(policy: ServedPolicy | ServedModels, *, dev_endpoints: bool = False,
+               options: ServeOptions = ServeOptions()) -> FastAPI:
+    """The app serving `policy` (one checkpoint, or a `ServedModels` with adapters over it);
+    dev_endpoints adds the pause/reload and LoRA load/unload routes (trusted callers only);
     options: the limits on clients (`guard.ServeOptions`: API key, sizes, timeouts, templates).
 
     The caller owns `policy` and closes it after the app stops.
     """
+    models = policy if isinstance(policy, ServedModels) else ServedModels(policy)
     app = FastAPI(title="dew serve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.policy = policy
+    app.state.policy, app.state.models = models.base, models
     install(app, options)
     app.add_exception_handler(ServeError, lambda request, error: error.response())
-    app.include_router(_openai_routes(policy, options))
+    app.include_router(_openai_routes(models, options))
     if dev_endpoints:
-        app.include_router(dev_routes(policy))
+        app.include_router(dev_routes(models))
+        app.include_router(lora_routes(models))
     return app
 
 
@@ -125,9 +133,6 @@ def check_sampling(request: Any, served: Sampling) -> None:
 
 
 def _check_request(request: CompletionRequest | ChatCompletionRequest, policy: ServedPolicy) -> None:
-    if request.model and request.model != policy.name:
-        raise ServeError(f"The model `{request.model}` does not exist; this server serves `{policy.name}`.",
-                         param="model", status=404, kind="NotFoundError")
     _check_stream_options(request)
     if request.n not in (None, 1):
         raise ServeError(f"n={request.n}: dew serve draws one completion per prompt; send n=1, or n "
@@ -363,24 +368,25 @@ def _check_chat(request: ChatCompletionRequest, policy: ServedPolicy, templated:
 
 # ---- routes ------------------------------------------------------------------------------------
 
-def _openai_routes(policy: ServedPolicy, options: ServeOptions) -> APIRouter:
+def _openai_routes(models: ServedModels, options: ServeOptions) -> APIRouter:
     router = APIRouter()
+    base = models.base
     renderer = TemplateRenderer(timeout=options.template_timeout, max_chars=options.template_max_chars)
 
     @router.get("/health")
     async def health() -> Response:
-        if policy.failure is not None:
-            return error_response(f"the engine stopped: {policy.failure}", param=None, status=503,
+        if base.failure is not None:
+            return error_response(f"the engine stopped: {base.failure}", param=None, status=503,
                                   kind="ServiceUnavailableError")
         return Response(status_code=200)
 
     @router.get("/v1/models")
-    async def models() -> JSONResponse:
-        card = ModelCard(id=policy.name, root=str(policy.directory), max_model_len=policy.capacity)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+    async def model_list() -> JSONResponse:
+        return JSONResponse(ModelList(data=models.cards()).model_dump())
 
     @router.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:
+        policy = models.pick(request.model)
         _check_request(request, policy)
         if request.logprobs not in (None, 0):
             raise ServeError(f"logprobs={request.logprobs}: dew serve reports the sampled token's "
@@ -405,6 +411,7 @@ def _openai_routes(policy: ServedPolicy, options: ServeOptions) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
+        policy = models.pick(request.model)
         _check_request(request, policy)
         template = request_template(request, options.trust_request_chat_template)
         _check_chat(request, policy, templated=template is not None)

@@ -5,7 +5,9 @@ POST /pause?mode=wait, POST /resume, GET /is_paused, POST /collective_rpc {"meth
 "reload_weights"}, POST /reset_prefix_cache, POST /update_weight_version, GET /weight_info.
 Whoever reaches them can stop the server (a paused server admits no request until /resume) and
 make it serve whatever the launch directory holds, so `create_app` mounts them only when asked
-(`--dev-endpoints`), and they are behind the API key when the server has one (`guard`).
+(`--dev-endpoints`), and they are behind the API key when the server has one (`guard`). With
+adapters served over the base (`adapters`), a pause pauses them all, and reload_weights is refused:
+the adapters share the base's arrays, so unload them first (or restart).
 
 Not here: the OpenAI routes (`app`), pausing and reloading themselves (`policy`).
 """
@@ -17,13 +19,15 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse
 
-from dew_lib.serve.policy import ReloadError, ServedPolicy
+from dew_lib.serve.adapters import ServedModels
+from dew_lib.serve.policy import ReloadError
 from dew_lib.serve.protocol import ServeError
 
 
-def dev_routes(policy: ServedPolicy) -> APIRouter:
+def dev_routes(models: ServedModels) -> APIRouter:
     """The routes a weight push calls (see the module docstring)."""
     router = APIRouter()
+    policy = models.base
 
     @router.post("/pause")
     async def pause(mode: Literal["abort", "wait", "keep"] = "abort", wait_for_inflight_requests: bool = False,
@@ -31,12 +35,12 @@ def dev_routes(policy: ServedPolicy) -> APIRouter:
         if mode != "wait" and not wait_for_inflight_requests:
             raise ServeError(f"mode={mode}: dew serve pauses with mode=wait only (in-flight requests finish, "
                              "new ones wait for /resume); it cannot abort or freeze a draw", param="query.mode")
-        await policy.pause()
+        await models.pause()
         return JSONResponse({"status": "paused"})
 
     @router.post("/resume")
     async def resume() -> JSONResponse:
-        policy.resume()
+        models.resume()
         return JSONResponse({"status": "resumed"})
 
     @router.get("/is_paused")
@@ -58,6 +62,10 @@ def dev_routes(policy: ServedPolicy) -> APIRouter:
         if body.get("args") or body.get("kwargs"):
             raise ServeError("reload_weights takes no args or kwargs here: it re-reads the launch directory",
                              param="args" if body.get("args") else "kwargs")
+        if models.adapters:
+            raise ServeError(f"reload_weights re-reads the base, which the adapters {sorted(models.adapters)} share; "
+                             "unload them first (POST /v1/unload_lora_adapter), or restart dew serve",
+                             param="method")
         try:
             await policy.reload()
         except (ReloadError, OSError, ValueError) as error:

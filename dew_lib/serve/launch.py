@@ -3,6 +3,9 @@
 `serve(directory, ...)` is what the `dew serve` command runs; `running(app)` serves an app on a
 background thread for tests, benches and notebooks, and yields its URL.
 
+`lora_modules` ({name: PEFT adapter directory}, the `--lora NAME=PATH` flags) serves those
+adapters over the checkpoint, each under its name (`adapters.ServedModels`).
+
 `options` (`guard.ServeOptions`) are the limits on clients: an API key (`--api-key`), request
 size, read and write timeouts, a per-request max_tokens ceiling and whether request chat
 templates are rendered. The development routes (pause, reload, weight version) change what every
@@ -27,7 +30,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from dew_lib.sampling import Sampling
@@ -96,7 +99,7 @@ def serve(directory: str | Path, *, host: str = "127.0.0.1", port: int = 8000, s
           logprobs_mode: str = "raw_logprobs", served_model_name: str | None = None,
           dev_endpoints: bool | None = None, steps: int = 16, seed: int = 0, grace: float = 5.0,
           log_level: str = "info", options: ServeOptions = ServeOptions(),
-          tensor_parallel_size: int = 1) -> None:
+          tensor_parallel_size: int = 1, lora_modules: Mapping[str, str] | None = None) -> None:
     """Serve the Hugging Face checkpoint in `directory` over HTTP until SIGTERM or SIGINT.
 
     slots: requests decoded together. capacity: ids per request, prompt and completion (default:
@@ -106,10 +109,12 @@ def serve(directory: str | Path, *, host: str = "127.0.0.1", port: int = 8000, s
     filters). served_model_name: the model name clients send (default: the directory's name).
     dev_endpoints: mount the development routes (default no). options: the limits on clients
     (`ServeOptions`). tensor_parallel_size: local devices the model is split across (vLLM's
-    `--tensor-parallel-size`). Prints one line with the URL once listening.
+    `--tensor-parallel-size`). lora_modules: {name: PEFT adapter directory} served over the
+    checkpoint, chosen by a request's `model`. Prints one line with the URL once listening.
     """
     import uvicorn
 
+    from dew_lib.serve.adapters import ServedModels
     from dew_lib.serve.app import create_app
     from dew_lib.serve.policy import ServedPolicy
 
@@ -120,13 +125,17 @@ def serve(directory: str | Path, *, host: str = "127.0.0.1", port: int = 8000, s
     policy = ServedPolicy.load(directory, slots=slots, capacity=capacity, sampling=sampling, dtype=dtype,
                                logprobs_mode=logprobs_mode, served_model_name=served_model_name,
                                steps=steps, seed=seed, tensor_parallel_size=tensor_parallel_size)
+    models = ServedModels(policy)
     terminate = signal.getsignal(signal.SIGTERM)
     try:
         policy.warm_up()
-        server = uvicorn.Server(_config(create_app(policy, dev_endpoints=mounted, options=options), log_level, grace))
+        for name, path in (lora_modules or {}).items():
+            models.add(name, path)
+        server = uvicorn.Server(_config(create_app(models, dev_endpoints=mounted, options=options), log_level, grace))
         shown = f"[{host}]" if ":" in host else host
         mesh = policy.native.server.mesh
         split = f", tensor parallel over {mesh.size} devices" if mesh is not None else ""
+        split += f", adapters {', '.join(models.adapters)}" if models.adapters else ""
         print(f"dew serve: {policy.name} on http://{shown}:{sock.getsockname()[1]} ({policy.native.server.slots} "
               f"slots, capacity {policy.capacity}{split}, development routes {'on' if mounted else 'off'}, "
               f"{'API key required' if options.api_key else 'no API key'})", flush=True)
@@ -138,7 +147,7 @@ def serve(directory: str | Path, *, host: str = "127.0.0.1", port: int = 8000, s
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, terminate)
         sock.close()
-        policy.close()
+        models.close()
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dew_lib.data.dataset import Batch, Dataset, Partition
 from dew_lib.models import lora, partitioning
 from dew_lib.objectives.base import Metrics, Objective, average
-from dew_lib.train import distributed
+from dew_lib.train import distributed, trainable
 from dew_lib.train.checkpoint import CheckpointMismatch, Checkpoints
 from dew_lib.train.mesh import MeshSpec, batch_shards
 from dew_lib.train.sinks import Sink, check_sinks, default_sinks
@@ -53,12 +53,13 @@ Rollout = Callable[["TrainState", Batch, jax.Array], Batch]
 class TrainState:
     """Everything that changes during training; a pytree.
 
-    params: the full Flax variables mapping being optimized. When it holds low-rank adapters
-    (models/lora.py) only they are trained: the optimizer state and a gradient sum cover the
-    adapters alone, and the rest stays as it started.
+    params: the full Flax variables mapping being optimized. Only the leaves
+    `objective.trainable` marks are trained (the low-rank adapters of models/lora.py alone, when
+    the params hold any): the optimizer state and a gradient sum cover those, and the rest stays
+    as it started (trainable.py).
     ema: the moving average of params (a frozen reference when the decay is 1), or None; of
     `objective.reference_params(params)` only when the objective names a part (PPO: the policy).
-    None for the frozen reference of adapted params, which is their base (adapters off).
+    None for the frozen reference of a part that trains its adapters alone: its base (adapters off).
     step: batches consumed. updates: optimizer updates applied.
     grads, grad_weight: the gradient sum and loss weight of an open accumulation window
     (None when accumulate == 1).
@@ -108,8 +109,8 @@ class Trainer:
         if not isinstance(objective, Objective):
             raise TypeError(f"Trainer needs a dew_lib.objectives.Objective, got {type(objective).__name__}: "
                             "subclass Objective, which declares init, terms, evaluate and check_batch and the "
-                            "optional hooks the Trainer calls (ema_decay, reference_params, derive, "
-                            "derive_training)")
+                            "optional hooks the Trainer calls (ema_decay, reference_params, trainable, "
+                            "derive, derive_training)")
         if jax.process_count() > 1 and devices is not None:
             raise ValueError("Trainer(devices=...) is for single-process runs; multi-process "
                              "training uses every device of every process")
@@ -122,8 +123,11 @@ class Trainer:
         self.init_key, self.step_key, self.rollout_key = jax.random.split(key, 3)
         self.mesh: Mesh = (mesh or MeshSpec()).build(devices)
         self.compilations: dict[str, int] = {"init": 0, "train_step": 0, "eval_step": 0}
-        # params holding low-rank adapters train those alone (models/lora.py)
-        self.adapted = lora.has_adapters(jax.eval_shape(self.objective.init, self.init_key))
+        # which leaves train (by default the low-rank adapters alone, when there are any)
+        shapes = jax.eval_shape(self.objective.init, self.init_key)
+        self.trainable_marks = trainable.marks(objective, shapes)
+        self.partial = not all(jax.tree.leaves(self.trainable_marks))
+        self.reference_is_base = trainable.reference_is_base(objective, shapes, self.trainable_marks)
         self.state_sharding = self._state_sharding()
         self._init = jax.jit(self._count("init", self._build_state), out_shardings=self.state_sharding)
         self._steps = {
@@ -184,23 +188,22 @@ class Trainer:
 
     @property
     def _keeps_ema(self) -> bool:
-        """Whether the state holds a moving average: not for a frozen reference of adapted
-        params, which is their base with the adapters off (no copy)."""
-        decay = self.objective.ema_decay
-        return decay is not None and not (self.adapted and decay == 1.0)
+        """Whether the state holds a moving average: not for a frozen reference that is the
+        reference part's base with its adapters off (no copy)."""
+        return self.objective.ema_decay is not None and not self.reference_is_base
 
     def _split(self, params) -> tuple[Any, Any]:
-        """(what the optimizer trains, what stays frozen): the adapters and their base when the
-        params hold adapters, else all of them and nothing."""
-        return lora.split(params) if self.adapted else (params, None)
+        """(what the optimizer trains, what stays frozen): the leaves `objective.trainable`
+        marks and the others, or all of them and nothing when it marks every leaf."""
+        return trainable.split(params, self.trainable_marks) if self.partial else (params, None)
 
     # ----- compiled update ---------------------------------------------------------------------
     def _make_step(self, apply: bool):
         objective, optimizer, accumulate = self.objective, self.optimizer, self.accumulate
-        decay, adapted = objective.ema_decay, self.adapted
+        decay, partial, reference_is_base = objective.ema_decay, self.partial, self.reference_is_base
 
         def total_and_aux(trained, frozen, batch, step, reference, key):
-            params = lora.merge(trained, frozen) if adapted else trained
+            params = lora.merge(trained, frozen) if partial else trained
             terms = objective.terms(params, batch, step=step, reference=reference, key=key)
             return terms.total, (terms.weight, terms.metrics)
 
@@ -215,7 +218,7 @@ class Trainer:
             key = jax.random.fold_in(self.step_key, state.step)
             trained, frozen = self._split(state.params)
             reference = state.ema
-            if adapted and decay == 1.0:
+            if reference_is_base:
                 reference = lora.without_adapters(objective.reference_params(state.params))
             (total, (weight, metrics)), grads = grad_fn(
                 trained, frozen, batch, state.updates, reference, key
@@ -232,7 +235,7 @@ class Trainer:
             metrics["grad_norm"] = (optax.tree.norm(grads), jnp.ones(()))
             updates, opt_state = optimizer.update(grads, state.opt_state, trained)
             trained = optax.apply_updates(trained, updates)
-            params = lora.merge(trained, frozen) if adapted else trained
+            params = lora.merge(trained, frozen) if partial else trained
             ema = state.ema
             if ema is not None and decay is not None and decay != 1.0:
                 ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema,

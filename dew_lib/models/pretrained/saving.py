@@ -12,6 +12,8 @@ sliced, cast and transposed where it lives and comes to the host alone, just bef
 written: a leaf split across processes is gathered one tensor at a time (a collective every
 process takes part in, so every process runs the export or the save, and only one writes:
 `save(..., write=False)` on the others). The host never holds more than the tensor being written.
+An adapted model is written with its adapters folded in, and an int8 base (models/quantize.py)
+dequantized to the model's param dtype: a plain checkpoint either way.
 
 Not here: reading checkpoints (`loading`), the safetensors files (`files`), which process writes
 (the caller's choice).
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from dew_lib.models import lora
+from dew_lib.models import lora, quantize
 from dew_lib.models.pretrained import files, layout
 from dew_lib.models.pretrained.formats import CONFIG, GENERATION_CONFIG, SAVE_DTYPES, numpy_dtype
 
@@ -65,7 +67,7 @@ def export(pretrained: Pretrained, variables: Mapping[str, Any], *, dtype: Any =
     target = None if dtype is None else numpy_dtype(dtype)
     if target is not None and target.name not in SAVE_DTYPES:
         raise ValueError(f"cannot export as {target.name}; use one of {SAVE_DTYPES}")
-    flat = _leaves(pretrained, _without_adapters(pretrained, variables))
+    flat = _leaves(pretrained, _plain(pretrained, variables))
     for tensor in pretrained.tensors:
         leaf = flat[tensor.path]
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable and leaf.is_fully_replicated:
@@ -98,10 +100,12 @@ def _prepared(leaf: jax.Array, layer: int | None, *, target: np.dtype | None, tr
     return out.T if transpose else out
 
 
-def _without_adapters(pretrained: Pretrained, variables: Mapping[str, Any]) -> Mapping[str, Any]:
-    """`variables` with any low-rank adapters folded into their kernels (models/lora.py), as a
-    Hugging Face checkpoint holds an adapted model."""
+def _plain(pretrained: Pretrained, variables: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`variables` with an int8 base dequantized (models/quantize.py) and any low-rank adapters
+    folded into their kernels (models/lora.py), as a Hugging Face checkpoint holds the model."""
     if not lora.has_adapters(variables):
+        if quantize.is_quantized(variables):
+            return quantize.dequantized(variables, pretrained.model.param_dtype)
         return variables
     if getattr(pretrained.model, "lora", None) is None:
         raise ValueError("these variables hold LoRA adapters but the Pretrained's model has none, so their "
@@ -145,7 +149,7 @@ def save(
 ) -> Path:
     """`Pretrained.save`: a Hugging Face checkpoint directory, staged and swapped in."""
     limit = files.parse_size(max_shard_size)
-    variables = _without_adapters(pretrained, variables)
+    variables = _plain(pretrained, variables)
     flat = _leaves(pretrained, variables)
     target = None if dtype is None else numpy_dtype(dtype)
     dtypes = {numpy_dtype(flat[t.path].dtype) if target is None else target
