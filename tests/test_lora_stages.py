@@ -192,3 +192,27 @@ def test_an_objective_s_trainable_marks_are_checked_before_anything_compiles():
     with pytest.raises(TypeError, match="Marks.trainable must mark each leaf with a Python bool"):
         Trainer(Marks(lambda params: jax.tree.map(lambda x: jnp.ones((), bool), params)), optax.adam(1e-3),
                 key=jax.random.key(0))
+
+
+def test_ppo_drops_on_the_policy_s_and_the_critic_s_adapters_in_training_only():
+    """With adapter dropout, PPO's training forward drops on both adapters (the critic with a mask
+    of its own); evaluating the critic's values passes no key and drops nothing."""
+    dropping = lora.LoRA(rank=2, targets=("q_proj", "v_proj"), dropout=0.5)
+    model, variables = lora.attach(MODEL, BASE, dropping, jax.random.key(1))
+    moved = jax.tree_util.tree_map_with_path(lambda p, x: x + 0.3 if lora.is_adapter(p) else x, variables)
+    head = ValueHead(model)
+    objective = PPOObjective(model, SEQ, critic=head, critic_variables=critic_from_policy(head, moved, SEQ),
+                             pretrained=moved, beta=0.0)
+    params = objective.init(jax.random.key(0))
+    head_moved = jax.tree_util.tree_map_with_path(  # the value head starts at zero: move it too
+        lambda p, x: x if "backbone" in jax.tree_util.keystr(p) else x + 0.3, params["critic"])
+    params = {**params, "critic": head_moved}
+    batch = {k: jnp.asarray(v) for k, v in ppo_batch().items()}
+    values = objective.values(params["critic"], batch)
+    np.testing.assert_array_equal(values, objective.values(params["critic"], batch))  # no key: nothing dropped
+    assert not np.allclose(values, objective.values(params["critic"], batch, jax.random.key(3)), atol=1e-5)
+    def metric(name, key):
+        return float(objective.terms(params, batch, step=0, reference=None, key=jax.random.key(key)).metrics[name][0])
+
+    for name in ("pg_loss", "critic/vf_loss"):  # the training forward drops, reproducibly by key
+        assert metric(name, 1) == metric(name, 1) and metric(name, 1) != metric(name, 2)

@@ -209,6 +209,30 @@ def test_every_choice_reaches_the_objective_and_rollout_of_each_mode():
     assert ppo.objective.value_clip == 0.5
 
 
+def test_ppo_on_episodes_with_lora_trains_the_policy_s_adapters_and_the_critic_s_adapters_and_head():
+    """The lora group of the RL stage's options reaches PPO through the builder: the policy trains
+    its adapters against its base (no reference copy), the critic its own adapters and value head."""
+    import optax
+
+    from dew_lib.models import lora
+    from dew_lib.recipes import LoRAOptions
+    from dew_lib.train import Trainer
+
+    model = models_build()
+    variables = model.init(jax.random.key(0), np.zeros((1, 8), np.int32))
+    side = GRPOOptions(steps=1, batch=2, groups=2, max_new_tokens=4, lora=LoRAOptions(rank=2, targets="all-linear"))
+    ppo = build_episode_grpo(model, variables, prompts(), side, EpisodeOptions(max_turns=1, max_prompt_len=4),
+                             environment=OneTurn, verifier=lambda task, episode: 1.0, eos_id=2, ppo=PPOOptions())
+    assert ppo.model.lora == side.lora.config()
+    trainer = Trainer(ppo.objective, optax.adam(1e-3), key=jax.random.key(0))
+    assert trainer.reference_is_base and trainer.initial_state().ema is None
+    trained = [(jax.tree_util.keystr(path), lora.is_adapter(path))
+               for path, marked in jax.tree_util.tree_leaves_with_path(trainer.trainable_marks) if marked]
+    assert all(adapter for name, adapter in trained if "'policy'" in name)  # the policy: adapters only
+    critic = [name for name, adapter in trained if "'critic'" in name and not adapter]
+    assert critic and not any("backbone" in name for name in critic)  # its head, not its base
+
+
 def test_async_grpo_trains_in_verl_s_bypass_mode_when_chosen():
     import optax
 

@@ -18,7 +18,7 @@ stays frozen the same way.
 
 Adapter dropout (`LoRA.dropout`, PEFT's `lora_dropout`) drops units of a targeted projection's
 input on the adapter's path only (`s B A dropout(x)`), and only in a forward that is given a
-`dropout` rng: the training forwards of the LM, DPO and GRPO objectives. Evaluation, the frozen
+`dropout` rng: the training forwards of the LM, DPO, GRPO and PPO objectives. Evaluation, the frozen
 reference, rescoring, sampling and serving pass none and never drop.
 
 `merged` folds the adapters into their kernels, which is what `Pretrained.save` and `export`

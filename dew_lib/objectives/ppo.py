@@ -40,6 +40,7 @@ from dew_lib.models import lora, partitioning
 from dew_lib.objectives import algorithms
 from dew_lib.objectives.base import LossTerms, Metrics, Objective, adapters_or_all, with_perplexity
 from dew_lib.objectives.grpo import GRPOObjective
+from dew_lib.objectives.lm import dropout_rngs
 from dew_lib.options import number
 
 TARGETS = ("old_values", "advantages", "returns")
@@ -181,11 +182,12 @@ class PPOObjective(Objective):
                                  f"has {shape}; PPO's targets are aligned with input_ids")
 
     # ----- the critic --------------------------------------------------------------------------
-    def values(self, critic_params, batch) -> jax.Array:
-        """The critic's value of the state before each of ids 1..W-1, `[R, W - 1]`."""
+    def values(self, critic_params, batch, dropout_key: jax.Array | None = None) -> jax.Array:
+        """The critic's value of the state before each of ids 1..W-1, `[R, W - 1]`.
+        dropout_key: the training forward's, for the critic's own adapters' dropout."""
         ids = batch["input_ids"]
         return self.critic.apply(critic_params, ids[:, :-1], batch["text_segment_ids"][:, :-1],
-                                 batch["text_positions"][:, :-1]).astype(jnp.float32)
+                                 batch["text_positions"][:, :-1], rngs=dropout_rngs(dropout_key)).astype(jnp.float32)
 
     def packed_values(self, critic_params, batch) -> jax.Array:
         """`values` aligned with input_ids, `[R, W]` (column 0 holds 0)."""
@@ -195,7 +197,8 @@ class PPOObjective(Objective):
     def terms(self, params, batch, *, step, reference, key) -> LossTerms:
         actor = self.actor.terms(params["policy"], batch, step=step, reference=reference, key=key)
         mask = batch["response_mask"][:, 1:].astype(jnp.float32)
-        predictions = self.values(params["critic"], batch)
+        critic_key = None if key is None else jax.random.fold_in(key, 1)  # its own dropout masks
+        predictions = self.values(params["critic"], batch, critic_key)
         old_values = batch["old_values"][:, 1:].astype(jnp.float32)
         returns = batch["returns"][:, 1:].astype(jnp.float32)
         losses, clipped = algorithms.clipped_value_loss(predictions, returns, old_values, self.value_clip)
