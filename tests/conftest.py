@@ -17,19 +17,26 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
 
 # Many tests build the same tiny programs; a persistent cache compiles each once per session.
-CACHE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "jax"))
+CACHE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "jax-locked"))
+# A size limit turns on the cache's file lock. Without one, JAX writes an entry in place and
+# another process reads whatever is there: an xdist worker (or stage process) loading an
+# executable another was still writing segfaulted CI. Nothing is ever evicted at 16 GiB, but each
+# write then scans the directory, so only programs that took 0.1 s to compile are kept (the train
+# steps and samplers the cache is for, not the hundreds of one-op programs). A directory of its
+# own: the locked cache reads an access-time file the unlocked one never wrote.
+CACHE_LIMIT = 16 << 30
 # The same cache for every process a test starts (pipeline runs, stage jobs, training workers):
 # JAX reads these variables when it is imported, so a subprocess compiles nothing a test or an
 # earlier subprocess already compiled.
-os.environ["JAX_COMPILATION_CACHE_DIR"] = CACHE
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+CACHE_SETTINGS = {"jax_compilation_cache_dir": CACHE, "jax_compilation_cache_max_size": CACHE_LIMIT,
+                  "jax_persistent_cache_min_compile_time_secs": 0.1,
+                  "jax_persistent_cache_min_entry_size_bytes": 0}
+os.environ.update({name.upper(): str(value) for name, value in CACHE_SETTINGS.items()})
 
 import jax  # noqa: E402
 
-jax.config.update("jax_compilation_cache_dir", CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+for name, value in CACHE_SETTINGS.items():
+    jax.config.update(name, value)
 
 # The workplace's public data sits beside the repository; DEW_SHARED_DATA points elsewhere.
 SHARED_DATA = os.environ.get("DEW_SHARED_DATA") or os.path.abspath(
@@ -57,6 +64,22 @@ def pairs_batch():
     spec = PreferencePairs(records=tuple(json.dumps(r) for r in rows * 2), seq_len=4,
                            loading=Loading(workers=0, threads=1, read_buffer=2))
     return next(iter(spec.load(batch=8).train(Partition())))
+
+
+def fit_adapters(model, variables, steps=8):
+    """`steps` AdamW steps of next-token training on four random rows, on a model whose
+    `variables` hold LoRA adapters: the final state and the sink its metrics went to."""
+    import optax
+
+    from dew_lib import Dataset, LMObjective, Trainer
+    from dew_lib.train.sinks import MemorySink
+
+    batches, sink = list(lm_batches(0, 8, 9, count=4)), MemorySink()
+    trainer = Trainer(LMObjective(model, seq_len=8, pretrained=variables, ema_decay=None), optax.adamw(1e-2),
+                      key=jax.random.key(0))
+    state = trainer.fit(Dataset(train=lambda p: itertools.cycle(batches), batch=8), steps=steps, log_every=4,
+                        sinks=[sink])
+    return state, sink
 
 
 def dense_mask(segments):
@@ -162,3 +185,33 @@ def run_log():
     finally:
         for logger in loggers:
             logger.removeHandler(handler)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def launched_serve(arguments, env=None, timeout=180):
+    """`dew serve ARGUMENTS` in a subprocess, on the tests' JAX cache: yields the process, the
+    line it printed when it started listening, and the list its output lines keep arriving in.
+    Killed on the way out if the test has not stopped it."""
+    import queue
+    import threading
+    import time
+
+    environment = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", **(env or {}))
+    process = subprocess.Popen([sys.executable, "-m", "dew_lib.cli", "serve", *arguments],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
+    try:
+        seen, deadline = [], time.monotonic() + timeout
+        while not any("dew serve:" in line for line in seen):
+            assert process.poll() is None and time.monotonic() < deadline, "".join(seen)
+            with contextlib.suppress(queue.Empty):
+                seen.append(lines.get(timeout=1))
+        yield process, next(line for line in seen if "dew serve:" in line), seen
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -24,11 +24,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import jax  # noqa: E402
-
-jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.dirname(HERE), ".pytest_cache", "jax"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-
+import jax  # noqa: E402  (the tests' compilation cache comes in through JAX_* variables)
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 

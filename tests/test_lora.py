@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import lm_batches, pairs_batch, run_on_host_devices, tiny_model
+from conftest import fit_adapters, lm_batches, pairs_batch, run_on_host_devices, tiny_model
 
 from dew_lib import Dataset, LMObjective, Trainer
 from dew_lib.data import Loading
@@ -99,12 +99,7 @@ def test_sampling_draws_through_the_adapters():
 
 def test_training_moves_only_the_adapters_and_the_optimizer_keeps_moments_for_them_alone():
     model, variables = adapted(lora.LoRA(rank=2, targets=("q_proj", "v_proj")))
-    batches = list(lm_batches(0, 8, 9, count=4))
-    sink = MemorySink()
-    trainer = Trainer(LMObjective(model, seq_len=8, pretrained=variables, ema_decay=None), optax.adamw(1e-2),
-                      key=jax.random.key(0))
-    state = trainer.fit(Dataset(train=lambda p: itertools.cycle(batches), batch=8), steps=8, log_every=4,
-                        sinks=[sink])
+    state, sink = fit_adapters(model, variables)
     trained, base = lora.split(state.params)
     start_adapters, start_base = lora.split(variables)
     for after, before in zip(jax.tree.leaves(base), jax.tree.leaves(start_base), strict=True):

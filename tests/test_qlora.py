@@ -10,13 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import lm_batches, pairs_batch, tiny_model
+from conftest import fit_adapters, pairs_batch, tiny_model
 
-from dew_lib import Dataset, LMObjective, Trainer
+from dew_lib import Dataset, Trainer
 from dew_lib.models import lora, partitioning, quantize
 from dew_lib.objectives import DPOObjective, GRPOObjective, loss
 from dew_lib.sampling import Sampling, generate
-from dew_lib.train.sinks import MemorySink
 
 MODEL = tiny_model()  # 2 layers, width 16, 4 heads of 4, 2 KV heads, MLP 32, vocabulary 32
 BASE = MODEL.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
@@ -100,12 +99,7 @@ def test_quantizing_refuses_unknown_bits_a_second_pass_and_a_base_without_adapte
 
 def test_training_moves_only_the_adapters_and_the_int8_base_stays_bit_for_bit():
     model, variables, _, _ = quantized(lora.LoRA(rank=2, targets=("q_proj", "v_proj", "down_proj")))
-    batches = list(lm_batches(0, 8, 9, count=4))
-    sink = MemorySink()
-    trainer = Trainer(LMObjective(model, seq_len=8, pretrained=variables, ema_decay=None), optax.adamw(1e-2),
-                      key=jax.random.key(0))
-    state = trainer.fit(Dataset(train=lambda p: itertools.cycle(batches), batch=8), steps=8, log_every=4,
-                        sinks=[sink])
+    state, sink = fit_adapters(model, variables)
     trained, base = lora.split(state.params)
     start_adapters, start_base = lora.split(variables)
     for after, before in zip(jax.tree.leaves(base), jax.tree.leaves(start_base), strict=True):

@@ -40,7 +40,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import queue
 import shutil
 import signal
 import subprocess
@@ -55,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-from conftest import CACHE, SHARED_DATA, tiny_model
+from conftest import ROOT, SHARED_DATA, launched_serve, tiny_model
 from fastapi.testclient import TestClient
 
 from dew_lib.inference import Server, ServeTask
@@ -64,7 +63,6 @@ from dew_lib.records.draw import Draw
 from dew_lib.sampling import Sampling
 from dew_lib.serve import ServedPolicy, create_app, dev_endpoints_for, render, running
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(SHARED_DATA, "tokenizers", "minimind")
 SAMPLING = Sampling(temperature=0.8, top_k=20)  # transforming: raw and processed log-probs differ
 NAME = "tiny-policy"
@@ -519,22 +517,10 @@ def test_dew_serve_split_over_two_devices_draws_like_one_and_exits_on_sigterm(ch
     probe.add(0, PROMPT, 12, seed=SEED)
     ids = drain(probe)[0].ids.tolist()
     expected = ids[:ids.index(stop) + 1]  # the served draw ends on the checkpoint's second EOS id
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.abspath(CACHE),
-               DEW_SERVE_API_KEY="sesame", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dew_lib.cli", "serve", str(directory), "--port", "0", "--slots", "2",
-         "--capacity", "64", "--temperature", "0.8", "--top-k", "20", "--dev-endpoints",
-         "--tensor-parallel-size", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
-    try:
-        seen, deadline = [], time.monotonic() + 180
-        while not any("dew serve:" in line for line in seen):
-            assert process.poll() is None and time.monotonic() < deadline, "".join(seen)
-            with contextlib.suppress(queue.Empty):
-                seen.append(lines.get(timeout=1))
-        started = next(line for line in seen if "dew serve:" in line)
+    arguments = [str(directory), "--port", "0", "--slots", "2", "--capacity", "64", "--temperature", "0.8",
+                 "--top-k", "20", "--dev-endpoints", "--tensor-parallel-size", "2"]
+    env = {"DEW_SERVE_API_KEY": "sesame", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    with launched_serve(arguments, env) as (process, started, seen):
         assert "development routes on, API key required" in started and "warning" not in "".join(seen), seen
         assert "tensor parallel over 2 devices" in started, started
         url = started.split(" on ")[1].split()[0]
@@ -562,10 +548,6 @@ def test_dew_serve_split_over_two_devices_draws_like_one_and_exits_on_sigterm(ch
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, "".join(seen)
         assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")], "orphaned children"
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_dew_serve_reports_a_missing_checkpoint_in_one_line(tmp_path):

@@ -13,12 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
@@ -26,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import openai
 import pytest
-from conftest import CACHE, tiny_model
+from conftest import launched_serve, tiny_model
 
 from dew_lib.inference import (
     AdapterReload,
@@ -44,7 +39,6 @@ from dew_lib.models.pretrained import Pretrained, load_adapter, load_pretrained,
 from dew_lib.sampling import Sampling
 from dew_lib.serve import ServedModels, ServedPolicy, create_app, running
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "tiny-base"
 SAMPLING = Sampling(temperature=1.0, eos_id=2)
 SLOTS, CAPACITY, STEPS = 2, 64, 4
@@ -246,21 +240,9 @@ def test_adapter_pushes_serve_the_latest_version_and_retire_the_older_ones(check
 
 def test_dew_serve_command_serves_lora_flags(checkpoint):
     base_directory, adapters = checkpoint
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.abspath(CACHE))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dew_lib.cli", "serve", str(base_directory), "--port", "0", "--slots", "2",
-         "--capacity", str(CAPACITY), "--steps", str(STEPS), "--served-model-name", NAME,
-         "--lora", f"a={adapters['a']}", "--lora", f"b={adapters['b']}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
-    try:
-        seen, deadline = [], time.monotonic() + 180
-        while not any("dew serve:" in line for line in seen):
-            assert process.poll() is None and time.monotonic() < deadline, "".join(seen)
-            with contextlib.suppress(queue.Empty):
-                seen.append(lines.get(timeout=1))
-        started = next(line for line in seen if "dew serve:" in line)
+    arguments = [str(base_directory), "--port", "0", "--slots", "2", "--capacity", str(CAPACITY), "--steps",
+                 str(STEPS), "--served-model-name", NAME, *(f for n in "ab" for f in ("--lora", f"{n}={adapters[n]}"))]
+    with launched_serve(arguments) as (process, started, seen):
         assert "adapters a, b" in started, started
         url = started.split(" on ")[1].split()[0]
         assert [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]] == [NAME, "a", "b"]
@@ -268,10 +250,6 @@ def test_dew_serve_command_serves_lora_flags(checkpoint):
         assert drawn == probe(base_directory, adapters["b"], PROMPT, 10, 3)[:len(drawn)]
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, "".join(seen)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_lora_flags_need_a_name_and_a_path():

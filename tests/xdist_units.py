@@ -74,4 +74,26 @@ def make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return unit(config.rootpath, nodeid)
 
+        def _reschedule(self, node) -> None:
+            # A replacement worker still collecting has no collection to index yet: its own
+            # collection-finished event schedules it.
+            if node in self.registered_collections:
+                super()._reschedule(node)
+
+        def remove_node(self, node):
+            """A worker that crashed (a segfault, an abort) hands its unfinished units back, less
+            the test it crashed in: xdist reports that one failed, and LoadScopeScheduling would
+            queue it again, which hung the session once a replacement worker came up."""
+            workload = self.assigned_work.pop(node)
+            unfinished = [(scope, test) for scope, tests in workload.items()
+                          for test, done in tests.items() if not done]
+            if not unfinished:
+                return None
+            scope, crashed = unfinished[0]
+            workload[scope][crashed] = True
+            self.workqueue.update((s, tests) for s, tests in workload.items() if not all(tests.values()))
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashed
+
     return SharedFixtureScheduling(config, log)
