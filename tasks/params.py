@@ -10,7 +10,7 @@ local Hugging Face checkpoint in `ModelParams.pretrained` and data files in `Dat
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -146,6 +146,28 @@ class ModelParams(Params):
     num_heads: int = Field(4, ge=1, description="embedded decoder: attention heads")
     mlp_features: int = Field(384, ge=8, description="embedded decoder: MLP width")
     max_seq_len: int = Field(128, ge=16, description="embedded decoder: context length")
+    experts: int = Field(0, ge=0, description="embedded decoder: experts per layer, each token's MLP "
+                         "a mix of its experts_per_token best (mixture of experts, docs/moe.md); 0: one "
+                         "dense MLP")
+    experts_per_token: int = Field(2, ge=1, description="embedded decoder with experts: experts each "
+                                   "token is routed to (top-k)")
+    expert_features: int | None = Field(None, ge=8, description="embedded decoder with experts: each "
+                                        "expert's MLP width; empty: mlp_features")
+
+    # Fields added after initial policies were first keyed: left at their defaults, the key is
+    # what it was before they existed (tasks/manifests.keyed).
+    LATER: ClassVar[frozenset[str]] = frozenset({"experts", "experts_per_token", "expert_features"})
+
+    @model_validator(mode="after")
+    def _routable(self) -> ModelParams:
+        if self.experts and self.experts_per_token > self.experts:
+            raise ValueError(f"ModelParams.experts_per_token={self.experts_per_token} exceeds experts="
+                             f"{self.experts}: a token cannot be routed to more experts than a layer has")
+        if self.pretrained is not None and self.experts:
+            raise ValueError("ModelParams.experts shapes the embedded decoder, and pretrained names a "
+                             "checkpoint whose config.json already says whether it has experts; leave "
+                             "experts at 0 with a checkpoint")
+        return self
 
     @field_validator("pretrained")
     @classmethod
@@ -265,6 +287,11 @@ class GRPOParams(GRPOOptions, TextStageParams):
         if self.rollout.remote and self.mode != "async":
             raise ValueError(f"rollout.server={self.rollout.server!r} is a remote engine, which draws ahead "
                              "of the trainer: set mode='async'")
+        if self.routing_replay != "none" and not self.rollout.remote:
+            raise ValueError(f"routing_replay={self.routing_replay!r} trains with the routes the engine "
+                             "reports, and only a remote vLLM or SGLang engine (launched with "
+                             "--enable-return-routed-experts) reports them today: set mode='async' and "
+                             "rollout.server to the engine's URL, or leave routing_replay='none' (docs/moe.md)")
         return self
 
 

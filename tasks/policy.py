@@ -12,7 +12,7 @@ from prefect import get_run_logger, task
 from dew_lib import models
 from dew_lib.data.tokenizer import load_tokenizer
 from dew_lib.models import Pretrained, load_pretrained
-from tasks.manifests import DataManifest, PolicyRef, fingerprint
+from tasks.manifests import DataManifest, PolicyRef, fingerprint, keyed
 from tasks.params import ModelParams
 from tasks.refusals import RunRefused, retry_unless_refused
 from tasks.storage import read_json, write_json
@@ -49,6 +49,14 @@ def load_policy(policy: PolicyRef, tokenizer_dir: str | None = None):
     return pretrained, variables
 
 
+def experts_of(params: ModelParams) -> dict:
+    """The decoder options of a mixture-of-experts MLP, or none for a dense one."""
+    if not params.experts:
+        return {}
+    return dict(experts=params.experts, experts_per_token=params.experts_per_token,
+                expert_features=params.expert_features)
+
+
 @task(retries=1, retry_delay_seconds=1, retry_condition_fn=retry_unless_refused)
 def initial_policy(params: ModelParams, data: DataManifest, directory: str, seed: int) -> PolicyRef:
     """The policy the first stage starts from: the given checkpoint, or a fresh small decoder."""
@@ -56,7 +64,7 @@ def initial_policy(params: ModelParams, data: DataManifest, directory: str, seed
     if params.pretrained is not None:
         logger.info("starting from the checkpoint %s", params.pretrained)
         return PolicyRef(path=params.pretrained, fingerprint=checkpoint_fingerprint(params.pretrained))
-    key = fingerprint("init", params, data.fingerprint, seed)
+    key = fingerprint("init", keyed(params), data.fingerprint, seed)
     existing = read_json(os.path.join(directory, "dew_policy.json"))
     if existing is not None and existing.get("fingerprint") == key:
         return PolicyRef(path=directory, fingerprint=key)
@@ -64,7 +72,7 @@ def initial_policy(params: ModelParams, data: DataManifest, directory: str, seed
     model = models.build("causal_transformer", vocab_size=len(tokenizer),
                          emb_features=params.emb_features, num_layers=params.num_layers,
                          num_heads=params.num_heads, mlp_features=params.mlp_features,
-                         max_seq_len=params.max_seq_len)
+                         max_seq_len=params.max_seq_len, **experts_of(params))
     variables = jax.jit(model.init)(jax.random.key(seed), jax.numpy.zeros((1, 8), "int32"))
     count = sum(x.size for x in jax.tree.leaves(variables))
     logger.info("a fresh decoder with %.2fM parameters, vocabulary %d", count / 1e6, len(tokenizer))

@@ -158,7 +158,8 @@ def _server(params: GRPOParams, pretrained):
         return None
     return remote_server(RemoteEngine(url=rollout.server, directory=rollout.directory, provider=rollout.provider,
                                       model=rollout.model, replicas=tuple(rollout.replicas),
-                                      processed_logprobs=rollout.processed_logprobs, timeout=rollout.timeout),
+                                      processed_logprobs=rollout.processed_logprobs,
+                                      routing=params.routing_replay != "none", timeout=rollout.timeout),
                          pretrained)
 
 

@@ -45,7 +45,7 @@ def test_a_seed_gives_the_weights_of_one_module_per_layer():
         @nn.compact
         def __call__(self, x, rope, segments):
             for i in range(model.num_layers):
-                x, _ = Block(**model._block_options(), name=f"layers_{i}")(
+                x, _, _ = Block(**model._block_options(), name=f"layers_{i}")(
                     x, rope, segments, model.attention_block)
             return x
 

@@ -4,17 +4,23 @@ Run from the repository root with the project's venv:
 
     .venv/bin/python tools/parity_hf.py            # rebuild tests/fixtures/hf, then check
     .venv/bin/python tools/parity_hf.py --check    # keep the fixtures, only check
+    .venv/bin/python tools/parity_hf.py --only qwen3_moe,mixtral   # rebuild these, check all
 
 The script makes its own venv at tools/.venv-hf with the CPU build of torch and the same
 transformers version as the project's venv, and re-runs itself there. That side builds tiny random
-Qwen3 (tied, tokenizer, single file), Qwen2 (q/k/v biases, sharded, legacy top-level rope_theta)
-and Llama (llama3 rope scaling, bfloat16 weights) models, saves them with transformers, and records
-transformers' float32 logits on three inputs: a plain batch, a padded batch (attention_mask, left
-and right padding) and packed rows (position_ids restarting per document; transformers 5 turns
-restarts into a block-diagonal mask, which the script checks against running each document
-alone). The Dew side then runs in the project's venv (no torch): it loads each fixture, compares
-logits, and saves float32 and bfloat16 copies; transformers loads those copies back and must give
-the same logits. Exit status 1 if any difference exceeds the tolerance.
+Qwen3 (tied, tokenizer, single file), Qwen2 (q/k/v biases, sharded, legacy top-level rope_theta),
+Llama (llama3 rope scaling, bfloat16 weights), Qwen3-MoE (qk-norm, top-2 of 8 renormalized),
+Qwen2-MoE (biases, gated shared expert, top-2 of 8 not renormalized, sharded) and Mixtral (its own
+names; also in transformers 5's fused layout as mixtral_fused) models, saves them with
+transformers, and records its float32 logits on a plain batch, a padded batch (attention_mask,
+left and right padding) and packed rows (position_ids restarting per document; transformers 5
+turns restarts into a block-diagonal mask, checked against running each document alone). For MoE
+models also its `aux_loss` (`output_router_logits=True`, masked on the padded batch), each layer's
+experts, and the smallest gap between the k-th and (k+1)-th router logit on the inputs (routers
+are scaled up so both sides pick the same experts). The Dew side (project venv, no torch) loads
+each fixture, compares logits (and aux loss), and saves float32 and bfloat16 copies, which
+transformers loads back and must match. Exit status 1 past a tolerance (dense 1e-4, MoE 1e-5).
+`--only` rebuilds some fixtures and keeps the others and their manifest entries as they are.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import glob
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,9 +40,13 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 VENV = ROOT / "tools" / ".venv-hf"
 TORCH = "torch==2.13.0+cpu"  # the CPU wheel; a plain "torch==2.13.0" could resolve to a CUDA build
-TOLERANCE = 1e-4  # absolute, float32 logits
+TOLERANCE = 1e-4  # absolute, float32 logits of the dense fixtures
+MOE_TOLERANCE = 1e-5  # the MoE fixtures' logits and aux losses (issue 44)
 SEED = 20260517
-FAMILIES = ("qwen3", "qwen2", "llama")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
+FAMILIES = ("qwen3", "qwen2", "llama", *MOE)
+ROUTER_SCALE = 4.0  # router weights this much larger than other linear weights: no near-ties
+MIN_MARGIN = 1e-3  # smallest accepted gap between the k-th and (k+1)-th router logit
 
 
 # -- bootstrapping: which interpreter runs what ------------------------------------------------
@@ -102,6 +113,32 @@ def _specs():
                                           "original_max_position_embeddings": 16}),
             shard=None, dtype="bfloat16", tokenizer=False, legacy_rope=False,
         ),
+        "qwen3_moe": dict(
+            cls="Qwen3MoeForCausalLM", config="Qwen3MoeConfig",
+            options=dict(common, intermediate_size=96, num_key_value_heads=2, head_dim=32,
+                         moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                         tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}),
+            shard=None, dtype="float32", tokenizer=False, legacy_rope=False,
+        ),
+        "qwen2_moe": dict(
+            cls="Qwen2MoeForCausalLM", config="Qwen2MoeConfig",
+            options=dict(common, intermediate_size=96, num_key_value_heads=2,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                         router_aux_loss_coef=0.01, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}),
+            shard="200KB", dtype="float32", tokenizer=False, legacy_rope=False,
+        ),
+        "mixtral": dict(
+            cls="MixtralForCausalLM", config="MixtralConfig",
+            options=dict(common, intermediate_size=32, num_key_value_heads=2, rms_norm_eps=1e-5,
+                         num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+                         tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}),
+            shard=None, dtype="float32", tokenizer=False, legacy_rope=False, fused_copy=True,
+        ),
     }
 
 
@@ -136,7 +173,9 @@ def _randomize(model, torch):
     """Replace the default init (std 0.02, unit norms, zero biases) with weights that matter.
 
     Logits of order one and norms and biases away from their neutral values make a wrong
-    transpose, a missing bias or a skipped norm show up far above the tolerance.
+    transpose, a missing bias or a skipped norm show up far above the tolerance. An MoE router
+    (`mlp.gate.weight`, also Mixtral's in memory) gets ROUTER_SCALE times more, so its top-k
+    choices are not near-tied.
     """
     generator = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
@@ -146,8 +185,10 @@ def _randomize(model, torch):
                 value = 1.0 + 0.2 * noise
             elif name.endswith(".bias"):
                 value = 0.2 * noise
-            else:  # linear weights [out, in], and the embedding (the tied output projection)
-                value = noise / param.shape[1] ** 0.5
+            else:  # linear weights [(experts,) out, in], and the embedding (tied output projection)
+                value = noise / param.shape[-1] ** 0.5
+                if name.endswith(".mlp.gate.weight"):
+                    value = value * ROUTER_SCALE
             param.copy_(value.to(param.dtype))
 
 
@@ -200,6 +241,35 @@ def _hf_logits(model, inputs, torch):
     return out, gap
 
 
+def _hf_routing(model, inputs, torch):
+    """transformers' `aux_loss` (unscaled; over the tokens attention_mask keeps), each layer's
+    experts `[layers, B, S, k]` and the smallest top-k router-logit margin over every position
+    (padding too: both sides route every position)."""
+    import numpy as np
+
+    k = model.config.num_experts_per_tok
+    out, margins = {}, []
+    for case, kwargs in (
+        ("plain", dict(input_ids=inputs["plain_ids"])),
+        ("padded", dict(input_ids=inputs["padded_ids"], attention_mask=inputs["padded_mask"],
+                        position_ids=inputs["padded_positions"])),
+        ("packed", dict(input_ids=inputs["packed_ids"], position_ids=inputs["packed_positions"])),
+    ):
+        with torch.no_grad():
+            result = model(**{key: torch.as_tensor(v) for key, v in kwargs.items()},
+                           use_cache=False, output_router_logits=True)
+        logits = np.stack([r.float().numpy() for r in result.router_logits])  # [L, B*S, E]
+        ranked = -np.sort(-logits, axis=-1)
+        margins.append(float((ranked[..., k - 1] - ranked[..., k]).min()))
+        chosen = np.argsort(-logits, axis=-1, kind="stable")[..., :k]
+        out[f"experts_{case}"] = chosen.reshape(len(logits), *kwargs["input_ids"].shape, k).astype(np.int32)
+        out[f"aux_loss_{case}"] = np.float32(result.aux_loss.item())
+    margin = min(margins)
+    if margin <= MIN_MARGIN:
+        raise SystemExit(f"router top-k margin {margin} is near a tie; change ROUTER_SCALE or SEED")
+    return out, margin
+
+
 def _load_hf(directory: Path, torch):
     from transformers import AutoModelForCausalLM
 
@@ -208,8 +278,9 @@ def _load_hf(directory: Path, torch):
     ).eval()
 
 
-def build_fixtures() -> dict:
-    """Write tests/fixtures/hf/<family>/ and references/<family>.npz; return the manifest."""
+def build_fixtures(only: tuple[str, ...] = FAMILIES) -> dict:
+    """Write tests/fixtures/hf/<family>/ and references/<family>.npz for the families in `only`;
+    return the manifest, whose entries for the other families are kept as they were."""
     import numpy as np
     import safetensors
     import torch
@@ -218,14 +289,14 @@ def build_fixtures() -> dict:
     torch.manual_seed(SEED)
     inputs = _inputs()
     (FIXTURES / "references").mkdir(parents=True, exist_ok=True)
-    manifest = {
-        "generated_by": "tools/parity_hf.py",
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "safetensors": safetensors.__version__, "numpy": np.__version__,
-                     "python": platform.python_version()},
-        "seed": SEED, "tolerance": TOLERANCE, "families": {},
-    }
-    for name, spec in _specs().items():
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "safetensors": safetensors.__version__, "numpy": np.__version__,
+                "python": platform.python_version()}
+    path = FIXTURES / "MANIFEST.json"
+    manifest = json.loads(path.read_text()) if path.exists() and only != FAMILIES else {
+        "generated_by": "tools/parity_hf.py", "versions": versions, "seed": SEED,
+        "tolerance": TOLERANCE, "families": {}}
+    for name, spec in ((n, spec) for n, spec in _specs().items() if n in only):
         directory = FIXTURES / name
         for old in directory.glob("*"):
             old.unlink()
@@ -235,27 +306,45 @@ def build_fixtures() -> dict:
         save_dtype = getattr(torch, spec["dtype"])
         kwargs = {"max_shard_size": spec["shard"]} if spec["shard"] else {}
         model.to(save_dtype).save_pretrained(str(directory), **kwargs)
+        if spec.get("fused_copy"):  # transformers 5's in-memory layout, which Dew reads too
+            shutil.rmtree(fused := FIXTURES / f"{name}_fused", ignore_errors=True)
+            model.save_pretrained(str(fused), save_original_format=False)
         if spec["legacy_rope"]:  # the pre-transformers-5 layout: rope_theta at the top level
-            path = directory / "config.json"
-            legacy = json.loads(path.read_text())
+            config_path = directory / "config.json"
+            legacy = json.loads(config_path.read_text())
             rope = legacy.pop("rope_parameters")
             legacy["rope_theta"] = rope["rope_theta"]
             legacy["rope_scaling"] = None
-            path.write_text(json.dumps(legacy, indent=2) + "\n")
+            config_path.write_text(json.dumps(legacy, indent=2) + "\n")
         if spec["tokenizer"]:
             _tokenizer(directory)
         # The reference is what transformers computes from the files on disk, in float32.
         reference = _load_hf(directory, torch)
         logits, packed_gap = _hf_logits(reference, inputs, torch)
         inv_freq = reference.model.rotary_emb.inv_freq.numpy()
-        np.savez(FIXTURES / "references" / f"{name}.npz", inv_freq=inv_freq,
-                 **{f"logits_{k}": v for k, v in logits.items()}, **inputs)
-        manifest["families"][name] = {
+        entry = {
             "architecture": spec["cls"], "stored_dtype": spec["dtype"],
             "files": sorted(p.name for p in directory.iterdir()),
             "packed_vs_per_document_max_abs": packed_gap,
         }
-    (FIXTURES / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        routing = {}
+        if name in MOE:
+            routing, margin = _hf_routing(reference, inputs, torch)
+            entry.update(versions=versions, tolerance=MOE_TOLERANCE, router_scale=ROUTER_SCALE,
+                         min_topk_router_logit_margin=margin,
+                         router_aux_loss_coef=reference.config.router_aux_loss_coef,
+                         aux_loss={c: float(routing[f"aux_loss_{c}"]) for c in ("plain", "padded", "packed")})
+            if spec.get("fused_copy"):
+                again, _ = _hf_logits(_load_hf(FIXTURES / f"{name}_fused", torch), inputs, torch)
+                gap = max(float(np.abs(again[k] - logits[k]).max()) for k in logits)
+                if gap:
+                    raise SystemExit(f"transformers reads {name}_fused differently: {gap}")
+                entry["fused_copy"] = {"directory": f"{name}_fused",
+                                       "files": sorted(p.name for p in fused.iterdir())}
+        np.savez(FIXTURES / "references" / f"{name}.npz", inv_freq=inv_freq,
+                 **{f"logits_{k}": v for k, v in logits.items()}, **routing, **inputs)
+        manifest["families"][name] = entry
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
@@ -298,6 +387,7 @@ def check_round_trip(work: Path) -> dict:
 
 def dew_side(work: Path) -> dict:
     """Load each fixture with Dew, compare logits, and save f32 and bf16 copies into `work`."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -313,6 +403,14 @@ def dew_side(work: Path) -> dict:
         return {"logits_plain": np.asarray(plain), "logits_padded": np.asarray(padded),
                 "logits_packed": np.asarray(packed)}
 
+    def aux_losses(model, variables, ref):  # the MoE block's load-balancing loss, unscaled
+        cases = {"plain": (), "padded": (ref["padded_mask"], ref["padded_positions"]),
+                 "packed": (ref["packed_segments"], ref["packed_positions"])}
+        return {case: float(model.apply(variables, jnp.asarray(ref[f"{case}_ids"]),
+                                        *map(jnp.asarray, args), method=model.hidden,
+                                        return_routing=True)[1].aux_loss)
+                for case, args in cases.items()}
+
     results = {}
     for name in FAMILIES:
         ref = dict(np.load(FIXTURES / "references" / f"{name}.npz"))
@@ -323,6 +421,16 @@ def dew_side(work: Path) -> dict:
             "padded": _max_diff(ours["logits_padded"], ref["logits_padded"], ref["padded_mask"]),
             "packed": _max_diff(ours["logits_packed"], ref["logits_packed"]),
         }
+        if name in MOE:
+            aux = aux_losses(pretrained.model, variables, ref)
+            results[name].update({f"aux_{case}": abs(value - float(ref[f"aux_loss_{case}"]))
+                                  for case, value in aux.items()})
+            fused = FIXTURES / f"{name}_fused"
+            if fused.is_dir():  # transformers 5's fused layout loads to the very same variables
+                mine, theirs = variables, load_pretrained(fused)[1]
+                assert jax.tree.structure(mine) == jax.tree.structure(theirs)
+                results[name]["fused_load"] = max(float(np.abs(a - b).max()) for a, b in zip(
+                    jax.tree.leaves(mine), jax.tree.leaves(theirs), strict=True))
         pretrained.save(variables, work / f"{name}-f32", dtype=jnp.float32, max_shard_size="64KB")
         pretrained.save(variables, work / f"{name}-bf16")
         again, bf16_variables = load_pretrained(work / f"{name}-bf16")
@@ -339,7 +447,12 @@ def main() -> int:
     parser.add_argument("--side", choices=["driver", "hf", "dew"], default="driver",
                         help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--only", default=",".join(FAMILIES),
+                        help="comma-separated fixtures to rebuild (default: all); all are checked")
     args = parser.parse_args()
+    only = tuple(args.only.split(","))
+    if set(only) - set(FAMILIES):
+        parser.error(f"--only takes some of {FAMILIES}")
 
     if args.side == "dew":
         print(json.dumps(dew_side(args.work)))
@@ -347,15 +460,15 @@ def main() -> int:
     if args.side == "driver":
         python = _ensure_venv()
         env = dict(os.environ, DEW_PYTHON=_dew_python())
-        argv = [str(python), __file__, "--side", "hf"] + (["--check"] if args.check else [])
-        return subprocess.run(argv, env=env).returncode
+        argv = [str(python), __file__, "--side", "hf", "--only", args.only]
+        return subprocess.run(argv + (["--check"] if args.check else []), env=env).returncode
 
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     if not args.check:
-        manifest = build_fixtures()
-        print("fixtures written:", json.dumps(manifest["versions"]))
+        build_fixtures(only)
+        print("fixtures written:", ", ".join(only))
     with tempfile.TemporaryDirectory(prefix="dew-parity-") as tmp:
         work = Path(tmp)
         dew = subprocess.run(
@@ -365,14 +478,18 @@ def main() -> int:
         loaded = json.loads(dew.stdout.strip().splitlines()[-1])
         reloaded = check_round_trip(work)
     failed = False
-    print(f"{'family':8} {'dew vs hf: plain':>17} {'padded':>10} {'packed':>10} "
-          f"{'hf reload f32':>14} {'hf reload bf16':>15}")
+    print(f"{'family':10} {'dew vs hf: plain':>17} {'padded':>10} {'packed':>10} "
+          f"{'hf reload f32':>14} {'hf reload bf16':>15}   aux loss |dew - hf| plain/padded/packed")
     for name in FAMILIES:
         row = {**loaded[name], **reloaded[name]}
-        failed |= any(value > TOLERANCE for value in row.values())
-        print(f"{name:8} {row['plain']:17.2e} {row['padded']:10.2e} {row['packed']:10.2e} "
-              f"{row['hf_reload_f32']:14.2e} {row['hf_reload_bf16']:15.2e}")
-    print("FAILED" if failed else f"all within {TOLERANCE} absolute")
+        failed |= any(value > (MOE_TOLERANCE if name in MOE else TOLERANCE) for value in row.values())
+        aux = "/".join(f"{row[f'aux_{c}']:.1e}" for c in ("plain", "padded", "packed")
+                       if f"aux_{c}" in row)
+        fused = f"   fused layout: {row['fused_load']:.1e}" if "fused_load" in row else ""
+        print(f"{name:10} {row['plain']:17.2e} {row['padded']:10.2e} {row['packed']:10.2e} "
+              f"{row['hf_reload_f32']:14.2e} {row['hf_reload_bf16']:15.2e}   {aux}{fused}")
+    print("FAILED" if failed else
+          f"all within tolerance (dense {TOLERANCE}, MoE {MOE_TOLERANCE} absolute)")
     return 1 if failed else 0
 
 

@@ -16,9 +16,13 @@ Adapter dropout (models/lora.py) runs when a call is given a `dropout` rng (`rng
 key}`), each layer with its own key (the layer index folded in). With `quantized` the layers'
 projection kernels are int8 (models/quantize.py), read one layer at a time.
 
+With `experts > 0` every layer's MLP is a mixture of experts (models/moe.py): `hidden` can replay
+recorded routes and return what the routers did (`moe.Routing`), and `prefill`/`decode` the
+experts each token used.
+
 Not here: one layer and its parts (`decoder_layer`), the attention functions
-(`decoder_attention`), sliding-window attention, mixture-of-experts layers, dropout outside the
-adapters.
+(`decoder_attention`), sliding-window attention, dense and sparse layers mixed in one model,
+dropout outside the adapters.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core.scope import LazyRng
 
-from dew_lib.models import head, partitioning, rotary
+from dew_lib.models import head, moe, partitioning, rotary
 from dew_lib.models.decoder_attention import ATTENTION_KERNELS, attend_cached
 from dew_lib.models.decoder_layer import _INIT, Block, RMSNorm, _dense
+from dew_lib.models.lora import check_expert_targets
 from dew_lib.options import choice
 
 # Each parameter's logical axes (partitioning.py): the stacked layer axis is never split, the
@@ -68,6 +73,15 @@ partitioning.declare({
     **{("layers", name, "kernel_scale"): ("layers", out) for name, out in
        (("q_proj", "heads"), ("k_proj", "kv_heads"), ("v_proj", "kv_heads"), ("o_proj", "embed"),
         ("gate_proj", "mlp"), ("up_proj", "mlp"), ("down_proj", "embed"))},
+    # mixture of experts (models/moe.py): the router whole, experts stacked on their own axis
+    ("layers", "router", "kernel"): ("layers", "embed", None),
+    ("layers", "experts", "gate_proj"): ("layers", "experts", "embed", "mlp"),
+    ("layers", "experts", "up_proj"): ("layers", "experts", "embed", "mlp"),
+    ("layers", "experts", "down_proj"): ("layers", "experts", "mlp", "embed"),
+    ("layers", "shared_expert", "gate_proj", "kernel"): ("layers", "embed", "mlp"),
+    ("layers", "shared_expert", "up_proj", "kernel"): ("layers", "embed", "mlp"),
+    ("layers", "shared_expert", "down_proj", "kernel"): ("layers", "mlp", "embed"),
+    ("layers", "shared_expert_gate", "kernel"): ("layers", "embed", None),
 })
 
 # XLA options for compiled decode loops. XLA:CPU hands matmuls to its YNN library by default;
@@ -184,6 +198,16 @@ class CausalTransformer(nn.Module):
     remat: bool = False  # recompute each layer's activations in the backward pass
     lora: Any = None  # a models.lora.LoRA: low-rank adapters on the projections it targets
     quantized: bool = False  # int8 layer projection kernels (models/quantize.quantize_base)
+    # mixture of experts: routed experts per layer (0: the dense MLP), how many each token uses,
+    # their MLP width (None: mlp_features), whether the k weights are renormalised, Qwen2-MoE's
+    # shared expert width (0: none), and the router losses' coefficients the objectives add
+    experts: int = 0
+    experts_per_token: int = 2
+    expert_features: int | None = None
+    norm_topk_prob: bool = True
+    shared_expert_features: int = 0
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
 
     @property
     def kv_heads(self) -> int:
@@ -193,7 +217,20 @@ class CausalTransformer(nn.Module):
     def head_features(self) -> int:
         return self.head_dim or self.emb_features // self.num_heads
 
+    @property
+    def sparse(self) -> moe.Sparse | None:
+        """The layers' mixture-of-experts shape, or None for dense layers."""
+        if not self.experts:
+            return None
+        return moe.Sparse(self.experts, self.experts_per_token, self.expert_features or self.mlp_features,
+                          self.norm_topk_prob, self.shared_expert_features)
+
     def setup(self):
+        if self.experts < 0 or (self.experts and not 1 <= self.experts_per_token <= self.experts):
+            raise ValueError(f"experts={self.experts} with experts_per_token={self.experts_per_token}: a "
+                             "mixture of experts routes each token to 1..experts of them (experts=0: dense)")
+        if self.lora is not None:
+            check_expert_targets(self.experts, self.lora.targets)
         if self.attention_block < 1:
             raise ValueError(f"attention_block must be >= 1 query per block, got {self.attention_block}")
         choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
@@ -230,7 +267,8 @@ class CausalTransformer(nn.Module):
                     num_kv_heads=self.kv_heads, head_dim=self.head_features,
                     mlp_features=self.mlp_features, qk_norm=self.qk_norm,
                     attention_bias=self.attention_bias, norm_eps=self.norm_eps, dtype=self.dtype,
-                    param_dtype=self.param_dtype, lora=self.lora, quantized=self.quantized)
+                    param_dtype=self.param_dtype, lora=self.lora, quantized=self.quantized,
+                    sparse=self.sparse)
 
     def _block(self) -> Block:
         """The layer module, unbound: applied to one layer's slice of `self.layers`."""
@@ -266,32 +304,37 @@ class CausalTransformer(nn.Module):
             return None
         return self.make_rng("dropout")
 
-    def _run_layers(self, x, rope, segment_ids, return_kv: bool):
+    def _run_layers(self, x, rope, segment_ids, return_kv: bool, routes=None, routed=None):
         """Every layer over `x`: one `lax.scan` over the stacked parameters (`scan_layers`), or
         a Python loop over static slices of them (one copy of the layer in the program per
-        layer). Returns the output and, if asked, each layer's `(keys, values)` `[B, S, KV, D]`.
+        layer). Returns the output, each layer's `(keys, values)` `[B, S, KV, D]` if asked (else
+        []), and for sparse layers their `moe.LayerRouting` stacked on a leading layer axis
+        (else None). `routes` `[B, S, L, k]`: the experts to replay where `routed` `[B, S]`.
         Layer i's adapter dropout draws from the call's dropout key folded with i."""
         block = self._block()
         dropout = self._dropout_key()
+        per_layer = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [L, B, S, k]
 
         def body(x, layer):
-            params, index = layer
+            params, index, layer_routes = layer
             key = None if dropout is None else jax.random.fold_in(dropout, index)
-            x, kv = block.apply({"params": params}, partitioning.constrain_rows(x), rope, segment_ids,
-                                self.attention_block, self.attention_kernel, key)
-            return partitioning.constrain_rows(x), (kv if return_kv else None)
+            x, kv, routing = block.apply({"params": params}, partitioning.constrain_rows(x), rope, segment_ids,
+                                         self.attention_block, self.attention_kernel, key, layer_routes, routed)
+            return partitioning.constrain_rows(x), (kv if return_kv else None, routing)
 
         if self.remat:
             body = jax.checkpoint(body)
         if self.scan_layers:
-            x, kvs = jax.lax.scan(body, x, (self.layers, jnp.arange(self.num_layers)))
+            x, (kvs, routing) = jax.lax.scan(body, x, (self.layers, jnp.arange(self.num_layers), per_layer))
             return x, ([(kvs[0][i], kvs[1][i]) for i in range(self.num_layers)] if return_kv
-                       else [])
-        kvs = []
+                       else []), routing
+        outs = []
         for i in range(self.num_layers):
-            x, kv = body(x, (self._layer(i), i))
-            kvs.append(kv)
-        return x, (kvs if return_kv else [])
+            x, out = body(x, (self._layer(i), i, None if per_layer is None else per_layer[i]))
+            outs.append(out)
+        kvs = [kv for kv, _ in outs]
+        routing = None if self.sparse is None else jax.tree.map(lambda *a: jnp.stack(a), *[r for _, r in outs])
+        return x, (kvs if return_kv else []), routing
 
     def logits(self, hidden):
         """Project final hidden states to float32 vocabulary logits."""
@@ -348,14 +391,19 @@ class CausalTransformer(nn.Module):
             rows = jnp.moveaxis(jnp.take(self.lm_head.kernel, ids, axis=1), 0, -1)
         return jnp.einsum("...e,...e->...", hidden.astype(jnp.float32), rows.astype(jnp.float32))
 
-    def hidden(self, tokens, segment_ids=None, positions=None, *, return_kv=False):
-        """Final normed hidden states `[B, S, E]` (and each layer's keys and values if asked)."""
+    def hidden(self, tokens, segment_ids=None, positions=None, *, return_kv=False, routes=None, routed=None,
+               return_routing=False):
+        """Final normed hidden states `[B, S, E]`, then each layer's keys and values if
+        `return_kv`, then the `moe.Routing` if `return_routing` (a mixture of experts only).
+        routes `[B, S, layers, experts_per_token]`, routed `[B, S]`: replay those experts where
+        routed is true (routing replay); other tokens route freely."""
         b, s = tokens.shape
         if s > self.max_seq_len:
             raise ValueError(
                 f"input of length {s} exceeds the model's max_seq_len={self.max_seq_len}; "
                 "shorten the batch or build the model with a larger max_seq_len"
             )
+        moe.check_routes(self, tokens.shape, routes, routed, return_routing)
         if segment_ids is None:
             segment_ids = jnp.ones((b, s), jnp.int32)
         if positions is None:
@@ -363,23 +411,31 @@ class CausalTransformer(nn.Module):
         # Padding (segment 0) attends to padding: never read, but keeps every row finite.
         x = self.embed_tokens(tokens)
         rope = rotary.table(positions, self.inv_freq)
-        x, kvs = self._run_layers(x, rope, segment_ids, return_kv)
+        x, kvs, layers = self._run_layers(x, rope, segment_ids, return_kv, routes, routed)
         x = self.norm(x)
-        return (x, kvs) if return_kv else x
+        out = (x, kvs) if return_kv else (x,)
+        if return_routing:
+            out = (*out, moe.combine(layers))
+        return out if len(out) > 1 else x
 
     def __call__(self, tokens, segment_ids=None, positions=None):
         return self.logits(self.hidden(tokens, segment_ids, positions))
 
-    def prefill(self, tokens, segment_ids, positions):
-        """Logits and per-layer keys/values of a whole prompt batch, for filling a cache."""
+    def prefill(self, tokens, segment_ids, positions, *, return_routes=False):
+        """Logits and per-layer keys/values of a whole prompt batch, for filling a cache; with
+        `return_routes` (a mixture of experts) also each token's experts `[B, S, layers, k]`."""
+        if return_routes:
+            hidden, kvs, routing = self.hidden(tokens, segment_ids, positions, return_kv=True, return_routing=True)
+            return self.logits(hidden), kvs, routing.experts
         hidden, kvs = self.hidden(tokens, segment_ids, positions, return_kv=True)
         return self.logits(hidden), kvs
 
-    def decode(self, tokens, cache: KVCache, active, layers=None):
+    def decode(self, tokens, cache: KVCache, active, layers=None, *, return_routes=False):
         """One step for every row: `tokens` `[B]` at position `cache.lengths`.
 
         Rows where `active` is false leave their cache untouched.
-        Returns logits `[B, V]` and the updated cache.
+        Returns logits `[B, V]` and the updated cache, and with `return_routes` (a mixture of
+        experts) the experts each row's token used `[B, layers, k]`.
 
         `layers`: the per-layer parameters from `split_layers(variables)`, taken once before a
         decode loop. Without them each step slices its layers out of the stacked parameters,
@@ -392,6 +448,7 @@ class CausalTransformer(nn.Module):
         if layers is not None and len(layers) != self.num_layers:
             raise ValueError(f"decode got {len(layers)} layers' parameters; the model has "
                              f"{self.num_layers} (pass split_layers(variables))")
+        moe.check_routes(self, (tokens.shape[0], 1), None, None, return_routes)
         b = tokens.shape[0]
         slots = cache.keys[0].shape[2]
         positions = cache.lengths[:, None]  # [B, 1]
@@ -401,7 +458,7 @@ class CausalTransformer(nn.Module):
         x = self.embed_tokens(tokens[:, None])
         rope = rotary.table(positions, self.inv_freq)
         block = self._block()
-        keys, values = [], []
+        keys, values, routes = [], [], []
         for i, (k_cache, v_cache) in enumerate(zip(cache.keys, cache.values, strict=True)):
             params = {"params": self._layer(i) if layers is None else layers[i]}
             # flax annotates apply's result as "output or (output, mutated variables)"; without
@@ -410,13 +467,16 @@ class CausalTransformer(nn.Module):
             q, k, v = qkv  # [B, 1, H or KV, D]
             k_cache = k_cache.at[rows, :, write_at].set(k[:, 0].astype(k_cache.dtype), mode="drop")
             v_cache = v_cache.at[rows, :, write_at].set(v[:, 0].astype(v_cache.dtype), mode="drop")
-            x = block.apply(params, x, attend_cached(q, k_cache, v_cache, visible),
-                            method=Block.finish)
+            finished: Any = block.apply(params, x, attend_cached(q, k_cache, v_cache, visible), method=Block.finish)
+            x, routing = finished
             keys.append(k_cache)
             values.append(v_cache)
+            if routing is not None:
+                routes.append(routing.experts[:, 0])
         logits = self.logits(self.norm(x))[:, 0]
         lengths = cache.lengths + active.astype(cache.lengths.dtype)
-        return logits, KVCache(tuple(keys), tuple(values), lengths)
+        cache = KVCache(tuple(keys), tuple(values), lengths)
+        return (logits, cache, jnp.stack(routes, axis=1)) if return_routes else (logits, cache)
 
     def empty_cache(self, batch: int, slots: int) -> KVCache:
         """A zeroed cache with room for `slots` tokens per row."""

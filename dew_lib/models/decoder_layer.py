@@ -2,8 +2,9 @@
 
 `Block` is a pre-norm Llama/Qwen layer: RMSNorm, the q/k/v projections (with Qwen3's qk-norm or
 Qwen2's biases when asked), rotary positions, causal attention, the output projection, then a
-SiLU-gated MLP, each with its residual. `Linear` has `nn.Dense`'s parameters but lets sibling
-projections that share an input run as one matmul (`fused`). RMSNorm and the MLP's gated
+SiLU-gated MLP, or with `sparse` a mixture of experts (models/moe.py), each with its residual.
+`Linear` has `nn.Dense`'s parameters but lets sibling projections that share an input run as one
+matmul (`fused`). RMSNorm and the MLP's gated
 product are recomputed in the backward pass rather than kept.
 
 A layer's methods take `dropout`, a key or None: with a key, each adapter (models/lora.py) reads
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew_lib.models import lora, quantize, rotary
+from dew_lib.models import lora, moe, quantize, rotary
 from dew_lib.models.decoder_attention import attend_causal
 
 _INIT = nn.initializers.normal(stddev=0.02)
@@ -168,6 +169,24 @@ def _gated_down(gate, up, kernel, dtype, scale=None, lora_a=None, lora_b=None, l
     return out
 
 
+class GatedMLP(nn.Module):
+    """`down(silu(gate(x)) * up(x))` on rows: Qwen2-MoE's shared expert."""
+
+    features: int
+    hidden: int
+    dtype: Any
+    param_dtype: Any
+
+    def setup(self):
+        e, m, dt, pt = self.features, self.hidden, self.dtype, self.param_dtype
+        self.gate_proj = _dense(e, m, "gate_proj", dt, pt)
+        self.up_proj = _dense(e, m, "up_proj", dt, pt)
+        self.down_proj = _dense(m, e, "down_proj", dt, pt)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class Block(nn.Module):
     """One pre-norm decoder layer."""
 
@@ -183,6 +202,7 @@ class Block(nn.Module):
     param_dtype: Any
     lora: Any = None  # a lora.LoRA: which projections carry adapters
     quantized: bool = False  # int8 projection kernels (models/quantize.py)
+    sparse: Any = None  # a moe.Sparse: a mixture of experts in place of the MLP
 
     def setup(self):
         h, kv, d, dt, pt = self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.param_dtype
@@ -197,9 +217,17 @@ class Block(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.norm_eps, dt, pt)
             self.k_norm = RMSNorm(self.norm_eps, dt, pt)
-        self.gate_proj = _dense(e, m, "gate_proj", dt, pt, **extra)
-        self.up_proj = _dense(e, m, "up_proj", dt, pt, **extra)
-        self.down_proj = _dense(m, e, "down_proj", dt, pt, **extra)
+        sparse = self.sparse
+        if sparse is None:
+            self.gate_proj = _dense(e, m, "gate_proj", dt, pt, **extra)
+            self.up_proj = _dense(e, m, "up_proj", dt, pt, **extra)
+            self.down_proj = _dense(m, e, "down_proj", dt, pt, **extra)
+            return
+        self.router = _dense(e, sparse.experts, "router", dt, pt)
+        self.experts = moe.Experts(sparse.experts, e, sparse.features, pt)
+        if sparse.shared_features:
+            self.shared_expert = GatedMLP(e, sparse.shared_features, dt, pt)
+            self.shared_expert_gate = _dense(e, 1, "shared_expert_gate", dt, pt)
 
     def qkv(self, x, rope, dropout=None):
         """Rotated queries and keys and plain values for `x` `[B, S, E]`; `rope` is the
@@ -217,10 +245,15 @@ class Block(nn.Module):
         k = rotary.apply(k, rope)
         return q, k, v
 
-    def finish(self, x, attended, dropout=None):
-        """Output projection, residual, then the gated MLP with its residual."""
+    def finish(self, x, attended, dropout=None, segment_ids=None, routes=None, routed=None):
+        """Output projection, residual, then the MLP with its residual. Returns the output and,
+        for a sparse layer, its `moe.LayerRouting` over the tokens with `segment_ids` > 0 (all,
+        when None); `routes` `[B, S, k]` replays experts where `routed` `[B, S]` is true."""
         x = x + self.o_proj(attended, dropout)
         h = self.post_attention_layernorm(x)
+        if self.sparse is not None:
+            out, routing = self._experts(h, segment_ids, routes, routed)
+            return x + out, routing
         gate, up = fused(h, [self.gate_proj, self.up_proj], dropout)
         down = self.down_proj
         adapter = (None, None, 1.0, None, 0.0)
@@ -228,8 +261,26 @@ class Block(nn.Module):
             key = (None if dropout is None or not down.lora_dropout
                    else jax.random.fold_in(dropout, lora.TARGETS.index("down_proj")))
             adapter = (down.lora_a, down.lora_b, down.lora_scale, key, down.lora_dropout)
-        return x + _gated_down(gate, up, down.kernel, down.dtype, down.kernel_scale, *adapter)
+        return x + _gated_down(gate, up, down.kernel, down.dtype, down.kernel_scale, *adapter), None
 
-    def __call__(self, x, rope, segment_ids, block, kernel="auto", dropout=None):
+    def _experts(self, h, segment_ids, routes, routed):
+        """The sparse MLP of normed `h` `[B, S, E]`: the router in float32, the routed experts,
+        Qwen2-MoE's gated shared expert; and the layer's routing sums."""
+        b, s, e = h.shape
+        sparse = self.sparse
+        rows = h.reshape(-1, e)
+        logits = jnp.dot(rows.astype(jnp.float32), self.router.kernel.astype(jnp.float32))
+        forced = None if routes is None else routes.reshape(-1, sparse.per_token).astype(jnp.int32)
+        chosen = None if routed is None else routed.reshape(-1)
+        experts, weights, probabilities = moe.route(logits, sparse.per_token, sparse.normalize, forced, chosen)
+        out = self.experts(rows.astype(self.dtype), experts, weights)
+        if sparse.shared_features:
+            out = out + nn.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)
+        real = jnp.ones((b * s,), bool) if segment_ids is None else segment_ids.reshape(-1) > 0
+        return out.reshape(b, s, e), moe.layer_routing(experts, probabilities, logits, real, (b, s))
+
+    def __call__(self, x, rope, segment_ids, block, kernel="auto", dropout=None, routes=None, routed=None):
         q, k, v = self.qkv(x, rope, dropout)
-        return self.finish(x, attend_causal(q, k, v, segment_ids, block, kernel), dropout), (k, v)
+        x, routing = self.finish(x, attend_causal(q, k, v, segment_ids, block, kernel), dropout, segment_ids,
+                                 routes, routed)
+        return x, (k, v), routing

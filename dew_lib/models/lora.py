@@ -172,6 +172,15 @@ def merged(model: Any, variables: Mapping[str, Any]) -> tuple[Any, dict[str, Any
     return model.clone(lora=None), {**variables, "params": {**params, "layers": layers}}
 
 
+def check_expert_targets(experts: int, targets: tuple[str, ...] | str) -> None:
+    """Refuse adapters on MLP projections of a mixture-of-experts model (`experts` > 0), whose
+    experts replace those projections: its adapters go on the attention projections."""
+    if experts and set(targets) & {"gate_proj", "up_proj", "down_proj"}:
+        raise ValueError("LoRA on a mixture-of-experts model adapts the attention projections only "
+                         f"(q_proj, k_proj, v_proj, o_proj); the targets {targets} include MLP "
+                         "projections, which its experts replace")
+
+
 def attach(model: Any, variables: Mapping[str, Any], lora: LoRA, key: jax.Array) -> tuple[Any, dict[str, Any]]:
     """`model` with adapters as `lora` says, and `variables` with fresh ones beside its weights
     (A drawn from `key`, B zero: the same outputs as before). The base is not copied."""
@@ -182,6 +191,7 @@ def attach(model: Any, variables: Mapping[str, Any], lora: LoRA, key: jax.Array)
     if getattr(model, "quantized", False) or quantize.is_quantized(variables):
         raise ValueError("the base is already quantized; attach adapters to the full-precision base, then "
                          "quantize it (lora.attach, then quantize.quantize_base)")
+    check_expert_targets(getattr(model, "experts", 0), lora.targets)
     adapted = model.clone(lora=lora)
     params = variables["params"]
     layers = dict(params["layers"])
@@ -195,5 +205,5 @@ def attach(model: Any, variables: Mapping[str, Any], lora: LoRA, key: jax.Array)
     return adapted, {**variables, "params": {**params, "layers": layers}}
 
 
-__all__ = ["ADAPTERS", "TARGETS", "LoRA", "attach", "dropped", "has_adapters", "is_adapter", "merge", "merged", "split",
-           "without_adapters"]
+__all__ = ["ADAPTERS", "TARGETS", "LoRA", "attach", "check_expert_targets", "dropped", "has_adapters", "is_adapter",
+           "merge", "merged", "split", "without_adapters"]

@@ -78,6 +78,10 @@ def quantize_base(model: Any, variables: Mapping[str, Any], bits: int = 8) -> tu
         raise ValueError("quantize_base quantizes the frozen base of an adapted model, and this model has no "
                          "adapters: the Trainer would try to train its int8 weights. Attach adapters first "
                          "(dew_lib.models.lora.attach), then quantize")
+    if getattr(model, "experts", 0):
+        raise ValueError("quantize_base quantizes the dense layers' projections, and this model's MLPs are "
+                         "mixtures of experts (experts > 0), which it does not quantize yet; train its "
+                         "adapters on the full-precision base")
     params = variables["params"]
     layers = dict(params["layers"])
     for name in PROJECTIONS:

@@ -30,6 +30,7 @@ from dew_lib.data.dataset import describe
 from dew_lib.objectives.base import LossTerms, Metrics, Objective, check_token_ids, with_perplexity
 from dew_lib.objectives.lm import score_targets
 from dew_lib.objectives.policy import check_pretrained, check_seq_len, initial_variables
+from dew_lib.objectives.routing import has_experts, router_terms
 
 
 def dpo_loss(policy_chosen, policy_rejected, reference_chosen, reference_rejected, beta: float):
@@ -96,24 +97,25 @@ class DPOObjective(Objective):
                 "mask is 0 after the first token); every pair needs an answer to compare"
             )
 
-    def _scores(self, params, batch, dropout_key=None):
-        """Summed completion log-probs `[B, 2]` and their target counts; only the policy's
-        training forward passes `dropout_key` (adapter dropout), never the reference."""
+    def _scores(self, params, batch, dropout_key=None, *, routing: bool = False):
+        """Summed completion log-probs `[B, 2]`, the per-token ones, the argmax hits, the target
+        mask and, when asked, a mixture-of-experts policy's routing (else None); only the
+        policy's training forward passes `dropout_key` (adapter dropout), never the reference."""
         ids = batch["input_ids"]
         b, _, s = ids.shape
         flat = ids.reshape(2 * b, s)
         mask = batch["completion_mask"].reshape(2 * b, s)[:, 1:].astype(jnp.float32)
-        log_probs, top = score_targets(self.model, params, flat[:, :-1], flat[:, 1:],
-                                       dropout_key=dropout_key)  # [2B, S-1]
+        log_probs, top, *routed = score_targets(self.model, params, flat[:, :-1], flat[:, 1:],
+                                                dropout_key=dropout_key, return_routing=routing)  # [2B, S-1]
         summed = (log_probs * mask).sum(-1).reshape(b, 2)
-        return summed, log_probs, top, mask
+        return summed, log_probs, top, mask, (routed[0] if routing else None)
 
     def terms(self, params, batch, *, step, reference, key) -> LossTerms:
         del step
-        policy, _, _, mask = self._scores(params, batch, dropout_key=key)
+        policy, _, _, mask, moe = self._scores(params, batch, dropout_key=key, routing=has_experts(self.model))
         if reference is None:
             raise ValueError("DPOObjective needs the frozen reference in TrainState.ema")
-        ref, _, _, _ = self._scores(jax.lax.stop_gradient(reference), batch)
+        ref = self._scores(jax.lax.stop_gradient(reference), batch)[0]
         losses, chosen, rejected = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], self.beta)
         pairs = jnp.asarray(losses.shape[0], jnp.float32)
         tokens = mask.reshape(-1, 2, mask.shape[-1]).sum(-1)  # [B, 2]
@@ -134,11 +136,15 @@ class DPOObjective(Objective):
             metrics["nll"] = (nll.sum(), pairs)
             metrics["loss"] = (total, pairs)
             metrics["dpo_loss"] = (losses.sum(), pairs)
+        if moe is not None:  # a mixture-of-experts policy's router terms (objectives/routing.py)
+            extra, router_metrics = router_terms(self.model, moe, pairs)
+            total = total + extra
+            metrics.update({**router_metrics, "loss": (total, pairs), "dpo_loss": (losses.sum(), pairs)})
         return LossTerms(total, pairs, metrics)
 
     def evaluate(self, params, batch) -> Metrics:
         """Negative log-likelihood and top-1 accuracy of the chosen completions' targets."""
-        _, log_probs, top, mask = self._scores(params, batch)
+        _, log_probs, top, mask, _ = self._scores(params, batch)
         b = batch["input_ids"].shape[0]
         chosen_log_probs = log_probs.reshape(b, 2, -1)[:, 0]
         chosen_mask = mask.reshape(b, 2, -1)[:, 0]

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew_lib.data.dataset import describe
-from dew_lib.objectives import algorithms
+from dew_lib.objectives import algorithms, routing
 from dew_lib.objectives.base import LossTerms, Metrics, Objective, check_token_ids, with_perplexity
 from dew_lib.objectives.batch import REQUIRED, proximal_mode
 from dew_lib.objectives.lm import prompt_layout, score_targets
@@ -74,7 +74,9 @@ class GRPOObjective(Objective):
     summed or mean log-ratio to the behavior policy. sampling_temperature: the temperature the
     ids were sampled at, so they are scored under the distribution that drew them.
     kl_estimator: how the KL to the reference is estimated per token ("k1", "k2" or "k3"; see
-    `algorithms.KL_ESTIMATORS`).
+    `algorithms.KL_ESTIMATORS`). routing_replay: "none", or "rollout" to send each token of a
+    mixture-of-experts policy to the experts the engine routed it to (objectives/routing.py), in
+    the training forward and in rescoring; the reference and evaluation route freely.
     """
 
     def __init__(self, model, seq_len: int, *, beta: float = 0.0, pretrained: Any = None,
@@ -83,7 +85,7 @@ class GRPOObjective(Objective):
                  behavior_importance: float | tuple[float, float] | None = None,
                  sequence_mask: tuple[float, float] | None = None,
                  geometric_mask: tuple[float, float] | None = None,
-                 sampling_temperature: float = 1.0, kl_estimator: str = "k3"):
+                 sampling_temperature: float = 1.0, kl_estimator: str = "k3", routing_replay: str = "none"):
         check_seq_len("GRPOObjective", model, seq_len)
         check_pretrained("GRPOObjective", pretrained)
         if beta < 0:
@@ -126,6 +128,7 @@ class GRPOObjective(Objective):
         self.geometric_mask = _band(geometric_mask, "geometric_mask")
         self.sampling_temperature = float(sampling_temperature)
         self.kl_estimator = kl_estimator
+        self.routing_replay = routing.check_replay("GRPOObjective", model, routing_replay)
         self.ema_decay = 1.0 if self.beta > 0 else None
 
     @property
@@ -179,23 +182,29 @@ class GRPOObjective(Objective):
             )
         if "support_ids" in batch and "support_columns" not in batch:
             raise KeyError("batch has support_ids without support_columns; pack writes both")
+        routing.check_routes("GRPOObjective", self.model, self.routing_replay, batch)
 
     # ----- scoring -----------------------------------------------------------------------------
-    def target_log_probs(self, params, batch, dropout_key=None) -> jax.Array:
-        """log-probability of ids 1..W-1 of each row given their chain's prefix, `[R, W - 1]`.
-        dropout_key: the training forward's (adapter dropout); rescoring and the reference
-        pass none."""
+    def target_log_probs(self, params, batch, dropout_key=None, *, replay: bool = True,
+                         return_routing: bool = False):
+        """log-probability of ids 1..W-1 of each row given their chain's prefix, `[R, W - 1]`,
+        and with `return_routing` the forward's expert routing beside it. dropout_key: the
+        training forward's (adapter dropout); rescoring and the reference pass none. replay:
+        whether `routing_replay` applies (the reference passes False: it routes freely)."""
         ids = batch["input_ids"]
         inputs, targets = ids[:, :-1], ids[:, 1:]
         segments = batch["text_segment_ids"][:, :-1]
         positions = batch["text_positions"][:, :-1]
+        routes = routing.replayed(batch, self.routing_replay if replay else "none")
         if "support_ids" in batch:
             return support_log_probs(self.model, params, inputs, targets, segments, positions,
                                      batch["support_ids"], batch["support_columns"],
-                                     self.sampling_temperature, dropout_key)
-        log_probs, _ = score_targets(self.model, params, inputs, targets, segments, positions,
-                                     temperature=self.sampling_temperature, dropout_key=dropout_key)
-        return log_probs
+                                     self.sampling_temperature, dropout_key, routes=routes,
+                                     return_routing=return_routing)
+        log_probs, _, *routed = score_targets(self.model, params, inputs, targets, segments, positions,
+                                              temperature=self.sampling_temperature, dropout_key=dropout_key,
+                                              routes=routes, return_routing=return_routing)
+        return (log_probs, routed[0]) if return_routing else log_probs
 
     def packed_log_probs(self, params, batch) -> jax.Array:
         """Every id scored against its own chain's prefix, `[R, W]` aligned with input_ids.
@@ -210,7 +219,10 @@ class GRPOObjective(Objective):
     # ----- the loss ----------------------------------------------------------------------------
     def terms(self, params, batch, *, step, reference, key) -> LossTerms:
         del step
-        log_probs = self.target_log_probs(params, batch, dropout_key=key)  # [R, T]
+        if routing.has_experts(self.model):  # log-probs [R, T], and the routing its router terms read
+            log_probs, moe = self.target_log_probs(params, batch, dropout_key=key, return_routing=True)
+        else:
+            log_probs, moe = self.target_log_probs(params, batch, dropout_key=key), None
         mask = batch["response_mask"][:, 1:].astype(jnp.float32)
         advantages = batch["advantages"][:, 1:].astype(jnp.float32)
         behavior = batch["behavior_log_probs"][:, 1:].astype(jnp.float32)
@@ -256,11 +268,15 @@ class GRPOObjective(Objective):
         if self.beta > 0:
             if reference is None:
                 raise ValueError("GRPOObjective(beta > 0) needs the frozen reference in TrainState.ema")
-            reference_log_probs = self.target_log_probs(jax.lax.stop_gradient(reference), batch)
+            reference_log_probs = self.target_log_probs(jax.lax.stop_gradient(reference), batch, replay=False)
             kl = algorithms.KL_ESTIMATORS[self.kl_estimator](log_probs, reference_log_probs)
             kl_total, _ = aggregate(kl, kept, sessions)
             total = pg_total + self.beta * kl_total
             metrics["kl"] = (kl_total, normalizer)
+        if moe is not None:
+            extra, router_metrics = routing.router_terms(self.model, moe, normalizer)
+            total = total + extra
+            metrics.update(router_metrics)
         tokens = kept.sum()
         ratio = jnp.exp(jnp.clip(log_probs - old, -20, 20))
         metrics.update({
@@ -297,7 +313,8 @@ class GRPOObjective(Objective):
         return with_perplexity(means)
 
 
-_SCORING_FIELDS = ("input_ids", "text_segment_ids", "text_positions", "support_ids", "support_columns")
+_SCORING_FIELDS = ("input_ids", "text_segment_ids", "text_positions", "support_ids", "support_columns",
+                   "routed_experts", "routed")
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -19,6 +19,7 @@ from dew_lib.data.chat import Role
 from dew_lib.data.dataset import describe
 from dew_lib.objectives.base import LossTerms, Metrics, Objective, check_token_ids, with_perplexity
 from dew_lib.objectives.policy import check_pretrained, check_seq_len, initial_variables
+from dew_lib.objectives.routing import has_experts, router_terms
 
 OPTIONAL_FIELDS = ("text_roles", "text_segment_ids", "text_positions")
 
@@ -37,38 +38,65 @@ def dropout_rngs(key: jax.Array | None) -> dict[str, jax.Array] | None:
     return None if key is None else {"dropout": key}
 
 
+def decoder_hidden(model, params, inputs, segments=None, positions=None, *, dropout_key=None, routes=None,
+                   return_routing: bool = False):
+    """The causal transformer's final hidden states `[B, S, E]` for scoring, and with
+    `return_routing` its `moe.Routing` too. routes: `(experts [B, S, layers, top_k], routed
+    [B, S])` to replay on a mixture-of-experts model (objectives/routing.py), or None."""
+    extra: dict[str, Any] = {"return_routing": True} if return_routing else {}
+    if routes is not None:
+        extra["routes"], extra["routed"] = routes
+    return model.apply(params, inputs, segments, positions, method=model.hidden,
+                       rngs=dropout_rngs(dropout_key), **extra)
+
+
+def _routable(model, routes, return_routing: bool) -> None:
+    if (routes is not None or return_routing) and not hasattr(model, "target_scores"):
+        raise ValueError(f"{type(model).__name__} has no expert routing to replay or report; only the "
+                         "causal transformer with experts > 0 routes")
+
+
 def score_targets(model, params, inputs, targets, segments=None, positions=None, *,
-                  temperature: float = 1.0, dropout_key: jax.Array | None = None):
+                  temperature: float = 1.0, dropout_key: jax.Array | None = None, routes=None,
+                  return_routing: bool = False):
     """log p(target) and whether it was the argmax, `[B, S]` each, for any decoder.
 
     temperature: score under `softmax(logits / temperature)`, as a sampler at that temperature
     drew (the argmax test does not depend on it). Models with a `target_scores` method (the
     causal transformer) score in chunks of tokens and never hold the `[B, S, V]` logits or their
     gradient; others are scored from their full logits. dropout_key: given only by a training
-    forward, which then drops what the model drops in training (adapter dropout).
+    forward, which then drops what the model drops in training (adapter dropout). routes,
+    return_routing: as `decoder_hidden` takes them; with return_routing the result is
+    `(log_probs, is_top, routing)`.
     """
-    rngs = dropout_rngs(dropout_key)
+    _routable(model, routes, return_routing)
     if hasattr(model, "target_scores"):
-        hidden = model.apply(params, inputs, segments, positions, method=model.hidden, rngs=rngs)
-        return model.apply(params, hidden, targets, temperature, method=model.target_scores)
-    logits = model.apply(params, inputs, segments, positions, rngs=rngs)
+        out = decoder_hidden(model, params, inputs, segments, positions, dropout_key=dropout_key, routes=routes,
+                             return_routing=return_routing)
+        hidden, routing = out if return_routing else (out, None)
+        scores = model.apply(params, hidden, targets, temperature, method=model.target_scores)
+        return (*scores, routing) if return_routing else scores
+    logits = model.apply(params, inputs, segments, positions, rngs=dropout_rngs(dropout_key))
     return token_log_probs(logits, targets, temperature), jnp.argmax(logits, axis=-1) == targets
 
 
 def weighted_log_prob_sum(model, params, inputs, targets, weights, segments=None, positions=None, *,
-                          dropout_key: jax.Array | None = None):
+                          dropout_key: jax.Array | None = None, return_routing: bool = False):
     """`(sum(weights * log p(target)), is_top)` for any decoder: the LM loss's sum, scalar, and
     whether each target was the argmax, `[B, S]`.
 
     `weights` `[B, S]` is data and gets no gradient. The causal transformer forms the sum's
     gradient in the forward pass of its chunked head (one head product fewer than
     `score_targets` under the same loss); other models sum `score_targets`. dropout_key: as
-    `score_targets` takes it.
+    `score_targets` takes it. return_routing: also return the mixture-of-experts routing.
     """
+    _routable(model, None, return_routing)
     if hasattr(model, "weighted_log_prob_sum"):
-        hidden = model.apply(params, inputs, segments, positions, method=model.hidden,
-                             rngs=dropout_rngs(dropout_key))
-        return model.apply(params, hidden, targets, weights, method=model.weighted_log_prob_sum)
+        out = decoder_hidden(model, params, inputs, segments, positions, dropout_key=dropout_key,
+                             return_routing=return_routing)
+        hidden, routing = out if return_routing else (out, None)
+        summed = model.apply(params, hidden, targets, weights, method=model.weighted_log_prob_sum)
+        return (*summed, routing) if return_routing else summed
     log_probs, top = score_targets(model, params, inputs, targets, segments, positions, dropout_key=dropout_key)
     return jnp.sum(log_probs * jax.lax.stop_gradient(weights)), top
 
@@ -156,30 +184,38 @@ class LMObjective(Objective):
             weights = weights * (batch["text_roles"][:, 1:] == int(self.loss_role))
         return weights
 
-    def _loss_sums(self, params, batch, dropout_key=None) -> Metrics:
-        """Summed negative log-likelihood, right argmax predictions and counted targets; the
-        training forward passes `dropout_key` (adapter dropout), evaluation does not."""
+    def _loss_sums(self, params, batch, dropout_key=None, *, routing: bool = False) -> tuple[Metrics, Any]:
+        """Summed negative log-likelihood, right argmax predictions and counted targets, and the
+        forward's expert routing when asked (else None); the training forward passes
+        `dropout_key` (adapter dropout), evaluation does not."""
         text = batch["text"]
         segments = batch.get("text_segment_ids")
         positions = batch.get("text_positions")
         weights = self._weights(batch)
-        log_prob_sum, top = weighted_log_prob_sum(
+        log_prob_sum, top, *routed = weighted_log_prob_sum(
             self.model, params, text[:, :-1], text[:, 1:], weights,
             None if segments is None else segments[:, :-1],
             None if positions is None else positions[:, :-1],
-            dropout_key=dropout_key,
+            dropout_key=dropout_key, return_routing=routing,
         )
         count = weights.sum()
-        return {"loss": (-log_prob_sum, count), "accuracy": ((top * weights).sum(), count)}
+        sums = {"loss": (-log_prob_sum, count), "accuracy": ((top * weights).sum(), count)}
+        return sums, (routed[0] if routing else None)
 
     def terms(self, params, batch, *, step, reference, key) -> LossTerms:
+        """The summed NLL over its target count; an MoE model's router terms join the total
+        (objectives/routing.py) while the `loss` metric stays the NLL, which perplexity reads."""
         del step, reference
-        sums = self._loss_sums(params, batch, dropout_key=key)
+        sums, routing = self._loss_sums(params, batch, dropout_key=key, routing=has_experts(self.model))
         total, count = sums["loss"]
-        return LossTerms(total, count, {**sums, "tokens": (count, jnp.ones(()))})
+        metrics = {**sums, "tokens": (count, jnp.ones(()))}
+        if routing is not None:
+            extra, router_metrics = router_terms(self.model, routing, count)
+            total, metrics = total + extra, {**metrics, **router_metrics}
+        return LossTerms(total, count, metrics)
 
     def evaluate(self, params, batch) -> Metrics:
-        return self._loss_sums(params, batch)
+        return self._loss_sums(params, batch)[0]
 
     def derive(self, means: dict[str, float]) -> dict[str, float]:
         return with_perplexity(means)

@@ -101,15 +101,15 @@ class PPOObjective(Objective):
     e.g. `ValueHead(backbone)`; initialized on its own, or from `critic_variables`.
     value_coefficient: the value loss's weight. value_clip: how far a prediction may move from
     `old_values` before its error is clipped. beta, pretrained, epsilon_low, epsilon_high,
-    dual_clip, behavior_importance (a TIS cap only), sampling_temperature, kl_estimator: as in
-    GRPOObjective, for the policy.
+    dual_clip, behavior_importance (a TIS cap only), sampling_temperature, kl_estimator,
+    routing_replay: as in GRPOObjective, for the policy (the critic routes freely).
     """
 
     def __init__(self, model, seq_len: int, *, critic: nn.Module, value_coefficient: float = 0.5,
                  value_clip: float = 0.2, beta: float = 0.0, pretrained: Any = None,
                  critic_variables: Any = None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
                  dual_clip: float | None = 3.0, behavior_importance: float | None = None,
-                 sampling_temperature: float = 1.0, kl_estimator: str = "k3"):
+                 sampling_temperature: float = 1.0, kl_estimator: str = "k3", routing_replay: str = "none"):
         if not callable(critic) or not hasattr(critic, "init"):
             raise TypeError("PPOObjective.critic must be a Flax module returning one value per position, "
                             "e.g. ValueHead(backbone)")
@@ -120,7 +120,8 @@ class PPOObjective(Objective):
         self.actor = GRPOObjective(model, seq_len, beta=beta, pretrained=pretrained, policy_loss="ppo",
                                    epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip=dual_clip,
                                    aggregation="token-mean", behavior_importance=behavior_importance,
-                                   sampling_temperature=sampling_temperature, kl_estimator=kl_estimator)
+                                   sampling_temperature=sampling_temperature, kl_estimator=kl_estimator,
+                                   routing_replay=routing_replay)
         self.model, self.seq_len, self.critic = model, seq_len, critic
         self.value_coefficient = number("PPOObjective.value_coefficient", value_coefficient, at_least=0)
         self.value_clip = number("PPOObjective.value_clip", value_clip, above=0)

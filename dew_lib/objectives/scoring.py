@@ -13,26 +13,29 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dew_lib.objectives.lm import dropout_rngs, score_targets
+from dew_lib.objectives.lm import decoder_hidden, score_targets
 
 
 def support_log_probs(model, params, inputs, targets, segments, positions, support_ids,
-                      support_columns, temperature: float, dropout_key: jax.Array | None = None):
+                      support_columns, temperature: float, dropout_key: jax.Array | None = None, *,
+                      routes=None, return_routing: bool = False):
     """log p(target) `[R, T]`, over the recorded support where a column has one.
 
     inputs/targets/segments/positions: `[R, T]` (targets are input_ids[:, 1:]). support_ids,
     support_columns: `[R, C]` aligned with input_ids columns. Columns without support entries
     are scored over the whole vocabulary at `temperature`. dropout_key: a training forward's
-    (adapter dropout); both passes below draw the same masks from it.
+    (adapter dropout); both passes below draw the same masks from it. routes, return_routing:
+    as `lm.score_targets` takes them (both passes replay the same routes); with return_routing
+    the result is `(log_probs, routing)`.
     """
     rows, t = targets.shape
-    full, _ = score_targets(model, params, inputs, targets, segments, positions,
-                            temperature=temperature, dropout_key=dropout_key)
+    full, _, *routed = score_targets(model, params, inputs, targets, segments, positions, temperature=temperature,
+                                     dropout_key=dropout_key, routes=routes, return_routing=return_routing)
     valid = (support_columns >= 1) & (support_ids >= 0)  # [R, C]
     position = jnp.clip(support_columns - 1, 0, t - 1)  # prediction position of that column
     ids = jnp.maximum(support_ids, 0)
-    hidden = model.apply(params, inputs, segments, positions, method=model.hidden,
-                         rngs=dropout_rngs(dropout_key))  # [R, T, E]
+    hidden = decoder_hidden(model, params, inputs, segments, positions, dropout_key=dropout_key,
+                            routes=routes)  # [R, T, E]
     at = jnp.take_along_axis(hidden, position[..., None], axis=1)  # [R, C, E]
     if hasattr(model, "id_logits"):
         z = model.apply(params, at, ids, method=model.id_logits)
@@ -54,4 +57,5 @@ def support_log_probs(model, params, inputs, targets, segments, positions, suppo
                                        num_segments=segments_total)[:-1].reshape(rows, t)
     has_support = jax.ops.segment_sum(valid.reshape(-1).astype(jnp.int32), slot,
                                       num_segments=segments_total)[:-1].reshape(rows, t) > 0
-    return jnp.where(has_support, target_logit - lse, full)
+    scores = jnp.where(has_support, target_logit - lse, full)
+    return (scores, routed[0]) if return_routing else scores

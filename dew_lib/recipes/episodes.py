@@ -125,7 +125,7 @@ def _episode_ppo(model, variables, data: Prompts, options: GRPOOptions, episodes
                              value_coefficient=ppo.value_coefficient, value_clip=ppo.value_clip,
                              epsilon_low=options.epsilon_low, epsilon_high=options.epsilon_high,
                              dual_clip=options.dual_clip, kl_estimator=options.kl_estimator,
-                             sampling_temperature=options.temperature)
+                             sampling_temperature=options.temperature, routing_replay=options.routing_replay)
     sampled = EpisodeRollout(objective.policy(pad_id=data.pad_id), environment, verifier,
                              max_prompt_tokens=episodes.max_prompt_len, max_new_tokens=options.max_new_tokens,
                              max_turns=episodes.max_turns, groups=options.groups,

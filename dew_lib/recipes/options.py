@@ -258,10 +258,15 @@ class GRPOOptions(Adapted, TrainOptions):
         "behavior_importance cap; 'bypass': none, the ratio is current over behavior (verl's bypass "
         "mode: the clip also bounds the lag's drift, and behavior_importance is not used). Sync "
         "rollouts train under the weights that drew them, so their proximal policy is exact")
+    routing_replay: Literal["none", "rollout"] = Field(
+        "none", description="a mixture-of-experts policy: 'rollout' trains each sampled token through "
+        "the experts the engine routed it to (verl's R3; the engine must report its routes, as vLLM and "
+        "SGLang do with --enable-return-routed-experts), 'none' lets the trainer's router choose again "
+        "(docs/moe.md)")
 
     LATER = TrainOptions.LATER | {"kl_estimator", "advantage_estimator", "policy_loss", "epsilon_low",
                                   "epsilon_high", "dual_clip", "aggregation", "sequence_mask",
-                                  "geometric_mask", "proximal"}
+                                  "geometric_mask", "proximal", "routing_replay"}
 
     @model_validator(mode="after")
     def _schedule(self) -> GRPOOptions:
@@ -289,7 +294,8 @@ class GRPOOptions(Adapted, TrainOptions):
                              epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
                              dual_clip=self.dual_clip, aggregation=self.aggregation,
                              sequence_mask=self.sequence_mask, geometric_mask=self.geometric_mask,
-                             kl_estimator=self.kl_estimator, sampling_temperature=self.temperature, **correction)
+                             kl_estimator=self.kl_estimator, sampling_temperature=self.temperature,
+                             routing_replay=self.routing_replay, **correction)
 
     def sampling(self, eos_id: int | Sequence[int] | None) -> Sampling:
         """How the rollouts draw: at `temperature`, ending at `eos_id` (the tokenizer's end-of-turn

@@ -49,8 +49,9 @@ class RemoteEngine:
     same path on the engines' hosts. provider: "vllm" (also `dew serve`) or "sglang". model: the
     served model name (None: the one model the engine lists). replicas: the root URLs of every
     replica to push to (empty: `url` alone). processed_logprobs: the vLLM engine reports
-    processed log-probabilities (`--logprobs-mode processed_logprobs`). timeout: seconds a draw
-    or one push call may take.
+    processed log-probabilities (`--logprobs-mode processed_logprobs`). routing: read the
+    experts each token of a mixture-of-experts model was routed to (the engine runs with
+    `--enable-return-routed-experts`). timeout: seconds a draw or one push call may take.
     """
 
     url: str
@@ -59,6 +60,7 @@ class RemoteEngine:
     model: str | None = None
     replicas: tuple[str, ...] = ()
     processed_logprobs: bool = False
+    routing: bool = False
     timeout: float = 600.0
 
     def __post_init__(self):
@@ -98,11 +100,23 @@ def remote_server(engine: RemoteEngine, pretrained: Pretrained) -> Callable[[Sam
         client = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="EMPTY")  # timeouts: options'
         completion = OpenAICompletion(engine.model or served_model(engine.url), client, engine.provider)
         push = pushes(engine, pretrained)
-        return OpenAIRolloutServer(completion, sampling, Publication(push, version=0),
+        return OpenAIRolloutServer(completion, sampling, Publication(push, version=0), routing=engine.routing,
                                    processed_logprobs=engine.processed_logprobs, options=options,
+                                   routing_shape=routing_shape(engine, pretrained.model),
                                    adapter=push.name if isinstance(push, AdapterReload) else None)
 
     return build
+
+
+def routing_shape(engine: RemoteEngine, model: Any) -> tuple[int, int] | None:
+    """(layers, top_k) of the routes `engine` reports for `model`, or None when it reports none;
+    refuses routing for a dense model."""
+    if not engine.routing:
+        return None
+    if not getattr(model, "experts", 0):
+        raise ValueError("RemoteEngine.routing reads each token's experts, and the policy has none "
+                         "(experts=0); turn routing off for a dense model")
+    return model.num_layers, model.experts_per_token
 
 
 def pushes(engine: RemoteEngine, pretrained: Pretrained) -> AdapterReload | SafetensorsReload:

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out of Dew's decoder (Qwen3, Qwen2, Llama; safetensors).
+"""Hugging Face checkpoints in and out of Dew's decoder (Qwen3, Qwen2, Llama, Qwen3-MoE, Qwen2-MoE,
+Mixtral; safetensors).
 
 `load_pretrained(directory)` gives the model, its variables and its tokenizer;
 `Pretrained.save(variables, directory)` writes a directory transformers, vLLM and SGLang load;

@@ -6,7 +6,9 @@ tensors from disk onto the devices (or a given `jax.sharding`, or split over a m
 parameters' declared logical axes, as the Trainer splits them: each process fills only the
 shards of its own devices). A tensor stored as Flax wants it is read straight into its final
 buffer; the others pass through one reused scratch buffer, so the host holds one copy of the
-model plus one scratch tensor. A layer's tensor goes into its index of the stacked `layers` leaf.
+model plus one scratch tensor. A layer's tensor goes into its index of the stacked `layers` leaf,
+an MoE expert's into its `[layer, expert]` slice of the stacked expert leaf (read from the Hub's
+per-expert tensors, or from transformers 5's fused `gate_up_proj` / `down_proj`).
 
 Not here: config.json and the tokenizer (`pretrained`), which tensor is which parameter
 (`layout`), the safetensors files themselves (`files`), writing checkpoints (`saving`), which
@@ -102,9 +104,13 @@ def load(pretrained: Pretrained, directory: str | Path, *, sharding: ShardingSpe
          ) -> dict[str, Any]:
     """`Pretrained.load`: the safetensors under `directory` as Flax variables `{"params": ...}`."""
     directory = Path(directory)
-    expected = pretrained.tensors
     located = files.locate(directory)
     stored = files.headers(located)
+    # An MoE checkpoint holds its experts one tensor each (the Hub's layout, what Dew writes) or
+    # fused as transformers 5 holds them in memory; the stored names say which.
+    expected = pretrained.tensors
+    if layout.is_fused(stored) and pretrained.family.moe:
+        expected = layout.tensors(pretrained.model, pretrained.family, fused=True)
     _check_stored(pretrained, stored, expected)
     embedding = expected[0].name
     if pretrained.model.tie_embeddings and layout.TIED_COPY in located and not files.same_tensor(
@@ -117,10 +123,11 @@ def load(pretrained: Pretrained, directory: str | Path, *, sharding: ShardingSpe
     target = numpy_dtype(pretrained.model.param_dtype)
 
     def direct(tensor):  # stored exactly as Flax wants it: read into the final buffer
-        return not tensor.transpose and files.FLOAT_DTYPES[stored[tensor.name][0]] == target
+        return (not tensor.transpose and tensor.rows is None
+                and files.FLOAT_DTYPES[stored[tensor.name][0]] == target)
 
-    # Each params leaf with the tensors that fill it: one, or one per layer for a stacked
-    # layer leaf (read into its slice of the leaf's buffer).
+    # Each params leaf with the tensors that fill it: one, or one per layer (and expert) for a
+    # stacked leaf (read into its slice of the leaf's buffer).
     by_leaf: dict[tuple[str, ...], list[layout.Tensor]] = {}
     for tensor in expected:
         by_leaf.setdefault(tensor.path, []).append(tensor)
@@ -156,25 +163,28 @@ def _read_one(reader, tensor, direct, scratch, target, placement) -> jax.Array:
     owned = array.dtype != target
     if owned:
         array = array.astype(target)
-    leaf = _place(array.T if tensor.transpose else array, placement, owned=owned)
+    leaf = _place(tensor.to_flax(array), placement, owned=owned)
     leaf.block_until_ready()  # the scratch buffer is reused next
     return leaf
 
 
 def _read_stack(readers, located, group, shape, direct, scratch, target, placement
                 ) -> jax.Array:
-    """The tensors of every layer into one stacked leaf `[L, ...]`, each at its index."""
+    """The tensors of every layer (and expert) into one stacked leaf `[L, ...]` or `[L, E, ...]`,
+    each at its index: an expert's tensor streams into its slice like a layer's, so the experts
+    are stacked without a second copy of the leaf."""
     buffer = files.aligned_empty(math.prod(shape) * target.itemsize)
     stacked = buffer.view(target).reshape(shape)
-    per_layer = len(buffer) // shape[0]
+    lead = shape[:len(group[0].index)]
+    per_slice = len(buffer) // math.prod(lead)
     for tensor in group:
         reader = readers[located[tensor.name]]
         if direct(tensor):
-            start = tensor.layer * per_layer
-            reader.read(tensor.name, buffer[start:start + per_layer])
+            start = int(np.ravel_multi_index(tensor.index, lead)) * per_slice
+            reader.read(tensor.name, buffer[start:start + per_slice])
         else:
             array = reader.read(tensor.name, scratch[: reader.nbytes(tensor.name)])
-            stacked[tensor.layer] = array.T if tensor.transpose else array
+            stacked[tensor.index] = tensor.to_flax(array)
     return _place(stacked, placement, owned=True)
 
 

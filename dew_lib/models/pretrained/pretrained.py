@@ -79,13 +79,24 @@ class Pretrained:
     def __post_init__(self):
         object.__setattr__(self, "config", dict(self.config))  # a private copy
         _, options = families.decoder_options(self.config)
-        actual = {key: getattr(self.model, key) for key in options}
+        # Not compared: rotary settings (compared by their frequencies below), the aux-loss
+        # coefficient (a training option: the forward pass and the tensors do not depend on it)
+        # and, when every layer is sparse, the unused dense MLP width.
+        skipped = {"rope_theta", "rope_scaling", "router_aux_loss_coef"}
+        if options.get("experts"):
+            skipped.add("mlp_features")
+        actual = {key: getattr(self.model, key, None) for key in options if key not in skipped}
         actual["num_kv_heads"] = self.model.kv_heads
         actual["head_dim"] = self.model.head_features
+        if "expert_features" in options:
+            actual["expert_features"] = families.expert_width(self.model)
+        if "experts" not in options:  # a dense config: the model must be dense too
+            options = {**options, "experts": 0}
+            actual["experts"] = families.experts_of(self.model)
         differing = {
             key: (value, actual[key])
             for key, value in options.items()
-            if key not in ("rope_theta", "rope_scaling") and actual[key] != value
+            if key not in skipped and actual[key] != value
         }
         wanted = rotary.inverse_frequencies(
             options["head_dim"], options["rope_theta"], dict(options["rope_scaling"] or ())
@@ -119,7 +130,8 @@ class Pretrained:
         """Describe a Dew-built decoder as a Hugging Face architecture.
 
         `architecture` defaults to the one family whose fixed features the model has (qk-norm:
-        Qwen3; q/k/v biases: Qwen2; neither: Llama). `config` adds fields to the generated
+        Qwen3; q/k/v biases: Qwen2; neither: Llama; with `experts`: Qwen3-MoE, Qwen2-MoE with
+        its shared expert, Mixtral). `config` adds fields to the generated
         config.json (token ids such as `bos_token_id`, `eos_token_id`); they may not change the
         math, which the constructor checks.
         """
@@ -180,7 +192,7 @@ class Pretrained:
     @property
     def tensors(self) -> list[layout.Tensor]:
         """The checkpoint's tensors in save order (names, shapes, where each lives in params)."""
-        return layout.tensors(self.model)
+        return layout.tensors(self.model, self.family)
 
     # -- in --------------------------------------------------------------------------------
 
@@ -271,8 +283,9 @@ def load_pretrained(
 ) -> Loaded:
     """Load a local Hugging Face checkpoint: model, variables and tokenizer, without torch.
 
-    Supports Qwen3ForCausalLM, Qwen2ForCausalLM and LlamaForCausalLM (see
-    `families.SUPPORTED`); anything whose config changes the math in a way Dew's decoder does
+    Supports Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM and the mixture-of-experts
+    Qwen3MoeForCausalLM, Qwen2MoeForCausalLM and MixtralForCausalLM (see `families.SUPPORTED`;
+    docs/moe.md); anything whose config changes the math in a way Dew's decoder does
     not reproduce raises `UnsupportedCheckpoint`, and tensors that do not fit raise
     `CheckpointError`. `dtype` is the parameter dtype (float32 or bfloat16; the checkpoint's own
     dtype may differ), `compute_dtype` the activation dtype (default: `dtype`), `sharding` where

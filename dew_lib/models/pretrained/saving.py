@@ -13,7 +13,8 @@ written: a leaf split across processes is gathered one tensor at a time (a colle
 process takes part in, so every process runs the export or the save, and only one writes:
 `save(..., write=False)` on the others). The host never holds more than the tensor being written.
 An adapted model is written with its adapters folded in, and an int8 base (models/quantize.py)
-dequantized to the model's param dtype: a plain checkpoint either way.
+dequantized to the model's param dtype: a plain checkpoint either way. An MoE model's experts go
+out one tensor per expert under the Hub's names (layout.py), never transformers 5's fused ones.
 
 Not here: reading checkpoints (`loading`), the safetensors files (`files`), which process writes
 (the caller's choice).
@@ -33,7 +34,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from dew_lib.models import lora, quantize
-from dew_lib.models.pretrained import files, layout
+from dew_lib.models.pretrained import families, files, layout
 from dew_lib.models.pretrained.formats import CONFIG, GENERATION_CONFIG, SAVE_DTYPES, numpy_dtype
 
 if TYPE_CHECKING:
@@ -75,14 +76,14 @@ def export(pretrained: Pretrained, variables: Mapping[str, Any], *, dtype: Any =
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
             # Split across processes: this tensor alone, gathered onto every process's host.
             out = multihost_utils.process_allgather(
-                _prepared(leaf, tensor.layer, target=target, transpose=tensor.transpose), tiled=True)
+                _prepared(leaf, tensor.index, target=target, transpose=tensor.transpose), tiled=True)
         elif isinstance(leaf, jax.Array):
-            out = leaf if tensor.layer is None else leaf[tensor.layer]
+            out = leaf[tensor.index] if tensor.index else leaf
             out = out if target is None else out.astype(target)
             out = out.T if tensor.transpose else out
         else:
             array = np.asarray(leaf)
-            array = array if tensor.layer is None else array[tensor.layer]
+            array = array[tensor.index] if tensor.index else array
             array = array if target is None else array.astype(target, copy=False)
             out = np.ascontiguousarray(array.T if tensor.transpose else array)
             del array
@@ -91,11 +92,11 @@ def export(pretrained: Pretrained, variables: Mapping[str, Any], *, dtype: Any =
 
 
 @functools.partial(jax.jit, static_argnames=("target", "transpose"))
-def _prepared(leaf: jax.Array, layer: int | None, *, target: np.dtype | None, transpose: bool
+def _prepared(leaf: jax.Array, index: tuple[int, ...], *, target: np.dtype | None, transpose: bool
               ) -> jax.Array:
-    """One tensor of a leaf as `export` yields it (its layer, cast, transposed), still split: one
-    compile per leaf, the layer being an argument."""
-    out = leaf if layer is None else leaf[layer]
+    """One tensor of a leaf as `export` yields it (its layer and expert, cast, transposed), still
+    split: one compile per leaf, the indices being arguments."""
+    out = leaf[index] if index else leaf
     out = out if target is None else out.astype(target)
     return out.T if transpose else out
 
@@ -166,7 +167,7 @@ def save(
             pass
         return Path(directory)
     planned = [files.Planned(t.name, t.shape, saved) for t in pretrained.tensors]
-    config = {**pretrained.config, "dtype": saved.name}
+    config = {**families.hub_config(pretrained.config), "dtype": saved.name}
     if "torch_dtype" in config:
         config["torch_dtype"] = saved.name
     with files.staged_directory(Path(directory), overwrite) as stage:

@@ -1,0 +1,221 @@
+"""Mixture-of-experts layers: dropless grouped dispatch, routing, the router's losses, decode."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_model
+
+from dew_lib.models import moe
+from dew_lib.models.decoder import KVCache
+from dew_lib.sampling import Sampling, generate
+
+EXPERTS, TOP_K = 4, 2
+
+
+def moe_model(**overrides):
+    return tiny_model(**{**dict(experts=EXPERTS, experts_per_token=TOP_K, expert_features=24), **overrides})
+
+
+def init(model, seed=0):
+    return model.init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))
+
+
+def every_expert(x, experts, weights, gate, up, down):
+    """The dense reference: every expert on every row, masked by the routing weights."""
+    hidden = jax.nn.silu(jnp.einsum("tx,exm->tem", x, gate)) * jnp.einsum("tx,exm->tem", x, up)
+    out = jnp.einsum("tem,emx->tex", hidden, down)
+    mix = (jax.nn.one_hot(experts, gate.shape[0]) * weights[..., None]).sum(1)
+    return jnp.einsum("tex,te->tx", out, mix)
+
+
+@pytest.mark.parametrize("skew", ["balanced", "all on expert 2"])
+def test_grouped_dispatch_equals_every_expert_masked_forward_and_gradients(skew):
+    keys = jax.random.split(jax.random.key(0), 5)
+    tokens, width, hidden = 100, 8, 12  # 200 slots: the groups need padding to whole blocks
+    x = jax.random.normal(keys[0], (tokens, width))
+    gate, up = (jax.random.normal(k, (EXPERTS, width, hidden)) for k in keys[1:3])
+    down = jax.random.normal(keys[3], (EXPERTS, hidden, width))
+    logits = jax.random.normal(keys[4], (tokens, EXPERTS))
+    if skew != "balanced":  # every token's first choice is expert 2
+        logits = logits.at[:, 2].add(100.0)
+    experts, weights, _ = moe.route(logits, TOP_K, True)
+    assert skew == "balanced" or bool((experts[:, 0] == 2).all())
+
+    def loss(f, *args):
+        return (f(*args) ** 2).sum()
+
+    args = (x, experts, weights, gate, up, down)
+    np.testing.assert_allclose(moe.grouped_mlp(*args, block=16), every_expert(*args), rtol=1e-5, atol=1e-5)
+    ours = jax.grad(lambda *a: loss(lambda *b: moe.grouped_mlp(*b, block=16), *a), argnums=(0, 2, 3, 4, 5))(*args)
+    reference = jax.grad(lambda *a: loss(every_expert, *a), argnums=(0, 2, 3, 4, 5))(*args)
+    for a, b in zip(ours, reference, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_routing_is_the_top_k_of_the_router_softmax_renormalised():
+    logits = jnp.asarray([[1.0, 3.0, 2.0, 0.0], [0.5, 0.5, 0.1, 0.4]])
+    experts, weights, probabilities = moe.route(logits, 2, True)
+    assert experts.tolist() == [[1, 2], [0, 1]]  # a tie goes to the lower index
+    p = np.exp([1.0, 3.0, 2.0, 0.0]) / np.exp([1.0, 3.0, 2.0, 0.0]).sum()
+    np.testing.assert_allclose(weights[0], [p[1] / (p[1] + p[2]), p[2] / (p[1] + p[2])], rtol=1e-6)
+    _, raw, _ = moe.route(logits, 2, False)
+    np.testing.assert_allclose(raw[0], [p[1], p[2]], rtol=1e-6)
+    routes, routed = jnp.asarray([[3, 0], [2, 3]]), jnp.asarray([True, False])
+    forced, forced_weights, _ = moe.route(logits, 2, True, routes, routed)
+    assert forced.tolist() == [[3, 0], [0, 1]]
+    np.testing.assert_allclose(forced_weights[0], [p[3] / (p[3] + p[0]), p[0] / (p[3] + p[0])], rtol=1e-6)
+
+
+def transformers_aux_loss(logits, k, mask=None):
+    """transformers' load_balancing_loss_func in numpy: every layer's router logits `[T, E]`
+    concatenated, the top-k one-hot mean per (k, E) times the mean probability per E, summed,
+    times E; with an attention mask, the means over real tokens."""
+    logits = np.concatenate(logits)
+    probabilities = np.exp(logits - logits.max(-1, keepdims=True))
+    probabilities /= probabilities.sum(-1, keepdims=True)
+    chosen = np.argsort(-probabilities, axis=-1, kind="stable")[:, :k]
+    one_hot = np.eye(logits.shape[-1])[chosen]  # [T, k, E]
+    weight = np.ones(len(logits)) if mask is None else np.tile(mask.reshape(-1), len(logits) // mask.size)
+    placed = (one_hot * weight[:, None, None]).sum(0) / weight.sum()
+    probability = (probabilities * weight[:, None]).sum(0) / weight.sum()
+    return float((placed * probability[None]).sum() * logits.shape[-1])
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_aux_loss_is_transformers_load_balancing_loss_and_the_z_loss_its_mean_square_lse(padded):
+    layers, tokens = 3, 12
+    logits = [np.asarray(z) for z in jax.random.normal(jax.random.key(5), (layers, tokens, EXPERTS)) * 2]
+    real = np.ones(tokens, bool)
+    if padded:
+        real[:4] = False
+    stacked = [moe.layer_routing(*moe.route(jnp.asarray(z), TOP_K, True)[::2], jnp.asarray(z), jnp.asarray(real),
+                                 (1, tokens)) for z in logits]
+    routing = moe.combine(jax.tree.map(lambda *a: jnp.stack(a), *stacked))
+    np.testing.assert_allclose(float(routing.aux_loss), transformers_aux_loss(logits, TOP_K, real), rtol=1e-5)
+    lse = np.concatenate([np.log(np.exp(z).sum(-1))[real] for z in logits])
+    np.testing.assert_allclose(float(routing.z_loss), np.mean(lse ** 2), rtol=1e-5)
+    assert routing.experts.shape == (1, tokens, layers, TOP_K)
+    np.testing.assert_allclose(routing.load.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_padding_does_not_count_in_the_router_losses():
+    model = moe_model()
+    variables = init(model)
+    ids = jnp.asarray(np.random.default_rng(1).integers(1, 32, size=(1, 10)))
+    segments = jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1]])  # left padding, as a prompt batch has
+    positions = jnp.maximum(jnp.cumsum(segments, axis=1) - 1, 0)
+    _, padded = model.apply(variables, ids, segments, positions, method=model.hidden, return_routing=True)
+    _, alone = model.apply(variables, ids[:, 3:], method=model.hidden, return_routing=True)
+    np.testing.assert_allclose(padded.aux_loss, alone.aux_loss, rtol=1e-5)
+    np.testing.assert_allclose(padded.z_loss, alone.z_loss, rtol=1e-5)
+    np.testing.assert_array_equal(padded.experts[:, 3:], alone.experts)
+
+
+def test_replayed_routes_are_used_and_the_router_still_gets_a_gradient():
+    model = moe_model()
+    variables = init(model)
+    ids = jnp.asarray(np.random.default_rng(2).integers(1, 32, size=(2, 8)))
+    _, free = model.apply(variables, ids, method=model.hidden, return_routing=True)
+    other = (free.experts + 1) % EXPERTS  # never what the router chose
+    routed = jnp.zeros(ids.shape, bool).at[0].set(True)  # replay the first row only
+    hidden, replayed = model.apply(variables, ids, method=model.hidden, routes=other, routed=routed,
+                                   return_routing=True)
+    np.testing.assert_array_equal(replayed.experts[0], other[0])
+    np.testing.assert_array_equal(replayed.experts[1], free.experts[1])
+
+    def loss(params):
+        h = model.apply(params, ids, method=model.hidden, routes=other, routed=routed)
+        return (h ** 2).sum()
+
+    grads = jax.grad(loss)(variables)
+    assert float(jnp.abs(grads["params"]["layers"]["router"]["kernel"]).max()) > 0
+
+
+def test_decode_with_a_cache_equals_the_forward_pass_logits_and_routes():
+    model = moe_model()
+    variables = init(model)
+    ids = jnp.asarray(np.random.default_rng(3).integers(1, 32, size=(2, 6)))
+    logits = model.apply(variables, ids)
+    _, routing = model.apply(variables, ids, method=model.hidden, return_routing=True)
+    segments, positions = jnp.ones((2, 5), jnp.int32), jnp.broadcast_to(jnp.arange(5), (2, 5))
+    _, kvs, prefill_routes = model.apply(variables, ids[:, :5], segments, positions, method=model.prefill,
+                                         return_routes=True)
+    np.testing.assert_array_equal(prefill_routes, routing.experts[:, :5])
+    cache = model.empty_cache(2, 8)
+    cache = KVCache(tuple(c.at[:, :, :5].set(jnp.moveaxis(k, 1, 2)) for c, (k, _) in zip(cache.keys, kvs)),
+                    tuple(c.at[:, :, :5].set(jnp.moveaxis(v, 1, 2)) for c, (_, v) in zip(cache.values, kvs)),
+                    jnp.full((2,), 5, jnp.int32))
+    step, _, routes = model.apply(variables, ids[:, 5], cache, jnp.ones((2,), bool), method=model.decode,
+                                  return_routes=True)
+    np.testing.assert_allclose(step, logits[:, 5], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(routes, routing.experts[:, 5])
+
+
+def test_a_python_loop_over_layers_and_remat_give_the_scan_s_values_and_gradients():
+    ids = jnp.asarray(np.random.default_rng(4).integers(1, 32, size=(2, 8)))
+    variables = init(moe_model())
+
+    def grads(model):
+        return jax.grad(lambda p: (model.apply(p, ids) ** 2).mean())(variables)
+
+    scanned = grads(moe_model())
+    for other in (moe_model(scan_layers=False), moe_model(remat=True)):
+        for a, b in zip(jax.tree.leaves(grads(other)), jax.tree.leaves(scanned), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_qwen2_moe_s_shared_expert_adds_its_gated_mlp():
+    model = moe_model(shared_expert_features=20, norm_topk_prob=False)
+    variables = init(model)
+    layers = variables["params"]["layers"]
+    assert layers["shared_expert"]["gate_proj"]["kernel"].shape == (2, 16, 20)
+    assert layers["shared_expert_gate"]["kernel"].shape == (2, 16, 1)
+    ids = jnp.arange(1, 9)[None]
+    zeroed = {**layers, "shared_expert": jax.tree.map(jnp.zeros_like, layers["shared_expert"])}
+    without = {"params": {**variables["params"], "layers": zeroed}}
+    assert not np.allclose(model.apply(variables, ids), model.apply(without, ids))
+
+
+def test_sampling_draws_from_a_mixture_of_experts_model():
+    model = moe_model()
+    variables = init(model)
+    prompt = jnp.asarray([[3, 4, 5, 6]])
+    drawn = generate(model, variables, prompt, jnp.asarray([4]), max_new_tokens=5,
+                     sampling=Sampling(temperature=1.0), key=jax.random.key(0))
+    assert drawn.tokens.shape[-1] >= 5
+
+
+def test_refusals_name_what_is_wrong():
+    dense = tiny_model()
+    variables = init(dense)
+    ids = jnp.ones((1, 4), jnp.int32)
+    with pytest.raises(ValueError, match="no experts"):
+        dense.apply(variables, ids, method=dense.hidden, return_routing=True)
+    model = moe_model()
+    sparse = init(model)
+    with pytest.raises(ValueError, match=r"\[B, S, layers, experts_per_token\] = \(1, 4, 2, 2\)"):
+        model.apply(sparse, ids, method=model.hidden, routes=jnp.zeros((1, 4, 2, 1), jnp.int32),
+                    routed=jnp.ones((1, 4), bool))
+    with pytest.raises(ValueError, match="this model's are 0..3"):
+        model.apply(sparse, ids, method=model.hidden, routes=jnp.full((1, 4, 2, 2), 4, jnp.int32),
+                    routed=jnp.ones((1, 4), bool))
+    with pytest.raises(ValueError, match="1..experts"):
+        init(moe_model(experts_per_token=5))
+
+
+def test_adapters_on_a_mixture_of_experts_model_train_its_attention_and_quantizing_it_is_refused():
+    from dew_lib.models import lora, quantize
+
+    model = moe_model()
+    variables = init(model)
+    adapted, with_adapters = lora.attach(model, variables, lora.LoRA(rank=2, targets=("q_proj", "o_proj")),
+                                         jax.random.key(1))
+    ids = jnp.arange(1, 9)[None]
+    np.testing.assert_allclose(adapted.apply(with_adapters, ids), model.apply(variables, ids), atol=1e-6)
+    with pytest.raises(ValueError, match="attention projections only"):
+        lora.attach(model, variables, lora.LoRA(rank=2, targets="all-linear"), jax.random.key(1))
+    with pytest.raises(ValueError, match="mixtures of experts"):
+        quantize.quantize_base(adapted, with_adapters)
