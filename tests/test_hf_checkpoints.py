@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import run_on_host_devices
+from hf_fixtures import DELETE, FIXTURES, copy_fixture, edit_config, flat
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
@@ -33,7 +34,6 @@ from dew_lib.models.pretrained import (
 from dew_lib.models.pretrained import files as files_module
 from dew_lib.models.pretrained.families import decoder_options
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ("qwen3", "qwen2", "llama")
 TOLERANCE = 1e-4
 
@@ -52,29 +52,6 @@ def logits(model, variables, ref):
     return np.asarray(plain), np.asarray(padded), np.asarray(packed)
 
 
-def flat(variables):
-    return {jax.tree_util.keystr(path): np.asarray(leaf)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(variables)}
-
-
-def copy_fixture(name, tmp_path) -> Path:
-    target = tmp_path / name
-    shutil.copytree(FIXTURES / name, target)
-    return target
-
-
-def edit_config(directory: Path, **changes):
-    path = directory / "config.json"
-    config = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is _DELETE:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    path.write_text(json.dumps(config))
-
-
-_DELETE = object()
 
 
 def rewrite_tensors(directory: Path, edit):
@@ -376,7 +353,7 @@ def test_tied_checkpoint_with_a_different_head_is_refused(tmp_path):
 
 @pytest.mark.parametrize("changes, message", [
     (dict(architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
-    (dict(use_sliding_window=True, sliding_window=4, max_window_layers=1, layer_types=_DELETE),
+    (dict(use_sliding_window=True, sliding_window=4, max_window_layers=1, layer_types=DELETE),
      "sliding-window"),
     (dict(layer_types=["full_attention", "sliding_attention"]), "sliding-window"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}), "yarn"),
@@ -388,7 +365,7 @@ def test_tied_checkpoint_with_a_different_head_is_refused(tmp_path):
     (dict(attention_bias=True), "o_proj"),
     (dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
     (dict(model_type="llama"), "model_type"),
-    (dict(hidden_size=_DELETE), "hidden_size"),
+    (dict(hidden_size=DELETE), "hidden_size"),
 ])
 def test_unsupported_configs_are_refused(tmp_path, changes, message):
     directory = copy_fixture("qwen3", tmp_path)
@@ -404,7 +381,7 @@ def test_sliding_window_that_covers_no_layer_is_accepted(loaded, tmp_path):
     plain qwen2 fixture, with the same logits to the bit and transformers' within tolerance."""
     directory = copy_fixture("qwen2", tmp_path)
     edit_config(directory, use_sliding_window=True, sliding_window=4, max_window_layers=2,
-                layer_types=_DELETE)
+                layer_types=DELETE)
     pretrained, variables = load_pretrained(directory)
     plain, plain_variables = loaded["qwen2"]
     assert pretrained.model == plain.model

@@ -9,13 +9,13 @@ and router margins in MANIFEST.json); this file never imports torch.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_fixtures import DELETE, FIXTURES, copy_fixture, edit_config, flat
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
@@ -28,7 +28,6 @@ from dew_lib.models.pretrained import (
 )
 from dew_lib.models.pretrained import files as files_module
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 TOLERANCE = 1e-5  # float32 logits and aux losses (issue 44), what tools/parity_hf.py checks
 # The largest logit difference measured here is 8e-6 (Qwen3-MoE, plain): another CPU can order
@@ -39,7 +38,6 @@ CASES = ("plain", "padded", "packed")
 NAMING = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
           "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
           "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
-_DELETE = object()
 
 
 def reference(name):
@@ -64,11 +62,6 @@ def logits(model, variables, ref):
             for case in CASES}
 
 
-def flat(variables):
-    return {jax.tree_util.keystr(path): np.asarray(leaf)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(variables)}
-
-
 def stored_tensors(directory: Path) -> dict[str, np.ndarray]:
     out = {}
     for path in sorted(directory.glob("*.safetensors")):
@@ -89,23 +82,6 @@ def hub_names(name, layers, experts, shared=False):
                     for p in ("gate_proj", "up_proj", "down_proj")}
             out.add(f"model.layers.{i}.mlp.shared_expert_gate.weight")
     return out
-
-
-def copy_fixture(name, tmp_path) -> Path:
-    target = tmp_path / name
-    shutil.copytree(FIXTURES / name, target)
-    return target
-
-
-def edit_config(directory: Path, **changes):
-    path = directory / "config.json"
-    config = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is _DELETE:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    path.write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +272,7 @@ def test_transformers_fused_layout_loads_the_same(loaded, tmp_path):
 def test_hub_config_keys_load_the_same_model(tmp_path):
     """The Hub writes Qwen3-MoE's count as num_experts, transformers 5 as num_local_experts."""
     directory = copy_fixture("qwen3_moe", tmp_path)
-    edit_config(directory, num_local_experts=_DELETE, num_experts=8)
+    edit_config(directory, num_local_experts=DELETE, num_experts=8)
     hub = Pretrained.from_directory(directory).model
     assert hub == Pretrained.from_directory(FIXTURES / "qwen3_moe").model
     edit_config(directory, num_local_experts=4)
@@ -341,8 +317,8 @@ def test_from_model_writes_a_loadable_checkpoint(architecture, extra, tmp_path):
     ("qwen3_moe", dict(attention_bias=True), "o_proj"),
     ("qwen3_moe", dict(n_routed_experts=8), "n_routed_experts"),
     ("qwen3_moe", dict(num_local_experts=0), "num_experts=0"),
-    ("qwen2_moe", dict(shared_expert_intermediate_size=_DELETE), "shared_expert_intermediate_size"),
-    ("mixtral", dict(num_local_experts=_DELETE), "num_local_experts"),
+    ("qwen2_moe", dict(shared_expert_intermediate_size=DELETE), "shared_expert_intermediate_size"),
+    ("mixtral", dict(num_local_experts=DELETE), "num_local_experts"),
     ("qwen3_moe", dict(num_experts_per_tok=9), "num_experts_per_tok"),
 ])
 def test_unsupported_configs_are_refused(name, changes, message, tmp_path):
@@ -359,7 +335,7 @@ def test_expert_fields_on_a_dense_family_are_still_refused(tmp_path):
         edit_config(directory, **{field: 8})
         with pytest.raises(UnsupportedCheckpoint, match=field):
             load_pretrained(directory)
-        edit_config(directory, **{field: _DELETE})
+        edit_config(directory, **{field: DELETE})
 
 
 def test_wrong_expert_shapes_and_missing_experts_are_named(tmp_path):
