@@ -16,27 +16,14 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
 
-# Many tests build the same tiny programs; a persistent cache compiles each once per session.
-CACHE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "jax-locked"))
-# A size limit turns on the cache's file lock. Without one, JAX writes an entry in place and
-# another process reads whatever is there: an xdist worker (or stage process) loading an
-# executable another was still writing segfaulted CI. Nothing is ever evicted at 16 GiB, but each
-# write then scans the directory, so only programs that took 0.1 s to compile are kept (the train
-# steps and samplers the cache is for, not the hundreds of one-op programs). A directory of its
-# own: the locked cache reads an access-time file the unlocked one never wrote.
-CACHE_LIMIT = 16 << 30
-# The same cache for every process a test starts (pipeline runs, stage jobs, training workers):
-# JAX reads these variables when it is imported, so a subprocess compiles nothing a test or an
-# earlier subprocess already compiled.
-CACHE_SETTINGS = {"jax_compilation_cache_dir": CACHE, "jax_compilation_cache_max_size": CACHE_LIMIT,
-                  "jax_persistent_cache_min_compile_time_secs": 0.1,
-                  "jax_persistent_cache_min_entry_size_bytes": 0}
-os.environ.update({name.upper(): str(value) for name, value in CACHE_SETTINGS.items()})
+# No persistent compilation cache, in this process or any a test starts: loading an executable
+# another process had written segfaulted or aborted an xdist worker in CI, even with JAX's file
+# lock around every read and write (tests/test_xdist_units.py shows a crash now fails one test
+# instead of hanging the session). Each process compiles what it runs.
+for variable in [name for name in os.environ if name.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))]:
+    del os.environ[variable]
 
 import jax  # noqa: E402
-
-for name, value in CACHE_SETTINGS.items():
-    jax.config.update(name, value)
 
 # The workplace's public data sits beside the repository; DEW_SHARED_DATA points elsewhere.
 SHARED_DATA = os.environ.get("DEW_SHARED_DATA") or os.path.abspath(

@@ -24,7 +24,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import jax  # noqa: E402  (the tests' compilation cache comes in through JAX_* variables)
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
