@@ -25,6 +25,19 @@ for variable in [name for name in os.environ if name.startswith(("JAX_COMPILATIO
 
 import jax  # noqa: E402
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_code_freed_after_each_module():
+    """Drop every compiled executable once a test module is done. A worker runs hundreds of
+    modules, and JAX keeps what each compiled for the life of the process: without this a
+    worker's memory grows with every module it has run."""
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+
+
 # The workplace's public data sits beside the repository; DEW_SHARED_DATA points elsewhere.
 SHARED_DATA = os.environ.get("DEW_SHARED_DATA") or os.path.abspath(
     os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
