@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime
 import decimal
 import json
@@ -167,7 +168,7 @@ def _plan_parser(commands) -> None:
     plan.add_argument("--model", required=True,
                       help=f"{', '.join(MODELS)}, or a config.json (or a checkpoint directory holding one)")
     plan.add_argument("--mesh", default="data=1",
-                      help="axis=size pairs: fsdp=8, data=2,fsdp=2,tensor=2 (default data=1)")
+                      help="axis=size pairs: fsdp=8, data=2,fsdp=2,tensor=2, fsdp=2,expert=4 (default data=1)")
     plan.add_argument("--stage", choices=STAGES, required=True)
     plan.add_argument("--seq-len", type=int, required=True, help="ids per row")
     plan.add_argument("--batch", type=int, required=True, help="rows per step (DPO: pairs)")
@@ -207,6 +208,8 @@ def _serve_parser(commands) -> None:
     serve.add_argument("--served-model-name", default=None,
                        help="model name clients send (default: the directory's name)")
     serve.add_argument("--seed", type=int, default=0, help="seed of the seeds given to requests without one")
+    serve.add_argument("--enable-return-routed-experts", action="store_true",
+                       help="a mixture of experts: send each completion's routes (routed_experts), as vLLM does")
     dev = serve.add_mutually_exclusive_group()
     dev.add_argument("--dev-endpoints", dest="dev_endpoints", action="store_true", default=False,
                      help="serve /pause, /collective_rpc, /update_weight_version, ... (a weight push needs them; "
@@ -248,6 +251,7 @@ def _serve(args) -> int:
               sampling=sampling, dtype=args.dtype, logprobs_mode=args.logprobs_mode,
               served_model_name=args.served_model_name, dev_endpoints=args.dev_endpoints, steps=args.steps,
               seed=args.seed, options=options, tensor_parallel_size=args.tensor_parallel_size,
+              routing=args.enable_return_routed_experts,
               lora_modules=parse_lora_modules(args.lora))
     except (CheckpointError, UnsupportedCheckpoint, ValueError, OSError) as error:
         print(f"dew serve: {' '.join(str(error).split())}", file=sys.stderr)
@@ -278,12 +282,11 @@ def _plan(args) -> int:
     except ValueError as error:
         print(f"dew plan: {error}", file=sys.stderr)
         return 1
-    data = mesh.data or 1  # on the planning host, data takes no devices it is not given
-    mesh = MeshSpec(data=data, fsdp=mesh.fsdp, tensor=mesh.tensor)
+    mesh = dataclasses.replace(mesh, data=mesh.data or 1)  # on the planning host, data takes only what it is given
     if os.environ.get("DEW_PLAN_CHILD") != "1":
         import subprocess
 
-        devices = f"--xla_force_host_platform_device_count={data * mesh.fsdp * mesh.tensor}"
+        devices = f"--xla_force_host_platform_device_count={mesh.devices()}"
         env = {**os.environ, "DEW_PLAN_CHILD": "1", "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": " ".join([*os.environ.get("XLA_FLAGS", "").split(), devices])}
         given = sys.argv[1:] if args.argv_given is None else args.argv_given

@@ -72,6 +72,9 @@ class Generation(NamedTuple):
     tokens: sampled ids, `pad_id` after a row stopped. log_probs: raw policy log-probs.
     behavior_log_probs: log-probs under temperature and filters. lengths: ids sampled per row,
     EOS included. stopped: whether the row ended on EOS (else it used the whole budget).
+    routes (with `return_routes`, a mixture of experts): `[B, P + R, layers, k]` the experts
+    each id went through, the row's real prompt ids first, then its sampled ids; zeros from its
+    last sampled id on, which is never fed.
     """
 
     tokens: jax.Array
@@ -79,6 +82,7 @@ class Generation(NamedTuple):
     behavior_log_probs: jax.Array
     lengths: jax.Array
     stopped: jax.Array
+    routes: jax.Array | None = None
 
 
 def filter_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
@@ -143,15 +147,22 @@ def _is_eos(ids, sampling: Sampling):
     return stop
 
 
-def _pack_cache(kvs, prompt_length, width, slots, dtype) -> KVCache:
-    """Move each row's real keys/values to the front of a `slots`-long cache."""
+def _to_front(x, prompt_length):
+    """Each row's real (right-aligned) prompt entries of `x` `[B, P, ...]` moved to the front,
+    zeros after them, as the cache holds them."""
+    width = x.shape[1]
     pad = width - prompt_length  # [B]
     source = jnp.clip(jnp.arange(width)[None, :] + pad[:, None], 0, width - 1)  # [B, P]
-    valid = (jnp.arange(width)[None, :] < prompt_length[:, None])[:, :, None, None]
+    valid = jnp.arange(width)[None, :] < prompt_length[:, None]
+    trailing = (1,) * (x.ndim - 2)
+    moved = jnp.take_along_axis(x, source.reshape(*source.shape, *trailing), axis=1)
+    return jnp.where(valid.reshape(*valid.shape, *trailing), moved, 0)
 
+
+def _pack_cache(kvs, prompt_length, width, slots, dtype) -> KVCache:
+    """Move each row's real keys/values to the front of a `slots`-long cache."""
     def pack(x):  # [B, P, KV, D] -> [B, KV, slots, D]
-        moved = jnp.take_along_axis(x, source[:, :, None, None], axis=1)
-        moved = jnp.where(valid, moved, 0).astype(dtype).transpose(0, 2, 1, 3)
+        moved = _to_front(x, prompt_length).astype(dtype).transpose(0, 2, 1, 3)
         return jnp.pad(moved, ((0, 0), (0, 0), (0, slots - width), (0, 0)))
 
     keys = tuple(pack(k) for k, _ in kvs)
@@ -186,12 +197,20 @@ def _grow_cache(cache: KVCache, slots: int) -> KVCache:
     return KVCache(tuple(map(grow, cache.keys)), tuple(map(grow, cache.values)), cache.lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "pad_id"),
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "pad_id", "return_routes"),
                    compiler_options=DECODE_COMPILER_OPTIONS)
-def _generate(model, variables, prompt, prompt_length, key, *, max_new_tokens, sampling, pad_id):
+def _generate(model, variables, prompt, prompt_length, key, *, max_new_tokens, sampling, pad_id,
+              return_routes=False):
     batch, width = prompt.shape
     segments, positions = prompt_layout(prompt_length, width)
-    logits, kvs = model.apply(variables, prompt, segments, positions, method=model.prefill)
+    routes = None
+    if return_routes:  # [B, P + R, layers * k], indexed like the cache: real prompt ids first
+        logits, kvs, read = model.apply(variables, prompt, segments, positions, method=model.prefill,
+                                        return_routes=True)
+        routes = jnp.zeros((batch, width + max_new_tokens, read.shape[2] * read.shape[3]), jnp.int32)
+        routes = routes.at[:, :width].set(_to_front(read.reshape(batch, width, -1), prompt_length))
+    else:
+        logits, kvs = model.apply(variables, prompt, segments, positions, method=model.prefill)
     stages = cache_stages(width, max_new_tokens)
     cache = _pack_cache(kvs, prompt_length, width, stages[0], model.dtype)
 
@@ -214,37 +233,47 @@ def _generate(model, variables, prompt, prompt_length, key, *, max_new_tokens, s
     )
 
     def keep_going(state):
-        i, _, out = state
+        i, out = state[0], state[2]
         return (i < max_new_tokens) & ~jnp.all(out[3])
 
     layers = split_layers(variables)  # sliced once here, not in every step
 
     def step(state):
-        i, cache, out = state
+        i, cache, out, routes = state
         tokens, done = out[0], out[3]
-        logits, cache = model.apply(variables, tokens[:, i - 1], cache, ~done, layers,
-                                    method=model.decode)
-        return i + 1, cache, record(out, logits, i)
+        if routes is None:
+            logits, fed_cache = model.apply(variables, tokens[:, i - 1], cache, ~done, layers,
+                                            method=model.decode)
+        else:
+            logits, fed_cache, fed = model.apply(variables, tokens[:, i - 1], cache, ~done, layers,
+                                                 method=model.decode, return_routes=True)
+            where = jnp.where(done, routes.shape[1], cache.lengths)  # finished rows: dropped
+            routes = routes.at[jnp.arange(batch), where].set(fed.reshape(batch, -1), mode="drop")
+        return i + 1, fed_cache, record(out, logits, i), routes
 
-    state = (jnp.int32(1), cache, out)
+    state = (jnp.int32(1), cache, out, routes)
     for slots in stages:
         def fits(state, last=slots - width):  # step i writes slot width + i - 1 at most
             return keep_going(state) & (state[0] <= last)
 
-        i, cache, out = state
-        state = jax.lax.while_loop(fits, step, (i, _grow_cache(cache, slots), out))
+        i, cache, out, routes = state
+        state = jax.lax.while_loop(fits, step, (i, _grow_cache(cache, slots), out, routes))
     tokens, raw, behavior, done, lengths = state[2]
-    return Generation(tokens, raw, behavior, lengths, done)
+    routes = state[3]
+    if routes is not None:
+        routes = routes.reshape(batch, width + max_new_tokens, model.num_layers, -1)
+    return Generation(tokens, raw, behavior, lengths, done, routes)
 
 
 def generate(model, variables: Any, prompt, prompt_length, *, key: jax.Array, max_new_tokens: int,
-             sampling: Sampling = Sampling(), pad_id: int = 0) -> Generation:
+             sampling: Sampling = Sampling(), pad_id: int = 0, return_routes: bool = False) -> Generation:
     """Sample up to `max_new_tokens` ids after each left-padded prompt row.
 
     prompt: `[B, P]` ids, real tokens at the right end. prompt_length: `[B]` real tokens per row
     (at least 1). Compiles once per (model, B, P, max_new_tokens, sampling). Host (NumPy) prompts
     are checked against the model's vocabulary first; device arrays only for their dtype, so a
-    rollout loop never waits on the device here.
+    rollout loop never waits on the device here. return_routes (a mixture of experts): also the
+    experts every id went through, for routing replay (`Generation.routes`).
     """
     if np.ndim(prompt) != 2 or np.shape(prompt_length) != np.shape(prompt)[:1]:
         raise ValueError(
@@ -275,5 +304,8 @@ def generate(model, variables: Any, prompt, prompt_length, *, key: jax.Array, ma
             f"prompt width {prompt.shape[1]} + max_new_tokens {max_new_tokens} exceeds the model's "
             f"max_seq_len={limit}; shorten the prompt or the budget"
         )
-    return _generate(model, variables, prompt, prompt_length, key,
-                     max_new_tokens=max_new_tokens, sampling=sampling, pad_id=pad_id)
+    if return_routes and not getattr(model, "sparse", False):
+        raise ValueError("generate(return_routes=True) reports each token's experts, and the model has "
+                         "none (experts=0)")
+    return _generate(model, variables, prompt, prompt_length, key, max_new_tokens=max_new_tokens,
+                     sampling=sampling, pad_id=pad_id, return_routes=return_routes)

@@ -123,11 +123,11 @@ def test_requests_join_and_leave_slots_and_the_server_compiles_once():
 
 
 def test_requests_added_between_two_steps_share_one_prefill(monkeypatch):
-    from dew_lib.inference import server as serving
+    from dew_lib.inference import slot_steps as serving
 
     shapes = []
-    prefill = serving._prefill
-    monkeypatch.setattr(serving, "_prefill", lambda *args: shapes.append(args[5].shape) or prefill(*args))
+    prefill = serving.prefill
+    monkeypatch.setattr(serving, "prefill", lambda *args: shapes.append(args[5].shape) or prefill(*args))
     engine = server(GREEDY, slots=4)
     for name, prompt in enumerate(PROMPTS[:3]):
         engine.add(name, prompt, 6, seed=name)

@@ -32,7 +32,7 @@ from dew_lib.inference import (
     Server,
     ServeTask,
 )
-from dew_lib.inference import server as engine
+from dew_lib.inference import slot_steps as engine
 from dew_lib.inference.adapter_push import directory_bytes
 from dew_lib.models import lora
 from dew_lib.models.pretrained import Pretrained, load_adapter, load_pretrained, save_adapter

@@ -32,7 +32,7 @@ def mesh(**sizes):
 
 def test_a_mesh_is_read_from_its_text_and_must_cover_the_devices():
     assert MeshSpec.parse("data=2, fsdp=2,tensor=2") == MeshSpec(data=2, fsdp=2, tensor=2)
-    assert MeshSpec.parse("fsdp=4").shape(8) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert MeshSpec.parse("fsdp=4").shape(8) == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
     with pytest.raises(ValueError, match="the mesh data=2 x fsdp=2 x tensor=1 does not cover the job's 8 devices"):
         MeshSpec(data=2, fsdp=2).shape(8)
     with pytest.raises(ValueError, match="cannot read the mesh 'fsdp:8'.*axis=size pairs"):

@@ -37,24 +37,23 @@ scheduler's filtered-sampling training input).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
 from collections import deque
 from collections.abc import Hashable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from dew_lib.inference.placement import laid_out, place_state
+from dew_lib.inference import slot_steps
+from dew_lib.inference.placement import place_state
+from dew_lib.inference.slot_steps import SlotState
 from dew_lib.models import partitioning
-from dew_lib.models.decoder import KVCache, split_layers
 from dew_lib.options import integer
 from dew_lib.records.draw import Draw
-from dew_lib.sampling import Sampling, _is_eos, sample
+from dew_lib.sampling import Sampling
 
 MIN_BUCKET = 16  # the narrowest prefill; shorter prompts share it
 
@@ -91,112 +90,6 @@ class ServeTask:
         _check_version(self.version, "ServeTask.version")
 
 
-class _State(NamedTuple):
-    """Everything the device keeps per slot between steps."""
-
-    cache: KVCache
-    last: jax.Array  # [S] int32: the id sampled last, fed to the next step
-    keys: jax.Array  # [S] PRNG keys, one per request
-    sampled: jax.Array  # [S] int32: ids sampled so far (not `count`, which is tuple's method)
-    budget: jax.Array  # [S] int32: max_new_tokens
-    live: jax.Array  # [S] bool: still decoding
-
-
-def _sample_rows(logits, keys, sampling: Sampling):
-    """`sample` applied to each row with that row's own key: ids, raw and behavior log-probs `[S]`."""
-    one = jax.vmap(lambda row, key: sample(row[None], key, sampling))
-    ids, raw, behavior = one(logits, keys)
-    return ids[:, 0], raw[:, 0], behavior[:, 0]
-
-
-# Traces of the compiled functions by what selects their executable: a trace is a compilation.
-TRACES: collections.Counter = collections.Counter()
-
-
-def _signature(model, sampling, mesh, variables, slots, capacity):
-    dtypes = tuple(str(x.dtype) for x in jax.tree.leaves(variables))
-    return (model, sampling, mesh, slots, capacity, dtypes)
-
-
-@functools.partial(jax.jit, static_argnames=("model", "sampling", "steps", "mesh"), donate_argnames=("state",))
-def _decode(model, sampling, steps, mesh, variables, state: _State):
-    """Decode steps over every slot until one of them finishes, none is live, or `steps` ran.
-
-    Returns the state and, per step and slot `[steps, S]`, the sampled id, its raw and behavior
-    log-probs and whether that slot emitted it (false for slots that were not live and for steps
-    that did not run).
-    """
-    slots, capacity = state.live.shape[0], state.cache.keys[0].shape[2]
-    TRACES["decode", steps, *_signature(model, sampling, mesh, variables, slots, capacity)] += 1
-
-    layers = split_layers(variables)  # sliced once per call, not in every step
-
-    def one(carry):
-        i, _, state, (ids_out, raw_out, behavior_out, emitted_out) = carry
-        logits, cache = model.apply(variables, state.last, state.cache, state.live, layers,
-                                    method=model.decode)
-        keys = jax.vmap(jax.random.fold_in)(state.keys, state.sampled)
-        ids, raw, behavior = _sample_rows(logits, keys, sampling)
-        live = state.live
-        count = state.sampled + live.astype(jnp.int32)
-        stop = live & (_is_eos(ids, sampling) | (count >= state.budget))
-        state = _State(cache, jnp.where(live, ids, state.last), state.keys, count, state.budget,
-                       live & ~stop)
-        out = (ids_out.at[i].set(ids), raw_out.at[i].set(raw), behavior_out.at[i].set(behavior),
-               emitted_out.at[i].set(live))
-        return i + 1, jnp.any(stop), state, out
-
-    def going(carry):
-        i, finished, state, _ = carry
-        return (i < steps) & ~finished & jnp.any(state.live)
-
-    slots = state.live.shape[0]
-    zeros = jnp.zeros((steps, slots), jnp.float32)
-    out = (jnp.zeros((steps, slots), jnp.int32), zeros, zeros, jnp.zeros((steps, slots), bool))
-    _, _, state, out = jax.lax.while_loop(going, one, (jnp.int32(0), jnp.bool_(False), state, out))
-    return laid_out(state, mesh), out
-
-
-@functools.partial(jax.jit, static_argnames=("model", "sampling", "mesh"), donate_argnames=("state",))
-def _prefill(model, sampling, mesh, variables, state: _State, prompts, lengths, slots, seeds, budgets):
-    """Fill rows `slots` `[R]` with right-padded prompts `[R, W]` and sample each first id.
-
-    A row whose slot is out of range (`>= S`) is padding: it is computed and dropped.
-    """
-    rows, width = prompts.shape
-    capacity = state.cache.keys[0].shape[2]
-    TRACES["prefill", width, rows, *_signature(model, sampling, mesh, variables, state.live.shape[0], capacity)] += 1
-    columns = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
-    segments = (columns < lengths[:, None]).astype(jnp.int32)  # 0 marks the padding after a prompt
-    logits, kvs = model.apply(variables, prompts, segments, columns, method=model.prefill)
-    keys = jax.vmap(jax.random.key)(seeds)
-    last = logits[jnp.arange(rows), lengths - 1]  # [R, V]
-    ids, raw, behavior = _sample_rows(last, jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(seeds)),
-                                      sampling)
-
-    def write(cache, new):  # new [R, W, KV, D] -> rows `slots`, columns [0, W) of [S, KV, T, D]
-        new = new.transpose(0, 2, 1, 3).astype(cache.dtype)
-        return cache.at[slots, :, :width].set(new, mode="drop")
-
-    def put(column, value):
-        return column.at[slots].set(value, mode="drop")
-
-    cache = KVCache(
-        tuple(write(cache, k) for cache, (k, _) in zip(state.cache.keys, kvs, strict=True)),
-        tuple(write(cache, v) for cache, (_, v) in zip(state.cache.values, kvs, strict=True)),
-        put(state.cache.lengths, lengths),
-    )
-    stop = _is_eos(ids, sampling) | (budgets <= 1)
-    state = _State(cache, put(state.last, ids), put(state.keys, keys), put(state.sampled, jnp.ones_like(ids)),
-                   put(state.budget, budgets), put(state.live, ~stop))
-    return laid_out(state, mesh), (ids, raw, behavior)
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _release(state: _State, slot):
-    return state._replace(live=state.live.at[slot].set(False))
-
-
 def _check_version(version, name):
     if isinstance(version, bool) or not isinstance(version, int | np.integer):
         raise ValueError(f"{name} must be an int, got {version!r}")
@@ -211,10 +104,11 @@ def _buckets(capacity: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
 class _Request:
     """Host-side record of one request in a slot."""
 
-    __slots__ = ("key", "slot", "budget", "version", "ids", "raw", "behavior", "done")
+    __slots__ = ("key", "slot", "budget", "version", "prompt", "ids", "raw", "behavior", "done")
 
-    def __init__(self, key, slot, budget, version):
+    def __init__(self, key, slot, budget, version, prompt):
         self.key, self.slot, self.budget, self.version = key, slot, budget, version
+        self.prompt = prompt  # its prompt's length
         self.ids: list[int] = []
         self.raw: list[float] = []
         self.behavior: list[float] = []
@@ -229,11 +123,14 @@ class Server:
     returns the draws that finished, `cancel` frees a request's slot, `reload` swaps the weights
     between two calls. A request needs `len(prompt_ids) + max_new_tokens <= capacity`. `shared`
     serves `variables` as given rather than a copy: arrays nobody donates, such as another
-    server's base under an adapter.
+    server's base under an adapter. `routing` (a mixture of experts) records the experts every
+    layer chose for each prompt and sampled id into the draws' `routed_experts`, for routing
+    replay in training.
     """
 
     def __init__(self, model, variables, *, sampling: Sampling, slots: int, capacity: int,
-                 steps: int = 16, version: int = 0, mesh: Mesh | None = None, shared: bool = False):
+                 steps: int = 16, version: int = 0, mesh: Mesh | None = None, shared: bool = False,
+                 routing: bool = False):
         slots, capacity, steps = (integer(f"Server.{name}", value) for name, value in
                                   (("slots", slots), ("capacity", capacity), ("steps", steps)))
         if capacity < 2:
@@ -258,10 +155,16 @@ class Server:
         def zeros():  # a buffer of its own: the state is donated leaf by leaf
             return jnp.zeros((slots,), jnp.int32)
 
-        self._state = _State(
+        self.routing = bool(routing)
+        if self.routing and not getattr(model, "sparse", False):
+            raise ValueError("Server.routing records each token's experts, and the model has none "
+                             "(experts=0); leave routing off for a dense model")
+        routes = (jnp.zeros((slots, capacity, model.num_layers * model.experts_per_token), jnp.int32)
+                  if self.routing else None)
+        self._state = SlotState(
             model.empty_cache(slots, capacity), zeros(),
             jax.vmap(jax.random.key)(jnp.zeros((slots,), jnp.uint32)), zeros(), zeros(),
-            jnp.zeros((slots,), bool))
+            jnp.zeros((slots,), bool), routes)
         if mesh is not None:  # the cache split by KV heads like the projections that fill it
             self._state = place_state(self._state, mesh)
         self._owners: list[_Request | None] = [None] * slots
@@ -272,13 +175,13 @@ class Server:
 
     @classmethod
     def from_task(cls, task: ServeTask, *, slots: int, capacity: int, steps: int = 16,
-                  mesh: Mesh | None = None) -> Server:
+                  mesh: Mesh | None = None, routing: bool = False) -> Server:
         """A server for `task`'s model, weights (cast to `task.dtype`) and sampling.
 
         slots: requests decoded together. capacity: cache length per slot, prompt plus sampled
         ids. steps: decode steps per compiled call, at most. mesh: the devices to serve on,
         the weights and the KV cache split over its `tensor` axis (`serving_mesh` builds one);
-        None serves from the default device.
+        None serves from the default device. routing: record each token's experts in the draws.
         """
         if not isinstance(task, ServeTask):
             raise ValueError(
@@ -290,7 +193,7 @@ class Server:
                 lambda x: x.astype(task.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
                 variables)
         return cls(task.model, variables, sampling=task.sampling, slots=slots, capacity=capacity,
-                   steps=steps, version=task.version, mesh=mesh)
+                   steps=steps, version=task.version, mesh=mesh, routing=routing)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -330,9 +233,10 @@ class Server:
 
         Servers of the same model, sampling, steps, shape and weight dtypes share them.
         """
-        sig = _signature(self.model, self.sampling, self.mesh, self.variables, self.slots, self.capacity)
-        return {"decode": TRACES["decode", self.steps, *sig],
-                "prefill": sum(TRACES["prefill", w, r, *sig] for w in self.buckets
+        sig = slot_steps.signature(self.model, self.sampling, self.mesh, self.variables, self.slots,
+                                   self.capacity)
+        return {"decode": slot_steps.TRACES["decode", self.steps, *sig],
+                "prefill": sum(slot_steps.TRACES["prefill", w, r, *sig] for w in self.buckets
                                for r in self.row_buckets)}
 
     @property
@@ -357,7 +261,7 @@ class Server:
         slot = next((i for i, owner in enumerate(self._owners) if owner is None), None)
         if slot is None:
             raise RuntimeError(f"all {self.slots} slots are busy; step until `free` is positive")
-        request = _Request(key, slot, int(max_new_tokens), self.version)
+        request = _Request(key, slot, int(max_new_tokens), self.version, prompt.size)
         self._owners[slot] = request
         self._by_key[key] = request
         self._joining.append((request, prompt, int(seed)))
@@ -369,7 +273,7 @@ class Server:
             return False
         request.done = True
         self._owners[request.slot] = None
-        self._state = _release(self._state, np.int32(request.slot))
+        self._state = slot_steps.release(self._state, np.int32(request.slot))
         return True
 
     def sampled(self, key: Hashable, start: int = 0) -> tuple[list[int], list[float], list[float]]:
@@ -390,7 +294,7 @@ class Server:
         finished: list[tuple[Hashable, Draw]] = []
         self._prefill_joining()
         if any(owner is not None for owner in self._owners):
-            self._state, out = _decode(self.model, self.sampling, self.steps, self.mesh, self.variables,
+            self._state, out = slot_steps.decode(self.model, self.sampling, self.steps, self.mesh, self.variables,
                                        self._state)
             self._events.append((tuple(self._owners), out))
         while self._events:
@@ -412,7 +316,7 @@ class Server:
         for row, (request, prompt, seed) in enumerate(joining):
             prompts[row, :prompt.size] = prompt
             lengths[row], slots[row], seeds[row], budgets[row] = prompt.size, request.slot, seed, request.budget
-        self._state, out = _prefill(self.model, self.sampling, self.mesh, self.variables, self._state,
+        self._state, out = slot_steps.prefill(self.model, self.sampling, self.mesh, self.variables, self._state,
                                     prompts, lengths, slots, seeds, budgets)
         self._events.append((tuple(request for request, _, _ in joining), out))
 
@@ -442,7 +346,18 @@ class Server:
             del self._by_key[request.key]
             finished.append((request.key, Draw(
                 ids=np.array(request.ids, np.int32), behavior_log_probs=np.array(request.behavior, np.float32),
-                raw_log_probs=np.array(request.raw, np.float32), eos=eos, version=request.version)))
+                raw_log_probs=np.array(request.raw, np.float32), eos=eos, version=request.version,
+                routed_experts=self._routes(request))))
+
+    def _routes(self, request: _Request) -> np.ndarray | None:
+        """A finished request's experts `[prompt + sampled ids, layers, k]`, zeros for the last
+        sampled id (never fed); None unless this server records routing."""
+        if self._state.routes is None:
+            return None
+        fed = request.prompt + len(request.ids) - 1
+        routes = np.zeros((fed + 1, self.model.num_layers, self.model.experts_per_token), np.int32)
+        routes[:fed] = np.asarray(self._state.routes[request.slot, :fed]).reshape(fed, *routes.shape[1:])
+        return routes
 
     # ---- weights ----------------------------------------------------------------------------
 

@@ -66,7 +66,7 @@ class TextGeneration:
             lengths[row] = context.size
         drawn = generate(self.model, self.variables, prompt, lengths, key=key,
                          max_new_tokens=max_new_tokens, sampling=sampling, pad_id=self.pad_id)
-        return Generation(*(np.asarray(a) for a in jax.device_get(tuple(drawn))))
+        return jax.tree.map(np.asarray, jax.device_get(drawn))
 
 
 __all__ = ["TextGeneration"]

@@ -18,6 +18,15 @@ every row (0.056 s vs 0.059 s at 8 experts, 0.24 s vs 0.25 s at 32). Forward and
 0.13 s against 2.1 s at 32; one dense MLP per slot (the routed work alone) took 0.054 s and
 0.094 s.
 
+Expert parallelism: under a mesh with an `expert` axis larger than one (the Trainer's step traces
+under its mesh), `Experts` runs `expert_parallel_mlp`. The experts are split over the axis and the
+rows over the batch axes; each device all-gathers its expert group's rows, runs the slots that
+name its own experts through the same block loop and reduce-scatters the sums back. A gather, not
+an all-to-all: at fixed shapes a dropless all-to-all must size each device's send and receive
+buffers for all its `T * k` slots going to any one device (`expert * T * k` rows each way), where
+the gather holds the group's `expert * T` rows; both hold a block buffer for the group's
+`expert * T * k` slots, of which the loop computes only those its experts get (docs/moe.md).
+
 Routing replay: given `routes` `[T, k]` and `routed` `[T]`, a routed token uses exactly those
 experts, weighted by the router's current probabilities at them (renormalised when the model
 does), so the router keeps its gradient; other tokens route freely.
@@ -29,12 +38,16 @@ coefficients (objectives/routing.py), Hugging Face names (models/pretrained/layo
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
+
+from dew_lib.models import partitioning
 
 BLOCK = 64  # rows per dispatch block: each expert's group is padded to a multiple of it
 
@@ -98,6 +111,8 @@ def grouped_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.
                 down: jax.Array, block: int = BLOCK) -> jax.Array:
     """`sum_k weights[t, k] * expert_{experts[t, k]}(x[t])` for rows `x` `[T, X]`, where
     expert e is `down[e](silu(gate[e] x) * up[e] x)`; gate/up `[E, X, M]`, down `[E, M, X]`.
+    A slot whose expert is `E` or more adds nothing: how expert parallelism marks the slots
+    that another device's experts compute.
 
     Dropless: every slot is computed, whatever the imbalance (module docstring).
     """
@@ -105,20 +120,96 @@ def grouped_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.
     count, width = gate.shape[0], x.shape[-1]
     slots = tokens * k
     flat = experts.reshape(-1).astype(jnp.int32)
-    order = jnp.argsort(flat, stable=True)  # slots grouped by expert
+    order = jnp.argsort(flat, stable=True)  # slots grouped by expert, skipped ones last
     grouped = flat[order]
-    sizes = jnp.bincount(flat, length=count)
+    kept = grouped < count
+    sizes = jnp.bincount(flat, length=count)  # skipped slots fall outside and are not counted
     padded = (sizes + block - 1) // block * block
     ends = jnp.cumsum(padded)
-    within = jnp.arange(slots) - (jnp.cumsum(sizes) - sizes)[grouped]
-    row_of = (ends - padded)[grouped] + within  # each sorted slot's row in the padded buffer
     blocks = -(-slots // block) + count - 1  # the groups never need more
-    rows = jnp.zeros((blocks * block, width), x.dtype).at[row_of].set(x[order // k])
+    within = jnp.arange(slots) - (jnp.cumsum(sizes) - sizes)[grouped]
+    # each sorted slot's row in the padded buffer; a skipped slot's is past its end
+    row_of = jnp.where(kept, (ends - padded)[grouped] + within, blocks * block)
+    rows = jnp.zeros((blocks * block, width), x.dtype).at[row_of].set(x[order // k], mode="drop")
     owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * block, side="right"), count - 1)
+    rows, gate, up, down = _alike(rows, gate.astype(x.dtype), up.astype(x.dtype), down.astype(x.dtype))
     out = _blocks(rows.reshape(blocks, block, width), owner.astype(jnp.int32), ends[-1] // block,
-                  gate.astype(x.dtype), up.astype(x.dtype), down.astype(x.dtype)).reshape(-1, width)
-    per_slot = jnp.zeros((slots, width), x.dtype).at[order].set(out[row_of])
+                  gate, up, down).reshape(-1, width)
+    per_slot = jnp.zeros((slots, width), x.dtype).at[order].set(out.at[row_of].get(mode="fill", fill_value=0))
     return jnp.einsum("tkx,tk->tx", per_slot.reshape(tokens, k, width), weights.astype(x.dtype))
+
+
+def expert_parallel_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
+                        down: jax.Array, mesh: Any, block: int = BLOCK) -> jax.Array:
+    """`grouped_mlp` on `mesh`, each device of an `expert` group computing its own experts.
+
+    `x`, `experts`, `weights` have their rows split over the batch axes (`data`, `fsdp`,
+    `expert`); the weights `[E, X, M]` their experts over `expert` and their hidden units over
+    `tensor` (gathered over `fsdp` on the way in, the gradients reduce-scattered back by XLA).
+    Under `shard_map` each
+    device all-gathers its group's rows, routes and weights, runs the slots of its
+    `E / expert` experts through `grouped_mlp` (the others marked skipped) and
+    reduce-scatters the outputs, so each row comes back summed over the devices that hold its
+    experts (module docstring: why a gather rather than an all-to-all).
+    """
+    shape = dict(mesh.shape)
+    groups, count = shape["expert"], gate.shape[0]
+    if count % groups:
+        raise ValueError(f"experts={count} do not divide over the mesh's expert={groups}: each device of an "
+                         f"expert group holds experts / expert of them; choose an expert size that divides {count}")
+    local_count = count // groups
+    batch = tuple(name for name in partitioning.BATCH_AXES if name in shape)
+    if x.shape[0] % math.prod(shape[name] for name in batch):
+        # rows that do not split over the batch axes (one decode row): XLA partitions the plain path
+        return grouped_mlp(x, experts, weights, gate, up, down, block)
+
+    def local(x, experts, weights, gate, up, down):
+        first = jax.lax.axis_index("expert") * local_count
+        ids = jax.lax.all_gather(experts, "expert", tiled=True) - first  # [group rows, k], local ids
+        ids = jnp.where((ids >= 0) & (ids < local_count), ids, local_count)  # others' slots: skipped
+        out = grouped_mlp(jax.lax.all_gather(x, "expert", tiled=True), ids,
+                          jax.lax.all_gather(weights, "expert", tiled=True), gate, up, down, block)
+        out = jax.lax.psum_scatter(out, "expert", scatter_dimension=0, tiled=True)
+        return out if tensor is None else jax.lax.psum(out, tensor)  # the hidden units' partial sums
+
+    # under `tensor`, each device keeps its slice of the experts' hidden units (Megatron's column
+    # and row pair) and the rows' partial outputs are summed over the axis
+    tensor = "tensor" if shape.get("tensor", 1) > 1 else None
+    rows, column, row = (PartitionSpec(batch), PartitionSpec("expert", None, tensor),
+                         PartitionSpec("expert", tensor, None))
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, column, column, row),
+                         out_specs=rows)(x, experts, weights, gate, up, down)
+
+
+def expert_mesh() -> Any:
+    """The abstract mesh the caller traces under (the Trainer's step sets it) when it has an
+    `expert` axis larger than one, else None: the single-device path."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or dict(mesh.shape).get("expert", 1) == 1:
+        return None
+    return mesh
+
+
+def _varying(x: jax.Array) -> frozenset:
+    """The manual mesh axes `x` varies over inside `shard_map` (none outside it); JAX before
+    0.10 named them `vma`."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def _alike(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """`arrays` cast to vary over every manual mesh axis one of them varies over, so the block
+    loops' carries keep one type under `shard_map`'s checks (a no-op outside it). Autodiff
+    transposes each cast into the sum over those axes that a weight's gradient needs."""
+    axes = frozenset().union(*map(_varying, arrays))
+    return tuple(x if _varying(x) == axes else jax.lax.pcast(x, tuple(sorted(axes - _varying(x))), to="varying")
+                 for x in arrays)
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any, like: jax.Array) -> jax.Array:
+    """Zeros that vary over the manual mesh axes `like` varies over: a loop carry beside it."""
+    return _alike(jnp.zeros(shape, dtype), like)[0]
 
 
 @jax.custom_vjp
@@ -138,8 +229,8 @@ def _blocks_forward(rows, owner, used, gate, up, down):
         g, u = part @ gate[e], part @ up[e]
         return out.at[i].set((nn.silu(g) * u) @ down[e]), gates.at[i].set(g), ups.at[i].set(u)
 
-    empty = jnp.zeros(hidden, rows.dtype)
-    out, gates, ups = jax.lax.fori_loop(0, used, body, (jnp.zeros_like(rows), empty, empty))
+    empty = _zeros(hidden, rows.dtype, rows)
+    out, gates, ups = jax.lax.fori_loop(0, used, body, (_zeros(rows.shape, rows.dtype, rows), empty, empty))
     return out, (rows, owner, used, gate, up, down, gates, ups)
 
 
@@ -163,7 +254,7 @@ def _blocks_backward(saved, d_out):
         d_up = d_up.at[e].add(jnp.dot(part.T, d_up_out, preferred_element_type=f32))
         return d_rows.at[i].set(d_gate_out @ gate[e].T + d_up_out @ up[e].T), d_gate, d_up, d_down
 
-    start = (jnp.zeros_like(rows), jnp.zeros(gate.shape, f32), jnp.zeros(up.shape, f32), jnp.zeros(down.shape, f32))
+    start = (_zeros(rows.shape, rows.dtype, rows), *(_zeros(w.shape, f32, rows) for w in (gate, up, down)))
     d_rows, d_gate, d_up, d_down = jax.lax.fori_loop(0, used, body, start)
     return d_rows, None, None, d_gate.astype(gate.dtype), d_up.astype(up.dtype), d_down.astype(down.dtype)
 
@@ -229,8 +320,11 @@ class Experts(nn.Module):
         self.down_proj = self.param("down_proj", init, (self.count, self.hidden, self.features), self.param_dtype)
 
     def __call__(self, x, experts, weights):
+        mesh = expert_mesh()
+        if mesh is not None:
+            return expert_parallel_mlp(x, experts, weights, self.gate_proj, self.up_proj, self.down_proj, mesh)
         return grouped_mlp(x, experts, weights, self.gate_proj, self.up_proj, self.down_proj)
 
 
-__all__ = ["BLOCK", "Experts", "LayerRouting", "Routing", "Sparse", "check_routes", "combine", "grouped_mlp",
-           "layer_routing", "route"]
+__all__ = ["BLOCK", "Experts", "LayerRouting", "Routing", "Sparse", "check_routes", "combine", "expert_mesh",
+           "expert_parallel_mlp", "grouped_mlp", "layer_routing", "route"]

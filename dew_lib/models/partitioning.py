@@ -1,13 +1,20 @@
 """Where each parameter lives on a mesh: logical axes, declared once by the module that owns
-the parameter, and the rules that map them to the mesh axes `data`, `fsdp` and `tensor`.
+the parameter, and the rules that map them to the mesh axes `data`, `fsdp`, `expert` and `tensor`.
 
 A module declares, for the trailing names of a parameter's path, one logical axis per dimension
 (`declare({("q_proj", "kernel"): ("layers", "embed", "heads")})`). Any tree whose leaves end in
 those names (the parameters, Adam's moments, an EMA copy, a gradient sum) then gets the same
 partition: `embed` over `fsdp` (FSDP: every device holds a slice of each weight and gathers it
 for the layer it computes), `heads`, `kv_heads`, `mlp` and `vocab` over `tensor` (Megatron's
-column and row pairs), and nothing ever over the stacked `layers` axis, which the scanned body
-slices. A mesh axis serves one dimension of a parameter: the first that asks for it.
+column and row pairs), a mixture of experts' `experts` over `expert` (expert parallelism: each
+device holds its share of the experts, models/expert_parallel.py sends it their tokens), and
+nothing ever over the stacked `layers` axis, which the scanned body slices. A mesh axis serves
+one dimension of a parameter: the first that asks for it.
+
+The batch's rows, and every activation's, are split over `data`, `fsdp` and `expert`: the
+devices of an expert group hold different tokens, as in the usual expert parallelism, so the
+axis costs no replicated attention or dense-layer work; on a dense model it is one more data
+axis.
 """
 
 from __future__ import annotations
@@ -19,8 +26,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")  # the rows of a batch and every activation are split over both
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")  # the rows of a batch and every activation are split over these
 
 # logical axis -> the mesh axes that split it (absent or empty: kept whole on every device)
 RULES: Mapping[str, tuple[str, ...]] = {
@@ -30,6 +37,7 @@ RULES: Mapping[str, tuple[str, ...]] = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
+    "experts": ("expert",),
 }
 
 _DECLARED: dict[tuple[str, ...], tuple[str | None, ...]] = {}
@@ -90,8 +98,8 @@ def spec_for(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh, wh
 
 
 def splits_parameters(mesh: Mesh) -> bool:
-    """Whether `mesh` splits parameters at all (an `fsdp` or `tensor` axis larger than one)."""
-    return any(mesh.shape.get(name, 1) > 1 for name in ("fsdp", "tensor"))
+    """Whether `mesh` splits parameters at all (an `fsdp`, `expert` or `tensor` axis larger than one)."""
+    return any(mesh.shape.get(name, 1) > 1 for name in ("fsdp", "expert", "tensor"))
 
 
 def tree_specs(tree: Any, mesh: Mesh, *, required: bool = False, what: str = "parameter") -> Any:
@@ -119,8 +127,8 @@ def tree_specs(tree: Any, mesh: Mesh, *, required: bool = False, what: str = "pa
 
 
 def constrain_rows(x: jax.Array, axis: int = 0) -> jax.Array:
-    """`x` with its rows (`axis`, the batch's) split over the `data` and `fsdp` axes of the mesh
-    the caller traces under (the Trainer's step sets its mesh), else unchanged.
+    """`x` with its rows (`axis`, the batch's) split over the `data`, `fsdp` and `expert` axes of
+    the mesh the caller traces under (the Trainer's step sets its mesh), else unchanged.
 
     Without it, XLA may partition a matmul whose weight is split over `fsdp` along its input by
     computing partial products for the whole global batch on every device and summing them,

@@ -50,9 +50,9 @@ def check_routes(owner: str, model: Any, routing_replay: str, batch: Mapping[str
     if "routed_experts" not in batch or "routed" not in batch:
         raise KeyError(
             f"{owner}(routing_replay={routing_replay!r}) needs the engine's routes in the batch "
-            "('routed_experts' and 'routed', packed from each call's record): run vLLM or SGLang "
-            "with --enable-return-routed-experts (RemoteEngine.routing), or set "
-            "routing_replay='none'")
+            "('routed_experts' and 'routed', packed from each call's record): draw with "
+            "Server(routing=True) or generate(return_routes=True), or run vLLM or SGLang with "
+            "--enable-return-routed-experts (RemoteEngine.routing); or set routing_replay='none'")
     shape, rows = np.shape(batch["routed_experts"]), np.shape(batch["input_ids"])
     expected = (*rows, model.num_layers, model.experts_per_token)
     if tuple(shape) != expected:

@@ -79,7 +79,7 @@ class ScheduledRollout:
         else:
             self.server = NativeRolloutServer(Server.from_task(
                 ServeTask(model=model, variables=variables, sampling=sampling),
-                slots=options.slots, capacity=width,
+                slots=options.slots, capacity=width, routing=options.routing_replay != "none",
                 mesh=serving_mesh(options.tensor_parallel_size) if options.tensor_parallel_size > 1 else None))
         self.source = None
         try:

@@ -122,10 +122,13 @@ class SampledRollout:
         g = self.groups
         # Every process draws the job's whole batch, the same computation a single process runs
         # on the same global devices, and keeps its own rows (a no-op in one process).
+        routing = getattr(self.objective, "routing_replay", "none") != "none"
         drawn = generate(self.objective.model, state.params, np.repeat(gather_rows(prompt), g, axis=0),
                          np.repeat(gather_rows(lengths), g), key=key, max_new_tokens=self.max_new_tokens,
-                         sampling=self.sampling)
-        tokens, raw, behavior, counts, stopped = (own_rows(x, rows * g) for x in jax.device_get(tuple(drawn)))
+                         sampling=self.sampling, return_routes=routing)
+        *host, routes = jax.device_get(tuple(drawn))
+        tokens, raw, behavior, counts, stopped = (own_rows(x, rows * g) for x in host)
+        routes = None if routes is None else own_rows(routes, rows * g)
         first = jax.process_index() * rows  # this process's first row of the global batch
 
         def completion(n: int) -> str:
@@ -162,9 +165,11 @@ class SampledRollout:
         for n in range(rows * g):
             b = n // g
             ids = tokens[n, :counts[n]]
-            call = Call(prompt_ids=tasks[b].data["prompt_ids"], sampled_ids=ids,
+            prompt_ids = tasks[b].data["prompt_ids"]
+            call = Call(prompt_ids=prompt_ids, sampled_ids=ids,
                         behavior_log_probs=behavior[n, :counts[n]], raw_log_probs=raw[n, :counts[n]],
-                        finish_reason="stop" if stopped[n] else "length", version=version)
+                        finish_reason="stop" if stopped[n] else "length", version=version,
+                        routed_experts=None if routes is None else routes[n, :len(prompt_ids) + counts[n]])
             sessions.append(Session(task=tasks[b].id, group=first + b, sample=n % g, calls=(call,),
                                     status=Status.COMPLETED if stopped[n] else Status.TRUNCATED,
                                     reward=rewards[n]))

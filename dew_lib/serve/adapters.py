@@ -41,11 +41,13 @@ def shared_variables(base: Mapping[str, Any], adapted: Mapping[str, Any]) -> dic
 
 
 def adapter_server(base: Server, directory: str | Path) -> Server:
-    """A `Server` like `base` (sampling, slots, capacity, steps, mesh) drawing from `base`'s
-    weights with the PEFT adapter in `directory`: a KV cache of its own, the base's arrays shared."""
+    """A `Server` like `base` (sampling, slots, capacity, steps, mesh, routing) drawing from
+    `base`'s weights with the PEFT adapter in `directory`: a KV cache of its own, the base's
+    arrays shared."""
     model, adapted = load_adapter(directory, base.model, base.variables)
     return Server(model, shared_variables(base.variables, adapted), sampling=base.sampling, slots=base.slots,
-                  capacity=base.capacity, steps=base.steps, version=base.version, mesh=base.mesh, shared=True)
+                  capacity=base.capacity, steps=base.steps, version=base.version, mesh=base.mesh, shared=True,
+                  routing=base.routing)
 
 
 def adapter_policy(base: ServedPolicy, name: str, directory: str | Path, *, seed: int = 0) -> ServedPolicy:

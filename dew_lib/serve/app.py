@@ -265,7 +265,8 @@ def _completion_choices(policy: ServedPolicy, request: CompletionRequest, prompt
             index=index, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason,
             text=render.visible_text(tokenizer, draw, include_stop=request.include_stop_str_in_output,
                                      skip_special=request.skip_special_tokens),
-            token_ids=ids, prompt_token_ids=list(prompt) if request.return_token_ids else None))
+            token_ids=ids, prompt_token_ids=list(prompt) if request.return_token_ids else None,
+            routed_experts=render.routed_experts(draw, policy.model)))
     return choices
 
 

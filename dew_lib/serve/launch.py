@@ -99,7 +99,8 @@ def serve(directory: str | Path, *, host: str = "127.0.0.1", port: int = 8000, s
           logprobs_mode: str = "raw_logprobs", served_model_name: str | None = None,
           dev_endpoints: bool | None = None, steps: int = 16, seed: int = 0, grace: float = 5.0,
           log_level: str = "info", options: ServeOptions = ServeOptions(),
-          tensor_parallel_size: int = 1, lora_modules: Mapping[str, str] | None = None) -> None:
+          tensor_parallel_size: int = 1, lora_modules: Mapping[str, str] | None = None,
+          routing: bool = False) -> None:
     """Serve the Hugging Face checkpoint in `directory` over HTTP until SIGTERM or SIGINT.
 
     slots: requests decoded together. capacity: ids per request, prompt and completion (default:
@@ -110,7 +111,9 @@ def serve(directory: str | Path, *, host: str = "127.0.0.1", port: int = 8000, s
     dev_endpoints: mount the development routes (default no). options: the limits on clients
     (`ServeOptions`). tensor_parallel_size: local devices the model is split across (vLLM's
     `--tensor-parallel-size`). lora_modules: {name: PEFT adapter directory} served over the
-    checkpoint, chosen by a request's `model`. Prints one line with the URL once listening.
+    checkpoint, chosen by a request's `model`. routing: a mixture of experts sends each
+    completion's routes (vLLM's `--enable-return-routed-experts`). Prints one line with the URL
+    once listening.
     """
     import uvicorn
 
@@ -124,7 +127,8 @@ def serve(directory: str | Path, *, host: str = "127.0.0.1", port: int = 8000, s
     sock = bind(host, port)  # before loading: a taken port fails fast
     policy = ServedPolicy.load(directory, slots=slots, capacity=capacity, sampling=sampling, dtype=dtype,
                                logprobs_mode=logprobs_mode, served_model_name=served_model_name,
-                               steps=steps, seed=seed, tensor_parallel_size=tensor_parallel_size)
+                               steps=steps, seed=seed, tensor_parallel_size=tensor_parallel_size,
+                               routing=routing)
     models = ServedModels(policy)
     terminate = signal.getsignal(signal.SIGTERM)
     try:

@@ -113,7 +113,7 @@ class ServedPolicy:
     def load(cls, directory: str | Path, *, slots: int = 8, capacity: int | None = None,
              sampling: Sampling = Sampling(), dtype: str = "float32", logprobs_mode: str = "raw_logprobs",
              served_model_name: str | None = None, steps: int = 16, seed: int = 0,
-             window: float = 0.025, tensor_parallel_size: int = 1) -> ServedPolicy:
+             window: float = 0.025, tensor_parallel_size: int = 1, routing: bool = False) -> ServedPolicy:
         """Load `directory` and start serving it.
 
         sampling: temperature and filters for every request; its eos_id, when None, becomes the
@@ -122,7 +122,9 @@ class ServedPolicy:
         steps: decode steps per compiled call. seed: the generator of seeds for requests
         without one. window: the most seconds a request reaching an idle engine waits for the
         rest of its burst (0: submit at once). tensor_parallel_size: local devices the model's
-        heads, MLP and KV cache are split across (1: one device).
+        heads, MLP and KV cache are split across (1: one device). routing: a mixture of experts
+        reports each completion's routes (`routed_experts`, as vLLM does with
+        --enable-return-routed-experts).
         """
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
@@ -138,7 +140,7 @@ class ServedPolicy:
         model = pretrained.model
         capacity = min(model.max_seq_len, DEFAULT_CAPACITY) if capacity is None else capacity
         server = Server.from_task(ServeTask(model=model, variables=variables, sampling=sampling),
-                                  slots=slots, capacity=capacity, steps=steps, mesh=mesh)
+                                  slots=slots, capacity=capacity, steps=steps, mesh=mesh, routing=routing)
         return cls(NativeRolloutServer(server, seed=seed), name=served_model_name or directory.resolve().name,
                    directory=directory, tokenizer=pretrained.tokenizer, dtype=dtype, primary_eos=primary,
                    logprobs_mode=logprobs_mode, window=window)

@@ -197,6 +197,7 @@ class CompletionChoice(BaseModel):
     token_ids: list[int] | None = None
     prompt_logprobs: None = None
     prompt_token_ids: list[int] | None = None
+    routed_experts: str | None = None  # base64 .npy [prompt + sampled - 1, layers, top_k], when served
 
 
 class CompletionResponse(BaseModel):

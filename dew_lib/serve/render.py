@@ -12,14 +12,20 @@ vLLM's conventions, followed here:
 - A token's string is `tokenizer.decode([id])`, or "token_id:{id}" under
   return_tokens_as_token_ids; text_offset advances by the length of each token string.
 - Log-probabilities are clamped at -9999.0, as vLLM writes them for JSON.
+- A mixture of experts served with --enable-return-routed-experts sends each choice's routes as
+  base64 of a .npy over every id but the last sampled one, which the engine never feeds.
 
 Not here: request checking (`app`), the response models (`protocol`).
 """
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import Iterable, Sequence
 from typing import Any, SupportsInt
+
+import numpy as np
 
 from dew_lib.records.draw import Draw
 from dew_lib.serve.protocol import ChatLogProbs, ChatLogProbsContent, CompletionLogProbs
@@ -45,6 +51,17 @@ def log_probs(draw: Draw, mode: str) -> list[float]:
     if values is None:
         raise ValueError("this draw carries no raw log-probabilities; serve processed_logprobs")
     return [max(float(v), FLOOR) for v in values]
+
+
+def routed_experts(draw: Draw, model: Any) -> str | None:
+    """The draw's routes as vLLM sends them: base64 of a .npy `[prompt + sampled - 1, layers,
+    top_k]` (the last sampled id is never fed) in the smallest unsigned type that holds an expert
+    id; None for a draw without routes."""
+    if draw.routed_experts is None:
+        return None
+    buffer = io.BytesIO()
+    np.save(buffer, np.asarray(draw.routed_experts[:-1]).astype(np.min_scalar_type(model.experts - 1)))
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def visible_text(tokenizer: Any, draw: Draw, *, include_stop: bool, skip_special: bool) -> str:
@@ -101,4 +118,4 @@ def chat_logprobs(names: Sequence[str], decoded: Sequence[str], values: Sequence
 
 
 __all__ = ["FLOOR", "LOGPROBS_MODES", "chat_logprobs", "completion_logprobs", "decoded_tokens", "finish",
-           "log_probs", "token_names", "visible_text"]
+           "log_probs", "routed_experts", "token_names", "visible_text"]

@@ -6,7 +6,9 @@ devices shaped like the target, and compiles the real update ahead of time. The 
 are read from their shardings, exactly; the batch's too; and XLA's own memory analysis of the
 compiled step gives the temporary peak (activations kept for the backward pass, gradients,
 gathered weights). The sum is compared with the device's memory, and a plan that does not fit
-says what would make it fit.
+says what would make it fit. Under an `expert` axis the experts' weights and moments are read
+from their shardings like the rest (each device's `experts / expert` of them), and the peak
+includes the expert-parallel exchange's buffers (models/moe.py).
 
 Compiled for the CPU, the temporary peak is XLA:CPU's, not XLA:GPU's or XLA:TPU's: their
 fusions and attention kernels differ (the plan compiles the XLA-only `blockwise` attention,
@@ -28,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from dew_lib.models.partitioning import BATCH_AXES
 from dew_lib.plan_tables import DEVICE_BYTES, MODELS, STAGES
-from dew_lib.train.mesh import MeshSpec
+from dew_lib.train.mesh import MeshSpec, batch_shards
 
 GB = 10**9
 
@@ -65,7 +68,7 @@ class MemoryPlan:
 
     def report(self) -> str:
         """The plan as a table, its verdict and, when it does not fit, what to change."""
-        mesh = " x ".join(f"{name}={size}" for name, size in self.mesh.items())
+        mesh = " x ".join(f"{name}={size}" for name, size in self.mesh.items() if name != "expert" or size > 1)
         lines = [f"{self.stage}: {self.rows} rows of {self.width} ids a step on {mesh}; bytes per device:"]
         for name, value in (("parameters", self.parameters), ("optimizer state", self.optimizer),
                             ("reference", self.reference), ("gradient sum", self.gradients),
@@ -139,11 +142,12 @@ def measure(trainer: Any, stage: str, *, rows: int, width: int, device: int | No
     if rows % accumulate:
         raise ValueError(f"batch={rows} does not split into accumulate={accumulate} equal micro-batches")
     micro_rows = rows // accumulate
-    shards = trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"]
+    shards = batch_shards(trainer.mesh)
     if micro_rows % shards:
-        raise ValueError(f"{micro_rows} rows a micro-step do not split over the mesh's data x fsdp = {shards}")
+        axes = " x ".join(name for name in BATCH_AXES if name != "expert" or trainer.mesh.shape["expert"] > 1)
+        raise ValueError(f"{micro_rows} rows a micro-step do not split over the mesh's {axes} = {shards}")
     state = trainer.abstract_state()
-    placed = NamedSharding(trainer.mesh, PartitionSpec(("data", "fsdp")))
+    placed = NamedSharding(trainer.mesh, PartitionSpec(BATCH_AXES))
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed),
                          _batch(stage, micro_rows, width, trainer.objective))
     analysis = trainer._steps[True].lower(state, micro).compile().memory_analysis()
@@ -220,7 +224,7 @@ def _advice(plan: MemoryPlan, remat: bool, dtype: str, accumulate: int) -> tuple
         lines.append(f"remat recomputes each layer's activations in the backward pass instead of keeping "
                      f"them (the temporary peak is {plan.temporary / GB:.1f} GB now)")
     micro = plan.rows // accumulate
-    if micro > plan.mesh["data"] * plan.mesh["fsdp"]:
+    if micro > plan.mesh["data"] * plan.mesh["fsdp"] * plan.mesh.get("expert", 1):
         lines.append(f"a smaller micro-batch: accumulate={accumulate * 2} keeps half of the {micro} rows' "
                      "activations at once")
     if dtype != "bfloat16":

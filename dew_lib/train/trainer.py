@@ -11,8 +11,8 @@ inside an accumulation window resumes bit for bit.
 The devices form a named mesh (mesh.py): by default every device is a `data` replica holding
 the whole state; `MeshSpec(fsdp=..., tensor=...)` splits the parameters, optimizer moments, the
 EMA/reference copy and the gradient sum as their modules declare (models/partitioning.py), and
-the compiled step is partitioned by XLA around those layouts. Batches are split over `data` x
-`fsdp`.
+the compiled step is partitioned by XLA around those layouts (`expert` splits a mixture of
+experts' experts, models/moe.py). Batches are split over `data` x `fsdp` x `expert`.
 
 In a multi-process job (distributed.py) the mesh spans every process's devices, each process
 reads its own partition of the data and places its rows with the others', and only process 0
@@ -259,8 +259,8 @@ class Trainer:
 
     # ----- data placement ----------------------------------------------------------------------
     def _shard(self, batch: Batch) -> Batch:
-        """Split every field's leading axis over the mesh's `data` x `fsdp`; refuse what does not
-        divide. The batch keeps its type (a dict, or a typed pytree such as PackedBatch)."""
+        """Split every field's leading axis over the mesh's `data` x `fsdp` x `expert`; refuse what
+        does not divide. The batch keeps its type (a dict, or a typed pytree such as PackedBatch)."""
         local = max(1, batch_shards(self.mesh) // jax.process_count())
         rows = NamedSharding(self.mesh, PartitionSpec(partitioning.BATCH_AXES))
 
@@ -271,7 +271,7 @@ class Trainer:
             if value.shape[0] % local:
                 raise ValueError(
                     f"batch field {name!r} has {value.shape[0]} rows, which do not divide into this "
-                    f"process's {local} slices of the batch (the mesh's data x fsdp); make the batch "
+                    f"process's {local} slices of the batch (the mesh's data x fsdp x expert); make the batch "
                     f"size a multiple of {local} (or pass Trainer(devices=...) or a smaller mesh)"
                 )
             if jax.process_count() == 1:

@@ -1,0 +1,108 @@
+"""Dew's own samplers record routes: the native server and `generate` report, for every prompt and
+sampled id of a mixture-of-experts policy, the experts each layer chose, exactly as a forward
+pass over the whole sequence routes them, so routing replay can train on them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_model
+
+from dew_lib.inference import Server, ServeTask
+from dew_lib.sampling import Sampling, generate
+
+LAYERS, TOP_K = 2, 2
+MODEL = tiny_model(num_layers=LAYERS, experts=4, experts_per_token=TOP_K, expert_features=16, max_seq_len=48)
+VARIABLES = MODEL.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+SAMPLING = Sampling(temperature=0.9, eos_id=3)
+PROMPTS = [np.array(p, np.int32) for p in ([5, 6, 7, 8, 9, 10], [11], [12, 13, 14], list(range(4, 22)))]
+
+
+def forward_routes(ids):
+    """The experts a whole-sequence forward routes `ids` to, `[len(ids), layers, k]`."""
+    _, routing = MODEL.apply(VARIABLES, jnp.asarray(ids)[None], method=MODEL.hidden, return_routing=True)
+    return np.asarray(routing.experts[0])
+
+
+def check(routes, prompt, ids):
+    """`routes` covers the prompt and every sampled id; the last sampled id, never fed, has zeros."""
+    sequence = np.concatenate([prompt, ids])
+    assert routes.shape == (sequence.size, LAYERS, TOP_K) and routes.dtype == np.int32
+    np.testing.assert_array_equal(routes[:-1], forward_routes(sequence[:-1]))
+    assert not routes[-1].any()
+
+
+def test_the_server_reports_each_draw_s_routes_as_a_forward_pass_routes_them():
+    server = Server.from_task(ServeTask(model=MODEL, variables=VARIABLES, sampling=SAMPLING),
+                              slots=2, capacity=40, steps=3, routing=True)
+    waiting, draws = list(range(len(PROMPTS))), {}
+    while waiting or server.busy:  # the later requests take the slots the first ones free
+        while waiting and server.free:
+            name = waiting.pop(0)
+            server.add(name, PROMPTS[name], 10, seed=name)
+        draws.update(server.step())
+    assert sorted(draws) == [0, 1, 2, 3]
+    for name, prompt in enumerate(PROMPTS):
+        check(draws[name].routed_experts, prompt, draws[name].ids)
+
+
+def test_generate_reports_the_routes_of_each_left_padded_row():
+    width = 18
+    prompt = np.zeros((len(PROMPTS), width), np.int32)
+    for row, ids in enumerate(PROMPTS):
+        prompt[row, width - ids.size:] = ids
+    drawn = generate(MODEL, VARIABLES, prompt, [p.size for p in PROMPTS], key=jax.random.key(1),
+                     max_new_tokens=8, sampling=SAMPLING, return_routes=True)
+    assert drawn.routes.shape == (len(PROMPTS), width + 8, LAYERS, TOP_K)
+    for row, ids in enumerate(PROMPTS):
+        count = int(drawn.lengths[row])
+        check(np.asarray(drawn.routes[row, :ids.size + count]), ids, np.asarray(drawn.tokens[row, :count]))
+        assert not np.asarray(drawn.routes[row, ids.size + count:]).any()
+
+
+def test_routes_of_a_dense_model_are_refused():
+    dense = tiny_model()
+    variables = dense.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    with pytest.raises(ValueError, match="experts=0"):
+        Server(dense, variables, sampling=SAMPLING, slots=1, capacity=16, routing=True)
+    with pytest.raises(ValueError, match="experts=0"):
+        generate(dense, variables, np.ones((1, 4), np.int32), [4], key=jax.random.key(0), max_new_tokens=2,
+                 return_routes=True)
+    server = Server(MODEL, VARIABLES, sampling=SAMPLING, slots=1, capacity=16)
+    server.add("a", PROMPTS[0], 2)
+    draws = {}
+    while server.busy:
+        draws.update(server.step())
+    assert draws["a"].routed_experts is None  # a server records routes only when asked
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_grpo_replays_the_routes_its_own_rollouts_recorded(mode):
+    """Through the recipe the pipeline uses: `generate` (sync) or the native server (async) records
+    the routes, and the objective refuses a batch without them, so a finished fit replayed them."""
+    import json
+
+    import optax
+
+    from dew_lib import Trainer
+    from dew_lib.data import Loading, Prompts
+    from dew_lib.recipes import GRPOOptions, build_grpo
+    from dew_lib.train.sinks import MemorySink
+
+    records = tuple(json.dumps({"prompt": [3, 4, 5 + n], "ground_truth": "1"}) for n in range(4))
+    data = Prompts(records=records, max_prompt_len=4, loading=Loading(seed=None))
+    options = GRPOOptions(steps=2, batch=2, groups=2, max_new_tokens=4, mode=mode, slots=4,
+                          routing_replay="rollout")
+    built = build_grpo(MODEL, VARIABLES, data, options, reward=lambda source, text, truth, extra: len(text) / 16,
+                       eos_id=2)
+    sink = MemorySink()
+    try:
+        trainer = Trainer(built.objective, optax.adam(1e-2), key=jax.random.key(0), rollout=built.rollout)
+        trainer.fit(built.dataset, steps=2, log_every=1, sinks=[sink])
+    finally:
+        built.close()
+    assert built.objective.routing_replay == "rollout"
+    assert len(sink.series("router/aux_loss")) == 2
+    if mode == "sync":
+        call = built.rollout.last_sessions[0].calls[0]
+        assert call.routed_experts.shape == (len(call.prompt_ids) + len(call.sampled_ids), LAYERS, TOP_K)
