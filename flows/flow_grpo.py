@@ -19,6 +19,7 @@ import time
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from dew_lib.train.trackers import TrackerOptions
 from flows.flow_pretrain import flow_pretrain
 from tasks import lifetimes
 from tasks.flow_train import grpo_stage
@@ -32,8 +33,9 @@ from tasks.ui import artifact_key
 
 @flow(name="flow_grpo")
 def flow_grpo(params: FlowGRPOParams, start: DiTRef, directory: str = "runs/flow/flow_grpo",
-              store_root: str = "runs", run: str = "flow_grpo", seed: int = 0) -> ImageStageResult:
-    return grpo_stage("flow_grpo", params, start, directory, store_root, run, seed)
+              store_root: str = "runs", run: str = "flow_grpo", seed: int = 0,
+              tracking: TrackerOptions | None = None) -> ImageStageResult:
+    return grpo_stage("flow_grpo", params, start, directory, store_root, run, seed, tracking)
 
 
 @flow(name="flow_grpo_pipeline")
@@ -51,11 +53,11 @@ def flow_grpo_pipeline(params: FlowPipelineParams = FlowPipelineParams()) -> dic
             data = prepare_images(params.data, os.path.join(directory, "data"), params.seed)
             results.append(flow_pretrain(params.pretrain, data, params.model,
                                          os.path.join(directory, "flow_pretrain"), store_root, run,
-                                         params.seed))
+                                         params.seed, params.tracking))
             start = results[-1].model
         if "flow_grpo" in params.stages:
             results.append(flow_grpo(params.grpo, start, os.path.join(directory, "flow_grpo"),
-                                     store_root, run, params.seed))
+                                     store_root, run, params.seed, params.tracking))
     seconds = time.perf_counter() - started
     table = [_row(r) for r in results]
     create_table_artifact(table, key=artifact_key(run, "stages"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from dew_lib.train.trackers import TrackerOptions
 from tasks.manifests import DataManifest, PolicyRef, StageResult
 from tasks.params import GRPOParams, PPOParams, RewardParams, ToolParams
 from tasks.train import train_stage
@@ -21,13 +22,16 @@ from tasks.train import train_stage
 @flow(name="grpo")
 def grpo(params: GRPOParams, data: DataManifest, start: PolicyRef, directory: str,
          store_root: str = "runs", run: str = "grpo", seed: int = 0,
-         reward: RewardParams = RewardParams(), tools: ToolParams = ToolParams()) -> StageResult:
-    return train_stage("grpo", "grpo", params, data, start, directory, store_root, run, seed, reward, tools)
+         reward: RewardParams = RewardParams(), tools: ToolParams = ToolParams(),
+         tracking: TrackerOptions | None = None) -> StageResult:
+    return train_stage("grpo", "grpo", params, data, start, directory, store_root, run, seed, reward, tools,
+                       tracking=tracking)
 
 
 @flow(name="ppo")
 def ppo(params: GRPOParams, data: DataManifest, start: PolicyRef, directory: str,
         store_root: str = "runs", run: str = "ppo", seed: int = 0,
         reward: RewardParams = RewardParams(), tools: ToolParams = ToolParams(),
-        critic: PPOParams = PPOParams()) -> StageResult:
-    return train_stage("ppo", "ppo", params, data, start, directory, store_root, run, seed, reward, tools, critic)
+        critic: PPOParams = PPOParams(), tracking: TrackerOptions | None = None) -> StageResult:
+    return train_stage("ppo", "ppo", params, data, start, directory, store_root, run, seed, reward, tools, critic,
+                       tracking=tracking)

@@ -82,7 +82,7 @@ def _stages(params: PipelineParams, directory: str, store_root: str, run: str):
         name, options = params.stage_name(stage), getattr(params, stage)  # the RL stage: grpo's options
         rl = {**graded, **({"critic": params.ppo} if name == "ppo" else {})} if stage == "grpo" else {}
         result = STAGES[name](options, data, policy, os.path.join(directory, name), store_root, run, params.seed,
-                              **rl)
+                              tracking=params.tracking, **rl)
         policy = result.policy
         steps = options.steps if result.steps is None else result.steps
         accuracy = evaluate(name, policy, data, params.evaluation, directory, store_root, run, steps, **graded)

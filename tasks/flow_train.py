@@ -42,9 +42,10 @@ from dew_lib.recipes.flow import build_flow_grpo, build_flow_pretrain
 from dew_lib.recipes.options import optimizer
 from dew_lib.recipes.recorded import RecordedRollout
 from dew_lib.train.sinks import Sink
+from dew_lib.train.trackers import TrackerOptions
 from dew_lib.train.trainer import Trainer
 from tasks.images import build_dit, load_dit, load_images, reward_named, save_dit
-from tasks.lifecycle import Start, begin, conclude, stage_sinks, write_result
+from tasks.lifecycle import Start, begin, conclude, stage_sinks, stage_trackers, write_result
 from tasks.manifests import DiTRef, ImageManifest, ImageStageResult, fingerprint, keyed
 from tasks.params import DiTParams, FlowGRPOParams, FlowPretrainParams, StageParams
 from tasks.records import open_stage
@@ -131,13 +132,14 @@ def _labels(stage: str) -> dict[str, str]:
 
 
 def _fit(stage: str, kind: str, params: StageParams, key: str, inputs: dict, directory: str,
-         store_root: str, run: str, build) -> ImageStageResult:
+         store_root: str, run: str, build, tracking: TrackerOptions | None = None) -> ImageStageResult:
     """An image stage's life (tasks/lifecycle.py): reuse or resume, fit, save, publish.
 
     inputs: what `key` was computed from, as JSON (named in the log when they change).
     build(writer, resumed, directory) -> (trainer, dataset, previews, extra sinks,
     save(state) -> DiTRef, extra_metrics() -> dict), where resumed is the checkpoint step a retry
-    continues from, or None, and directory the one of these inputs.
+    continues from, or None, and directory the one of these inputs. tracking: the trackers the
+    stage also logs to, its previews sent as images (TensorBoard) and artifacts (MLflow).
     """
     logger = get_run_logger()
     start = begin(stage, kind, params, key, inputs, directory, store_root, run, links=LINKS,
@@ -145,14 +147,16 @@ def _fit(stage: str, kind: str, params: StageParams, key: str, inputs: dict, dir
                   shorter=params.schedule == "constant")
     if not isinstance(start, Start):
         return start
+    output = os.path.dirname(os.path.abspath(directory))  # the run's directory
     directory = start.directory
-    with open_stage(store_root, run, stage, kind, params.model_dump(mode="json")) as writer:
+    with (open_stage(store_root, run, stage, kind, params.model_dump(mode="json")) as writer,
+          stage_trackers(tracking, writer, run, stage, params, output, logger) as trackers):
         checkpoints = os.path.join(directory, "checkpoints")
         if start.resumed is not None:
             writer.discard_after(start.resumed)
         trainer, dataset, previews, extra_sinks, save, extra = build(writer, start.resumed, directory)
         sinks = stage_sinks(stage, params, writer, os.path.join(directory, "metrics.jsonl"), shown=SHOWN,
-                            before=extra_sinks, logger=logger)
+                            before=extra_sinks, logger=logger, trackers=trackers.sinks)
         state = trainer.fit(dataset, steps=params.steps, log_every=params.log_every,
                             directory=checkpoints, checkpoint_every=params.checkpoint_every, sinks=sinks)
         logger.info("%s: %s", stage, keep_last_checkpoint(checkpoints))
@@ -160,6 +164,9 @@ def _fit(stage: str, kind: str, params: StageParams, key: str, inputs: dict, dir
             previews(state.params, params.steps)
         model = save(state)
         metrics = conclude(writer, stage, kind, directory, params.steps, model.path, extra=extra())
+        trackers.attach(model=model.path, curves=os.path.join(directory, "curves.png"),
+                        **{f"preview-{step:06d}": os.path.join(previews.directory, f"step-{step:06d}.png")
+                           for step in (0, params.steps)})
     shown = sorted(glob.glob(os.path.join(previews.directory, "*.png")))  # earlier attempts' too
     result = ImageStageResult(stage=stage, kind=kind, model=model, metrics=metrics, directory=directory,
                               previews=shown)
@@ -171,7 +178,8 @@ def _fit(stage: str, kind: str, params: StageParams, key: str, inputs: dict, dir
 
 @task(retries=2, retry_delay_seconds=1, retry_condition_fn=retry_unless_refused, task_run_name="train-{stage}")
 def pretrain_stage(stage: str, params: FlowPretrainParams, data: ImageManifest, model: DiTParams,
-                   directory: str, store_root: str, run: str, seed: int) -> ImageStageResult:
+                   directory: str, store_root: str, run: str, seed: int,
+                   tracking: TrackerOptions | None = None) -> ImageStageResult:
     """Flow-matching pre-training of a SimpleDiT on `data`, saved under `directory`/<key[:12]>/model
     (also reachable as `directory`/model until other inputs start)."""
     relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
@@ -200,12 +208,12 @@ def pretrain_stage(stage: str, params: FlowPretrainParams, data: ImageManifest, 
 
         return trainer, built.dataset, previews, [hook], save, dict
 
-    return _fit(stage, "flow_pretrain", params, key, inputs, directory, store_root, run, build)
+    return _fit(stage, "flow_pretrain", params, key, inputs, directory, store_root, run, build, tracking)
 
 
 @task(retries=2, retry_delay_seconds=1, retry_condition_fn=retry_unless_refused, task_run_name="train-{stage}")
 def grpo_stage(stage: str, params: FlowGRPOParams, start: DiTRef, directory: str, store_root: str,
-               run: str, seed: int) -> ImageStageResult:
+               run: str, seed: int, tracking: TrackerOptions | None = None) -> ImageStageResult:
     """Flow-GRPO from the SimpleDiT at `start` against the named reward, saved under
     `directory`/<key[:12]>/model (also reachable as `directory`/model until other inputs start)."""
     relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
@@ -233,4 +241,4 @@ def grpo_stage(stage: str, params: FlowGRPOParams, start: DiTRef, directory: str
 
         return trainer, built.dataset, previews, [], save, extra
 
-    return _fit(stage, "flow_grpo", params, key, inputs, directory, store_root, run, build)
+    return _fit(stage, "flow_grpo", params, key, inputs, directory, store_root, run, build, tracking)

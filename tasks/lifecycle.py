@@ -3,7 +3,8 @@ inputs, reuse a finished result or find where to start, fit with the same sinks,
 plot and publish the outcome and write `result.json` last.
 
     start = begin(...)                # a finished result (reused and recorded), or where to train
-    sinks = stage_sinks(...)          # log, progress, the store, metrics.jsonl, the deadline
+    with stage_trackers(...) as trackers:  # TensorBoard, MLflow, W&B, when the run chose them
+    sinks = stage_sinks(...)          # log, progress, the store, metrics.jsonl, trackers, the deadline
     metrics = conclude(...)           # history, final metrics, curves, the store's last rows
     write_result(...)                 # result.json: a rerun with these inputs reuses the stage
 
@@ -24,6 +25,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from dew_lib.train.sinks import JsonlSink, Sink
+from dew_lib.train.trackers import TrackerOptions, Trackers
 from tasks.params import StageParams
 from tasks.records import record_reused
 from tasks.storage import StageDirectory, enter_stage, start_point, write_json
@@ -63,14 +65,29 @@ def begin(stage: str, kind: str, params: StageParams, key: str, inputs: dict, di
     return Start(place=place, resumed=resumed, written=written)
 
 
+def stage_trackers(tracking: TrackerOptions | None, writer, run: str, stage: str, params: StageParams,
+                   output: str, logger=None):
+    """The stage's tracker sinks (dew_lib/train/trackers.py) as a context that ends their runs
+    with the stage, each run recorded in the store's `trackers` table as it starts; none without
+    a writer (a process of a job other than process 0). output: the run's directory."""
+
+    def record(step: int, started) -> None:
+        writer.tracker_run(step, started.tracker, started.id, name=started.name, location=started.location,
+                           parent=started.parent)
+
+    return Trackers.open(tracking if writer is not None else None, run=run, stage=stage,
+                         params=params.model_dump(mode="json"), output=output, on_start=record, logger=logger)
+
+
 def stage_sinks(stage: str, params: StageParams, writer, log_path: str, *, shown: Sequence[str],
-                before: Sequence[Sink] = (), progress: bool = True, logger=None) -> list:
+                before: Sequence[Sink] = (), progress: bool = True, logger=None,
+                trackers: Sequence[Sink] = ()) -> list:
     """Every stage's sinks, in order: `before` (the stage's own), its log line and progress
-    artifact, the run store, metrics.jsonl, and last the deadline, so a window is recorded
-    everywhere before a deadline stops the stage. writer None: a process that records nothing
-    (not process 0 of a job), which keeps only `before` and the deadline."""
+    artifact, the run store, metrics.jsonl, the `trackers`, and last the deadline, so a window is
+    recorded everywhere before a deadline stops the stage. writer None: a process that records
+    nothing (not process 0 of a job), which keeps only `before` and the deadline."""
     shown_sinks = [LogSink(stage, tuple(shown), logger)] + ([ProgressSink(stage, params.steps)] if progress else [])
-    recorded = [] if writer is None else [*shown_sinks, writer.sink(), JsonlSink(log_path)]
+    recorded = [] if writer is None else [*shown_sinks, writer.sink(), JsonlSink(log_path), *trackers]
     return [*before, *recorded, Deadline(stage, params.max_minutes)]
 
 
@@ -115,4 +132,4 @@ def write_result(directory: str, key: str, result: BaseModel) -> None:
     write_json(os.path.join(directory, "result.json"), {"fingerprint": key, "result": result.model_dump()})
 
 
-__all__ = ["Start", "begin", "conclude", "final_metrics", "history", "stage_sinks", "write_result"]
+__all__ = ["Start", "begin", "conclude", "final_metrics", "history", "stage_sinks", "stage_trackers", "write_result"]

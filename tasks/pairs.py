@@ -7,6 +7,9 @@ sampled (EOS included, no retokenizing), and the task's reference solution the c
 policy already answers right give no pair. Pairs written from a fixed answer generator instead
 (`DPOParams.pairs="data"`) rarely match the mistakes the policy makes, and DPO on them moves
 probability away from answers the policy would not have given.
+
+With `dpo.loss_type='kto'` the same pairs train as unpaired examples (recipes/build.py splits each
+into a desirable chosen and an undesirable rejected answer), so an epoch holds twice as many.
 """
 
 from __future__ import annotations
@@ -77,9 +80,11 @@ def epochs_capped(params: DPOParams, pairs_path: str) -> DPOParams:
         return params
     with open(pairs_path, encoding="utf-8") as handle:
         pairs = sum(1 for line in handle if line.strip())
-    steps = max(1, math.ceil(params.max_epochs * pairs / params.batch))
+    examples = 2 * pairs if params.loss_type == "kto" else pairs  # KTO trains each side alone
+    steps = max(1, math.ceil(params.max_epochs * examples / params.batch))
     if steps >= params.steps:
         return params
-    get_run_logger().info("dpo: %d steps instead of %d: %d pairs at batch %d make %g passes "
-                          "(dpo.max_epochs)", steps, params.steps, pairs, params.batch, params.max_epochs)
+    get_run_logger().info("dpo: %d steps instead of %d: %d %s at batch %d make %g passes "
+                          "(dpo.max_epochs)", steps, params.steps, examples,
+                          "examples" if params.loss_type == "kto" else "pairs", params.batch, params.max_epochs)
     return params.model_copy(update={"steps": steps})

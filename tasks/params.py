@@ -27,6 +27,7 @@ from dew_lib.recipes.options import (
     TrainOptions,
 )
 from dew_lib.train.mesh import MeshSpec
+from dew_lib.train.trackers import TrackerOptions
 from tasks.memory import planned_bytes
 from tasks.params_file import command_line, read_params_file  # noqa: F401 - flows import them from here
 
@@ -195,7 +196,8 @@ class TextStageParams(StageParams):
     mesh: str = Field("", description="how the stage's devices are arranged, as axis=size pairs: "
                       "'fsdp=8' splits every weight, optimizer moment and reference copy 8 ways, "
                       "'data=2,fsdp=2,tensor=2' adds tensor parallelism and replicas (docs/distributed.md, "
-                      "Sharding); empty: every device a replica of the whole state. Not part of the "
+                      "Sharding), 'fsdp=2,expert=4' splits a mixture of experts' experts 4 ways (docs/moe.md); "
+                      "empty: every device a replica of the whole state. Not part of the "
                       "stage's inputs: a stage resumes its checkpoint under another mesh")
 
     device_memory: str = Field("", description="each device's memory to plan the stage against before it "
@@ -287,11 +289,6 @@ class GRPOParams(GRPOOptions, TextStageParams):
         if self.rollout.remote and self.mode != "async":
             raise ValueError(f"rollout.server={self.rollout.server!r} is a remote engine, which draws ahead "
                              "of the trainer: set mode='async'")
-        if self.routing_replay != "none" and not self.rollout.remote:
-            raise ValueError(f"routing_replay={self.routing_replay!r} trains with the routes the engine "
-                             "reports, and only a remote vLLM or SGLang engine (launched with "
-                             "--enable-return-routed-experts) reports them today: set mode='async' and "
-                             "rollout.server to the engine's URL, or leave routing_replay='none' (docs/moe.md)")
         return self
 
 
@@ -356,6 +353,8 @@ class PipelineParams(Params):
     stages: tuple[Literal["sft", "dpo", "grpo"], ...] = Field(
         ("sft", "dpo", "grpo"), description="stages to run, in order; 'grpo' is the RL stage, trained "
         "with the algorithm `rl` names")
+    tracking: TrackerOptions = Field(default_factory=TrackerOptions, description="TensorBoard, MLflow and "
+                                     "W&B runs of every training stage, beside the run store (docs/trackers.md)")
 
     def stage_name(self, stage: str) -> str:
         """The name a stage of `stages` runs under: the RL stage takes its algorithm's."""
@@ -379,6 +378,20 @@ class PipelineParams(Params):
                 self.grpo.check_ppo()
             except ValueError as error:
                 raise ValueError(f"rl='ppo': {error} (the grpo block's fields)") from None
+        return self
+
+    @model_validator(mode="after")
+    def _routes_recorded(self) -> PipelineParams:
+        if self.grpo.routing_replay == "none":
+            return self
+        if self.model.pretrained is None and not self.model.experts:
+            raise ValueError(f"grpo.routing_replay={self.grpo.routing_replay!r} replays the experts each token "
+                             "was routed to, and the embedded decoder has none: set model.experts (and "
+                             "model.experts_per_token), or leave routing_replay='none'")
+        if self.rl == "ppo" or (self.data.source == "tools" and self.grpo.mode == "sync"):
+            raise ValueError(f"grpo.routing_replay={self.grpo.routing_replay!r} needs every draw's routes, and "
+                             "lock-step episodes (rl='ppo', or data.source='tools' with grpo.mode='sync') do "
+                             "not record them: use rl='grpo' with grpo.mode='async', or routing_replay='none'")
         return self
 
     @model_validator(mode="after")
@@ -463,6 +476,8 @@ class FlowPipelineParams(Params):
     stages: tuple[Literal["flow_pretrain", "flow_grpo"], ...] = Field(
         ("flow_pretrain", "flow_grpo"), description="stages to run, in order (flow_grpo alone "
         "starts from model.pretrained)")
+    tracking: TrackerOptions = Field(default_factory=TrackerOptions, description="TensorBoard, MLflow and "
+                                     "W&B runs of every training stage, beside the run store (docs/trackers.md)")
 
     @model_validator(mode="after")
     def _chain(self) -> FlowPipelineParams:

@@ -63,8 +63,14 @@ def new_run_id(name: str) -> str:
     return f"{name}-{str(identity).replace('-', '')[:8]}"
 
 
+# Parameters that say where a run's records also go, not what it computes: changing them
+# continues the same run.
+NOT_IDENTITY = frozenset({"tracking"})
+
+
 def run_digest(params: Mapping[str, Any], inputs: Mapping[str, Any] | None = None) -> str:
-    """What identifies a run: its parameters and, when there are any, its inputs."""
+    """What identifies a run: its parameters (but NOT_IDENTITY) and, when there are any, its inputs."""
+    params = {name: value for name, value in params.items() if name not in NOT_IDENTITY}
     identity = {"params": params, "inputs": inputs} if inputs else params
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict
 
 from dew_lib.train import distributed
 from dew_lib.train.launch import launch
+from dew_lib.train.trackers import TrackerOptions
 from tasks.manifests import DataManifest, PolicyRef, StageResult
 from tasks.params import DPOParams, GRPOParams, PPOParams, RewardParams, SFTParams, ToolParams
 from tasks.storage import read_json, write_json
@@ -56,6 +57,7 @@ class StageJob(BaseModel):
     directory (runs/<name>/<stage>/<key[:12]>). key: its fingerprint. resumed: the checkpoint step
     it continues from (None: step 0), found in `directory`/checkpoints; written: where that
     checkpoint was first written (another input set's directory when only steps changed).
+    tracking: the trackers process 0 also logs to, their directories resolved.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -75,6 +77,7 @@ class StageJob(BaseModel):
     ppo: PPOParams | None = None
     resumed: int | None = None
     written: str | None = None
+    tracking: TrackerOptions | None = None
 
     def stage_params(self) -> SFTParams | DPOParams | GRPOParams:
         return PARAMS[self.kind].model_validate(self.params)

@@ -54,9 +54,10 @@ from dew_lib.recipes import (
 from dew_lib.store import Store
 from dew_lib.train import distributed
 from dew_lib.train.mesh import MeshSpec
+from dew_lib.train.trackers import TrackerOptions
 from dew_lib.train.trainer import Trainer
 from tasks.job_records import DeferredWriter
-from tasks.lifecycle import Start, begin, conclude, stage_sinks, write_result
+from tasks.lifecycle import Start, begin, conclude, stage_sinks, stage_trackers, write_result
 from tasks.manifests import DataManifest, PolicyRef, StageResult, fingerprint, keyed
 from tasks.memory import check_memory
 from tasks.params import DPOParams, GRPOParams, PPOParams, RewardParams, SFTParams, StageParams, ToolParams
@@ -218,7 +219,8 @@ def run_stage(job: StageJob, logger, *, progress: bool = True, publish=None) -> 
     primary = distributed.is_primary()
     recording = (open_stage(job.store_root, job.run, stage, kind, params.model_dump(mode="json")) if primary
                  else contextlib.nullcontext())
-    with recording as writer, TaskReward(job.reward or RewardParams()) as grader:
+    with (recording as writer, TaskReward(job.reward or RewardParams()) as grader,
+          stage_trackers(job.tracking, writer, job.run, stage, params, os.path.dirname(directory), logger) as trackers):
         recorder = _recorder(writer, params)
         pretrained, variables = load_policy(job.start, job.data.tokenizer)
         if params.lora.rank:  # adapters on the frozen starting policy; its saves fold them in
@@ -245,7 +247,7 @@ def run_stage(job: StageJob, logger, *, progress: bool = True, publish=None) -> 
             if writer is not None:
                 writer.discard_after(job.resumed)
         sinks = stage_sinks(stage, params, writer, os.path.join(directory, "metrics.jsonl"), shown=SHOWN,
-                            progress=progress, logger=logger)
+                            progress=progress, logger=logger, trackers=trackers.sinks)
         try:
             state = trainer.fit(built.dataset, steps=params.steps, log_every=params.log_every,
                                 eval_every=built.eval_every, directory=os.path.join(directory, "checkpoints"),
@@ -266,6 +268,7 @@ def run_stage(job: StageJob, logger, *, progress: bool = True, publish=None) -> 
         if not primary:
             return None
         metrics = conclude(writer, stage, kind, directory, params.steps, policy.path, publish=publish)
+        trackers.attach(policy=policy.path, curves=os.path.join(directory, "curves.png"))
     result = StageResult(stage=stage, kind=kind, policy=policy, metrics=metrics, directory=directory,
                          steps=params.steps)
     write_result(directory, job.key, result)
@@ -276,13 +279,15 @@ def run_stage(job: StageJob, logger, *, progress: bool = True, publish=None) -> 
 def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, start: PolicyRef,
                 directory: str, store_root: str, run: str, seed: int,
                 reward: RewardParams | None = None, tools: ToolParams | None = None,
-                ppo: PPOParams | None = None) -> StageResult:
+                ppo: PPOParams | None = None, tracking: TrackerOptions | None = None) -> StageResult:
     """Train one stage from `start` and save its final policy under `directory`/<key[:12]>/policy
     (also reachable as `directory`/policy, through `directory`/latest, until other inputs start).
 
     reward: how the RL stage grades its completions (tasks/rewards.py); part of its fingerprint.
     tools: the episodes of the RL stage on a tool task (data.tool); part of its fingerprint.
     ppo: the critic's options of a PPO stage (kind "ppo"); part of its fingerprint.
+    tracking: the trackers the stage also logs to (not part of its fingerprint); directories left
+    empty go under the run's directory, the one above `directory`.
     With `params.processes > 1` the training runs as a job of that many processes
     (tasks/stage_job.py) that this task launches and waits for; a failed job raises, so a retry
     relaunches it and it resumes from the same checkpoints.
@@ -296,10 +301,12 @@ def train_stage(stage: str, kind: str, params: StageParams, data: DataManifest, 
                      shorter=params.schedule == "constant")
     if not isinstance(start_at, Start):
         return start_at
+    if tracking is not None:
+        tracking = tracking.resolved(os.path.dirname(os.path.abspath(directory)))
     directory = start_at.directory
     job = StageJob(stage=stage, kind=kind, params=params.model_dump(mode="json"), data=data, start=start,
                    directory=directory, key=key, store_root=store_root, run=run, seed=seed, reward=reward,
-                   tools=tools, ppo=ppo, resumed=start_at.resumed, written=start_at.written)
+                   tools=tools, ppo=ppo, resumed=start_at.resumed, written=start_at.written, tracking=tracking)
     processes = getattr(params, "processes", 1)
     if processes == 1:
         result = run_stage(job, logger, publish=publish_stage)

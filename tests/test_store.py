@@ -122,7 +122,7 @@ def test_every_table_lands_and_dew_duckdb_opens_in_the_duckdb_client(tmp_path):
     database = duckdb.connect(str(tmp_path / "dew.duckdb"), read_only=True)
     views = {row[0] for row in database.sql("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
     assert views == {"runs", "stages", "sessions", "calls", "prompts", "turns", "verdicts", "scheduler_records",
-                     "metrics", "evaluations", "samples", "checkpoints"}
+                     "metrics", "evaluations", "samples", "checkpoints", "trackers"}
     counts = {v: database.sql(f"SELECT count(*) FROM {v}").fetchall()[0][0] for v in sorted(views)}
     assert counts["runs"] == 1 and counts["stages"] == 3 and counts["sessions"] == 4 and counts["calls"] == 4
     assert counts["samples"] == 2

@@ -2,10 +2,14 @@
 
 Run from the repository root with any Python 3.11:
 
-    python3 tools/parity_dpo.py
+    python3 tools/parity_dpo.py             # sigmoid DPO, TRL 1.16.0: dpo_trl.json
+    python3 tools/parity_dpo.py --family    # the DPO family, TRL 1.12.0: dpo_family_trl.json
 
-It makes (or reuses) tools/.venv-trl with the CPU build of torch and TRL at TRL_VERSION, re-runs
-itself there, and writes tests/fixtures/parity/dpo_trl.json. Tests never import torch or TRL.
+It makes (or reuses) tools/.venv-trl with the CPU build of torch and TRL at TRL_VERSION (with
+--family: tools/.venv-trl-1.12 and FAMILY_VERSION, the release the family's semantics follow),
+re-runs itself there, and writes the fixture under tests/fixtures/parity/. Tests never import
+torch or TRL. The family's cases (sigmoid, cDPO, IPO, hinge, robust, SimPO, CPO-SimPO, ORPO and
+KTO with its KL baseline) and their layout are described in tools/_parity_dpo_family.py.
 
 How TRL is called. TRL 1.16 has no free DPO loss function: the sigmoid loss lives inside
 `DPOTrainer._compute_loss(self, model, inputs, return_outputs)`. The script calls that method
@@ -62,6 +66,8 @@ import _parity_io as io  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 VENV = io.ROOT / "tools" / ".venv-trl"
+FAMILY_VERSION = "1.12.0"
+FAMILY_VENV = io.ROOT / "tools" / ".venv-trl-1.12"
 SEED = 20260701
 PAIRS, LENGTH = 6, 10
 
@@ -206,7 +212,23 @@ def _case(torch, name, beta, token_log_probs, completion_mask, reference):
     }
 
 
+def family() -> None:
+    """The DPO family's fixture from TRL FAMILY_VERSION (tools/_parity_dpo_family.py)."""
+    io.run_in_venv(__file__, FAMILY_VENV, "trl", FAMILY_VERSION, no_deps=False, extras=[])
+    import _parity_dpo_family
+    import torch
+
+    torch.manual_seed(SEED)
+    document = _parity_dpo_family.build(torch)
+    path = io.write("dpo_family_trl.json", document)
+    print(f"wrote {path.relative_to(io.ROOT)}: {len(document['cases'])} cases, "
+          f"trl {document['reference']['version']}")
+
+
 def main() -> None:
+    if "--family" in sys.argv[1:]:
+        family()
+        return
     io.run_in_venv(__file__, VENV, "trl", TRL_VERSION, no_deps=False, extras=[])
     import torch
     import trl.trainer.dpo_trainer as dpo_trainer

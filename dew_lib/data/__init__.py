@@ -9,6 +9,8 @@ from dew_lib.data.prompts import Prompts, text_field
 from dew_lib.data.readers import DataError, HFOptions
 from dew_lib.data.template import TemplateRewrite
 from dew_lib.data.tokenizer import vocab_size_for
+from dew_lib.data.unpaired import UnpairedExamples
 
 __all__ = ["Batch", "ChatMessages", "DataError", "Dataset", "HFOptions", "Loading", "Partition",
-           "PreferencePairs", "Prompts", "Role", "TemplateRewrite", "text_field", "vocab_size_for"]
+           "PreferencePairs", "Prompts", "Role", "TemplateRewrite", "UnpairedExamples", "text_field",
+           "vocab_size_for"]

@@ -5,7 +5,9 @@ Recipe chain (chain.py) and the pipeline's training task (tasks/train.py, whose 
 options) both build every stage here, so the two cannot drift:
 
     ChatMessages    + SFTOptions  -> LMObjective counting assistant targets
-    PreferencePairs + DPOOptions  -> DPOObjective (reference: the starting policy)
+    PreferencePairs + DPOOptions  -> DPOObjective with options.loss_type (reference: the starting
+                                     policy, none for simpo/orpo); loss_type 'kto': KTOObjective
+                                     on UnpairedExamples (or the pairs split in two)
     Prompts         + GRPOOptions -> GRPOObjective with a SampledRollout (mode "sync"), or with a
                                      ScheduledRollout: RolloutScheduler + PromptSource on a
                                      NativeRolloutServer (mode "async", scheduled.py)
@@ -32,9 +34,9 @@ from typing import Any
 
 import jax
 
-from dew_lib.data import ChatMessages, Dataset, PreferencePairs, Prompts
+from dew_lib.data import ChatMessages, Dataset, PreferencePairs, Prompts, UnpairedExamples
 from dew_lib.data.chat import Role
-from dew_lib.objectives import DPOObjective, LMObjective
+from dew_lib.objectives import DPOObjective, KTOObjective, LMObjective
 from dew_lib.options import integer
 from dew_lib.recipes.options import DPOOptions, GRPOOptions, SFTOptions
 from dew_lib.recipes.recorded import RecordedRollout, Verdicts, sampled_sessions
@@ -81,12 +83,28 @@ def build_sft(model, variables, data: ChatMessages, options: SFTOptions, *, eval
     return Built(objective=objective, dataset=data.load(batch=options.batch), eval_every=eval_every, model=model)
 
 
-def build_dpo(model, variables, data: PreferencePairs, options: DPOOptions, *, key: jax.Array | None = None) -> Built:
-    """DPO on `data` against the frozen `variables` (None: a fresh init); with `options.lora`,
-    adapters seeded by `key` train and the reference is `variables` themselves."""
+def build_dpo(model, variables, data: PreferencePairs | UnpairedExamples, options: DPOOptions, *,
+              key: jax.Array | None = None) -> Built:
+    """The DPO family's `options.loss_type` on `data`, starting from `variables` (None: a fresh
+    init), which the reference losses and KTO freeze as their reference; with `options.lora`,
+    adapters seeded by `key` train and the reference is `variables` themselves. 'kto' reads
+    UnpairedExamples, or PreferencePairs split into a desirable chosen and an undesirable
+    rejected example each; the paired losses read PreferencePairs only."""
     model, variables = adapted(model, variables, options, key)
+    if options.loss_type == "kto":
+        if isinstance(data, PreferencePairs):
+            data = UnpairedExamples.from_pairs(data)
+        objective: DPOObjective | KTOObjective = KTOObjective(
+            model, data.seq_len - 1, beta=options.beta, pretrained=variables,
+            desirable_weight=options.desirable_weight, undesirable_weight=options.undesirable_weight)
+        return Built(objective=objective, dataset=data.load(batch=options.batch), model=model)
+    if not isinstance(data, PreferencePairs):
+        raise ValueError(f"DPOOptions.loss_type={options.loss_type!r} trains preference pairs; "
+                         f"{type(data).__name__} holds unpaired examples, which only loss_type='kto' reads")
     objective = DPOObjective(model, data.seq_len - 1, beta=options.beta, pretrained=variables,
-                             nll_weight=options.nll_weight)
+                             nll_weight=options.nll_weight, loss_type=options.loss_type,
+                             label_smoothing=options.label_smoothing, simpo_gamma=options.simpo_gamma,
+                             cpo_alpha=options.cpo_alpha)
     return Built(objective=objective, dataset=data.load(batch=options.batch), model=model)
 
 

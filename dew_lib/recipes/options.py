@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dew_lib.models import dit, lora
 from dew_lib.objectives import GRPOObjective, split_optimizer
+from dew_lib.objectives.dpo import check_family
 from dew_lib.options import lag_bound
 from dew_lib.sampling import Sampling
 
@@ -193,7 +194,31 @@ class DPOOptions(Adapted, TrainOptions):
     beta: float = Field(1.0, gt=0, description="the scale of the log-ratio to the reference (larger "
                         "stops pushing sooner; TRL's default is 0.1, the demo's small policy needs 1.0)")
     nll_weight: float = Field(1.0, ge=0, description="weight of the chosen answers' NLL added to the "
-                              "DPO loss (RPO; TRL's rpo_alpha); 0 is plain DPO")
+                              "DPO loss (RPO; TRL's rpo_alpha); 0 is plain DPO. Only the reference losses "
+                              "(sigmoid, ipo, hinge, robust) add it: set 0 for simpo, orpo and kto")
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "kto"] = Field(
+        "sigmoid", description="the preference loss, under TRL 1.12's names (docs/rl.md): 'sigmoid' "
+        "(DPO; cDPO with label_smoothing), 'ipo', 'hinge', 'robust'; 'simpo' and 'orpo' hold no "
+        "reference; 'kto' trains each answer alone, chosen ones as desirable, rejected as undesirable")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="the probability that a preference "
+                                   "label is flipped: cDPO for 'sigmoid', rDPO for 'robust', and 'simpo' "
+                                   "(others refuse it)")
+    simpo_gamma: float = Field(0.5, ge=0, description="'simpo': the target margin gamma; the sigmoid reads "
+                               "(mean chosen - mean rejected log-prob - gamma / beta)")
+    cpo_alpha: float = Field(0.0, ge=0, description="'simpo': weight of CPO's chosen NLL (0: SimPO as "
+                             "published; TRL's CPOConfig default is 1.0)")
+    desirable_weight: float = Field(1.0, gt=0, description="'kto': weight of the desirable (chosen) answers' loss")
+    undesirable_weight: float = Field(1.0, gt=0, description="'kto': weight of the undesirable (rejected) "
+                                      "answers' loss")
+
+    LATER = TrainOptions.LATER | {"loss_type", "label_smoothing", "simpo_gamma", "cpo_alpha", "desirable_weight",
+                                  "undesirable_weight"}
+
+    @model_validator(mode="after")
+    def _family(self) -> DPOOptions:
+        check_family("DPOOptions", self.loss_type, self.beta, self.label_smoothing, self.simpo_gamma,
+                     self.cpo_alpha, self.nll_weight)
+        return self
 
 
 class GRPOOptions(Adapted, TrainOptions):
@@ -259,9 +284,9 @@ class GRPOOptions(Adapted, TrainOptions):
         "mode: the clip also bounds the lag's drift, and behavior_importance is not used). Sync "
         "rollouts train under the weights that drew them, so their proximal policy is exact")
     routing_replay: Literal["none", "rollout"] = Field(
-        "none", description="a mixture-of-experts policy: 'rollout' trains each sampled token through "
-        "the experts the engine routed it to (verl's R3; the engine must report its routes, as vLLM and "
-        "SGLang do with --enable-return-routed-experts), 'none' lets the trainer's router choose again "
+        "none", description="a mixture-of-experts policy: 'rollout' trains each token through the experts "
+        "it was routed to when drawn (verl's R3: recorded by Dew's own sampler and server, and by vLLM and "
+        "SGLang run with --enable-return-routed-experts), 'none' lets the trainer's router choose again "
         "(docs/moe.md)")
 
     LATER = TrainOptions.LATER | {"kl_estimator", "advantage_estimator", "policy_loss", "epsilon_low",

@@ -211,6 +211,16 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         ("kind", pa.string(), "checkpoint (trainer state) or policy (exported weights)"),
         ("written_at", _ts, "when the row was written"),
     ), "one row per saved checkpoint or exported policy"),
+    Table("trackers", "step", _IDENTITY + (
+        ("step", pa.int64(), "trainer step the stage's attempt started from (0, or the checkpoint it resumed)"),
+        ("tracker", pa.string(), "tensorboard, mlflow or wandb"),
+        ("tracker_run", pa.string(), "the tracker's id of the stage's run: the MLflow or W&B run id; for "
+                                     "TensorBoard its directory under the log directory (<run>/<stage>)"),
+        ("parent_run", pa.string(), "mlflow: the run id of the pipeline's run the stage's run is nested under"),
+        ("name", pa.string(), "the run's name in the tracker: <run>/<stage>"),
+        ("location", pa.string(), "the TensorBoard log directory, the MLflow tracking URI or the W&B run directory"),
+        ("written_at", _ts, "when the row was written"),
+    ), "one row per tracker run of a stage's attempt (dew_lib/train/trackers.py)"),
 )}
 
 RUN_STATUSES = ("running", "completed", "failed")

@@ -392,6 +392,14 @@ class StageWriter:
         self._write(lambda: [("checkpoints", step, rows.checkpoint_table(
             step, path, kind, run=self.run, stage=self.stage, when=rows.now()))])
 
+    def tracker_run(self, step: int, tracker: str, tracker_run: str, *, name: str, location: str, parent=None) -> None:
+        """Record a tracker's run (TensorBoard, MLflow, W&B) of this stage's attempt from `step`."""
+        key = _step("step", step)
+        row = {"run": self.run, "stage": self.stage, "step": key, "tracker": tracker, "tracker_run": tracker_run,
+               "parent_run": parent, "name": name, "location": location}
+        self._write(lambda: [("trackers", key, pa.Table.from_pylist(
+            [{**row, "written_at": rows.now()}], schema=TABLES["trackers"].schema))])
+
     def sink(self) -> StoreSink:
         """A Trainer sink writing every delivered window to `metrics` and saves to `checkpoints`."""
         return StoreSink(self)
