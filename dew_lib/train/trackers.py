@@ -21,6 +21,7 @@ run store (dew_lib/store).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import json
@@ -184,11 +185,13 @@ class Tracker(Sink):
             present = {k: v for k, v in (files or {}).items() if v and os.path.exists(v)}
             self._guard("finished", lambda: self._finish(status, present))
 
+    @abc.abstractmethod
     def _start(self, first_step: int) -> TrackerRun:
-        raise NotImplementedError
+        """Open the tracker's run; what it is called there."""
 
+    @abc.abstractmethod
     def _write(self, step: int, metrics: dict[str, float]) -> None:
-        raise NotImplementedError
+        """Log one window's metrics at `step`."""
 
     def _note(self, step: int, text: str) -> None:
         return None
@@ -199,8 +202,9 @@ class Tracker(Sink):
     def _flush(self) -> None:
         return None
 
+    @abc.abstractmethod
     def _finish(self, status: str, files: Mapping[str, str]) -> None:
-        raise NotImplementedError
+        """Upload `files` and end the run as `status`."""
 
 
 # ----- TensorBoard -------------------------------------------------------------------------------
