@@ -440,10 +440,11 @@ def test_bad_actions_and_settings_are_refused_naming_the_field():
         rollout().collect({}, {"prompt": np.zeros((1, 2), np.int32)}, jax.random.key(0))
 
 
-def fit(policy, steps, directory=None, resume_from=None, rate=5e-4, batch=10, log=None):
+def fit(policy, steps, directory=None, resume_from=None, rate=5e-4, batch=10, log=None, truncation="mask"):
     objective = GRPOObjective(MODEL, seq_len=P + R - 1, pretrained=policy)
     data = Dataset(train=lambda part: itertools.repeat(tasks(*range(batch))), batch=batch)
-    trainer = Trainer(objective, optax.adam(rate), key=jax.random.key(0), rollout=rollout(groups=8))
+    trainer = Trainer(objective, optax.adam(rate), key=jax.random.key(0),
+                      rollout=rollout(groups=8, truncation=truncation))
     return trainer.fit(data, steps=steps, log_every=5, directory=directory, checkpoint_every=2,
                        sinks=[log] if log else [])
 
@@ -458,14 +459,17 @@ def test_training_resumed_from_a_checkpoint_makes_the_same_updates(protocol, tmp
 
 @pytest.mark.slow
 def test_a_policy_learns_to_call_the_tool_and_answer(protocol):
-    """A guess is right one time in ten, the tool's answer always: GRPO learns to call it."""
+    """A guess is right one time in ten, the tool's answer always: GRPO learns to call it.
+    Episodes cut for rambling train on reward 0: with the default "mask" nothing pushes against
+    them, and the first-turn mass taken from guesses drifts onto ids that are neither call nor
+    answer (a third of first turns after 40 steps) while the trained reward still climbs."""
 
     def calls(params):
         results = rollout(groups=8).collect(params, tasks(*range(10)), jax.random.key(9))
         return np.mean([r.episode.transitions[0].action.tokens[0] == CALL for r in results])
 
     log = MemorySink()
-    state = fit(protocol, 40, log=log)
+    state = fit(protocol, 40, log=log, truncation="zero")
     rewards = [value for _, value in log.series("reward")]
     assert rewards[0] < 0.75 and rewards[-1] > rewards[0] + 0.25, rewards
     assert calls(protocol) < 0.7 and calls(state.params) > 0.9
