@@ -388,10 +388,6 @@ class PipelineParams(Params):
             raise ValueError(f"grpo.routing_replay={self.grpo.routing_replay!r} replays the experts each token "
                              "was routed to, and the embedded decoder has none: set model.experts (and "
                              "model.experts_per_token), or leave routing_replay='none'")
-        if self.rl == "ppo" or (self.data.source == "tools" and self.grpo.mode == "sync"):
-            raise ValueError(f"grpo.routing_replay={self.grpo.routing_replay!r} needs every draw's routes, and "
-                             "lock-step episodes (rl='ppo', or data.source='tools' with grpo.mode='sync') do "
-                             "not record them: use rl='grpo' with grpo.mode='async', or routing_replay='none'")
         return self
 
     @model_validator(mode="after")

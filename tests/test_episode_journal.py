@@ -255,6 +255,24 @@ def test_one_writer_per_journal(tmp_path):
     EpisodeJournal(directory).close()  # free again once closed
 
 
+def test_a_journal_of_the_first_schema_opens_with_a_column_for_routes(tmp_path):
+    """A version-1 journal (no routes) left by an older Dew gains the column and keeps its rows;
+    an unknown version is refused by name."""
+    directory = tmp_path / "journal"
+    EpisodeJournal(directory).close()
+    path = directory / "rank-0.sqlite"
+    with sqlite3.connect(path) as db:
+        db.execute("ALTER TABLE draws DROP COLUMN routed_experts")
+        db.execute("PRAGMA user_version = 1")
+    EpisodeJournal(directory).close()
+    with sqlite3.connect(path) as db:
+        assert "routed_experts" in [row[1] for row in db.execute("PRAGMA table_info(draws)")]
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+        db.execute("PRAGMA user_version = 7")
+    with pytest.raises(ValueError, match="schema version 7"):
+        EpisodeJournal(directory)
+
+
 def test_a_finished_collection_is_never_replayed(protocol, tmp_path):
     with EpisodeJournal(tmp_path / "journal") as journal:
         policy = Policy()

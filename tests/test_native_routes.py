@@ -106,3 +106,102 @@ def test_grpo_replays_the_routes_its_own_rollouts_recorded(mode):
     if mode == "sync":
         call = built.rollout.last_sessions[0].calls[0]
         assert call.routed_experts.shape == (len(call.prompt_ids) + len(call.sampled_ids), LAYERS, TOP_K)
+
+
+class Answer:
+    """A one-turn environment on `QUERY n`: any answer ends the episode."""
+
+    def __init__(self, task, identity):
+        self.n = int(task.id)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def reset(self):
+        from dew_lib.records.episodes import Observation
+
+        return Observation(np.array([5, 6 + self.n], np.int32))
+
+    def step(self, action):
+        from dew_lib.records.episodes import Observation
+
+        if action.step == 0 and action.terminated:  # a second turn after the tool's reply
+            return Observation(np.concatenate([action.context, action.tokens, [7]]).astype(np.int32))
+        return Observation(status="completed", detail="answered")
+
+
+def test_lock_step_episodes_record_each_turn_s_routes_and_a_resumed_collection_keeps_them(tmp_path):
+    """`TextGeneration(routing=True)` puts every turn's routes into its action and call, as a
+    forward over the turn's context and draw routes them; the journal hands them back on resume."""
+    from dew_lib.inference import TextGeneration
+    from dew_lib.rollouts import EpisodeJournal, EpisodeRollout, project
+
+    def rollout(journal=None):
+        return EpisodeRollout(TextGeneration(MODEL, routing=True), Answer, lambda task, episode: 1.0,
+                              max_prompt_tokens=20, max_new_tokens=4, max_turns=2, groups=2,
+                              sampling=Sampling(temperature=0.9, eos_id=tuple(range(8, 32))), journal=journal)
+
+    batch = {"task_id": np.array([0, 1], np.int32)}
+    results = rollout().collect(VARIABLES, batch, jax.random.key(3))
+    turns = [(t.action, c) for r in results for t, c in zip(r.episode.transitions, r.session.calls, strict=True)]
+    assert len(turns) > len(results)  # some episodes took two turns
+    for action, call in turns:
+        check(action.routed_experts, action.context, action.tokens)
+        assert call.routed_experts is action.routed_experts
+    packed = project(results, width=24, rows=8)
+    last = [r.episode.transitions[-1].action for r in results]  # a row holds an episode's whole transcript
+    assert packed["routed"].sum() == sum(a.context.size + a.tokens.size for a in last)
+
+    with EpisodeJournal(tmp_path, rank=0) as journal:  # a round saved, then the process died
+        log = journal.open_collection(_identity(rollout(journal), batch))
+        first = {n: _pending(a) for n, (a, _) in enumerate(turns[:2])}
+        log.pending(0, first)
+    with EpisodeJournal(tmp_path, rank=0) as journal:
+        restored = journal.open_collection(_identity(rollout(journal), batch)).restored()
+    for n, draw in restored.draws[0].items():
+        assert draw.routed_experts.shape == (draw.context.size + draw.tokens.size, LAYERS, TOP_K)
+        np.testing.assert_array_equal(draw.routed_experts, first[n].routed_experts)
+        assert draw.routed_experts.dtype == first[n].routed_experts.dtype
+
+
+def _pending(action):
+    from dew_lib.rollouts.journal_records import PendingDraw
+
+    return PendingDraw(action.context, action.tokens, action.raw_log_probs, action.behavior_log_probs,
+                       action.terminated, action.routed_experts)
+
+
+def _identity(collector, batch):
+    from dew_lib.rollouts.journal_records import collection_identity
+
+    return collection_identity(VARIABLES, jax.random.key(3), step=0, policy_step=0, tasks=list(batch["task_id"]),
+                               groups=collector.groups, max_prompt_tokens=collector.max_prompt_tokens,
+                               max_new_tokens=collector.max_new_tokens, max_turns=collector.max_turns,
+                               sampling=collector.sampling)
+
+
+@pytest.mark.parametrize("rl", ["grpo", "ppo"])
+def test_lock_step_grpo_and_ppo_replay_the_routes_of_their_episodes(rl):
+    """Through the recipe the pipeline uses for tool episodes and PPO: the objectives refuse a
+    batch without routes, so a finished fit replayed the ones each turn recorded."""
+    import json
+
+    import optax
+
+    from dew_lib import Trainer
+    from dew_lib.data import Loading, Prompts
+    from dew_lib.recipes import EpisodeOptions, GRPOOptions, PPOOptions, build_episode_grpo
+
+    records = tuple(json.dumps({"prompt": [5, 6 + n], "ground_truth": "1"}) for n in range(4))
+    data = Prompts(records=records, max_prompt_len=4, loading=Loading(seed=None))
+    options = GRPOOptions(steps=2, batch=2, groups=2, max_new_tokens=4, routing_replay="rollout")
+    built = build_episode_grpo(MODEL, VARIABLES, data, options, EpisodeOptions(max_turns=2, max_prompt_len=16),
+                               environment=Answer, verifier=lambda task, episode: float(episode.transitions[0]
+                                                                                         .action.tokens[0] % 2),
+                               eos_id=tuple(range(8, 32)), ppo=PPOOptions() if rl == "ppo" else None)
+    trainer = Trainer(built.objective, optax.adam(1e-2), key=jax.random.key(0), rollout=built.rollout)
+    state = trainer.fit(built.dataset, steps=2, sinks=[])
+    assert int(state.step) == 2

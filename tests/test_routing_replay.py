@@ -171,18 +171,16 @@ def test_sft_on_an_moe_model_trains_with_the_router_terms():
     assert all(np.isfinite(v) for _, v in sink.series("router/aux_loss"))
 
 
-def test_the_pipeline_refuses_replay_where_no_draw_records_routes():
+def test_the_pipeline_refuses_replay_on_a_model_without_experts():
     from tasks.params import ModelParams, PipelineParams
 
     moe = {"experts": 4, "experts_per_token": 2}
     with pytest.raises(ValueError, match="the embedded decoder has none"):
         PipelineParams(grpo={"routing_replay": "rollout"})
-    with pytest.raises(ValueError, match="lock-step episodes"):
-        PipelineParams(model=moe, rl="ppo", grpo={"routing_replay": "rollout"})
-    with pytest.raises(ValueError, match="lock-step episodes"):
-        PipelineParams(model=moe, data={"source": "tools"}, stages=["grpo"], grpo={"routing_replay": "rollout"})
-    for mode in ("sync", "async"):  # generate and the native server record the routes
-        params = PipelineParams(model=moe, grpo={"routing_replay": "rollout", "mode": mode})
+    tools = {"data": {"source": "tools"}, "stages": ["grpo"]}
+    for mode, where in (("sync", {}), ("async", {}), ("sync", {"rl": "ppo"}), ("sync", tools), ("async", tools)):
+        # generate, lock-step episodes and the native server all record the routes
+        params = PipelineParams(model=moe, grpo={"routing_replay": "rollout", "mode": mode}, **where)
         assert params.grpo.routing_replay == "rollout"
     with pytest.raises(ValueError, match="experts_per_token=3 exceeds experts=2"):
         ModelParams(experts=2, experts_per_token=3)

@@ -7,7 +7,8 @@ each context's exact ids, left-padded into a fixed width so every turn of every 
 reuses one compiled shape, with the response budget, key and `Sampling` of the turn. It returns
 a `dew_lib.sampling.Generation` of host arrays, a row per context: the sampled ids (EOS included
 when EOS ended the turn; `lengths` of them are real), the raw and behavior log-probability of
-each, and whether EOS ended it (`stopped`).
+each, and whether EOS ended it (`stopped`). With `routing` (a mixture of experts) it also holds
+the experts every prompt and sampled id went through (`routes`), for routing replay.
 
 Rows are drawn from the row's own logits with the turn's key (`dew_lib.sampling.generate`), so
 what one slot draws does not depend on what the other slots hold: a cohort can keep finished
@@ -35,15 +36,16 @@ class TextGeneration:
     """An autoregressive policy over token ids: `model` (a Dew decoder) and `variables`.
 
     pad_id: the id that fills the left of short contexts (masked out; any valid id works).
+    routing: record each draw's routes (`Generation.routes`; a mixture of experts only).
     """
 
-    def __init__(self, model, variables: Any = None, *, pad_id: int = 0):
-        self.model, self.variables, self.pad_id = model, variables, int(pad_id)
+    def __init__(self, model, variables: Any = None, *, pad_id: int = 0, routing: bool = False):
+        self.model, self.variables, self.pad_id, self.routing = model, variables, int(pad_id), bool(routing)
         self.binding = 0  # 0: unbound; each bind() gets a new number
 
     def bind(self, snapshot: Any) -> TextGeneration:
         """This policy bound to `snapshot` (the variables every turn of one collection reads)."""
-        bound = TextGeneration(self.model, snapshot, pad_id=self.pad_id)
+        bound = TextGeneration(self.model, snapshot, pad_id=self.pad_id, routing=self.routing)
         bound.binding = next(_BINDINGS)
         return bound
 
@@ -65,7 +67,8 @@ class TextGeneration:
             prompt[row, width - context.size:] = context
             lengths[row] = context.size
         drawn = generate(self.model, self.variables, prompt, lengths, key=key,
-                         max_new_tokens=max_new_tokens, sampling=sampling, pad_id=self.pad_id)
+                         max_new_tokens=max_new_tokens, sampling=sampling, pad_id=self.pad_id,
+                         return_routes=self.routing)
         return jax.tree.map(np.asarray, jax.device_get(drawn))
 
 

@@ -81,11 +81,11 @@ class PolicyOf:
     """The policy subtree of PPO variables as a `TextGeneration`: what `EpisodeRollout` samples
     with; `bind(snapshot)` binds the snapshot's `policy` part."""
 
-    def __init__(self, model, variables: Any = None, *, pad_id: int = 0):
+    def __init__(self, model, variables: Any = None, *, pad_id: int = 0, routing: bool = False):
         from dew_lib.inference.text import TextGeneration  # here: a loss module loads no sampler
 
         self.generation = TextGeneration(model, None if variables is None else variables["policy"],
-                                         pad_id=pad_id)
+                                         pad_id=pad_id, routing=routing)
 
     def bind(self, snapshot: Any):
         if "policy" not in snapshot:
@@ -164,8 +164,9 @@ class PPOObjective(Objective):
                 "critic": jax.tree_util.tree_map_with_path(head_or_adapter, critic)}
 
     def policy(self, variables: Any = None, *, pad_id: int = 0) -> PolicyOf:
-        """The policy for `EpisodeRollout`: binds the `policy` part of each snapshot."""
-        return PolicyOf(self.model, variables, pad_id=pad_id)
+        """The policy for `EpisodeRollout`: binds the `policy` part of each snapshot, and records
+        the routes its draws took when the objective replays them."""
+        return PolicyOf(self.model, variables, pad_id=pad_id, routing=self.actor.routing_replay != "none")
 
     # ----- host checks -------------------------------------------------------------------------
     def check_batch(self, batch: Mapping[str, Any]) -> None:

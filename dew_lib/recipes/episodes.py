@@ -106,9 +106,9 @@ def build_episode_grpo(model, variables, data: Prompts, options: GRPOOptions, ep
             scheduled.close()
             raise
         return Built(objective=scheduled.objective, dataset=dataset, rollout=scheduled, model=model)
-    lock_step_routes(options)
     objective = options.objective(model, variables, width)
-    drawn = EpisodeRollout(TextGeneration(model, pad_id=data.pad_id), environment, verifier,
+    policy = TextGeneration(model, pad_id=data.pad_id, routing=options.routing_replay != "none")
+    drawn = EpisodeRollout(policy, environment, verifier,
                            max_prompt_tokens=episodes.max_prompt_len, max_new_tokens=options.max_new_tokens,
                            max_turns=episodes.max_turns, groups=options.groups, sampling=sampling,
                            estimator=options.advantage_estimator, workers=episodes.workers)
@@ -119,7 +119,6 @@ def build_episode_grpo(model, variables, data: Prompts, options: GRPOOptions, ep
 def _episode_ppo(model, variables, data: Prompts, options: GRPOOptions, episodes: EpisodeOptions,
                  ppo: PPOOptions, *, environment, verifier, eos_id, decode, writer) -> Built:
     options.check_ppo()
-    lock_step_routes(options)
     width = episodes.max_prompt_len + options.max_new_tokens
     critic = ValueHead(model)
     objective = PPOObjective(model, width - 1, critic=critic, beta=options.beta, pretrained=variables,
@@ -138,13 +137,5 @@ def _episode_ppo(model, variables, data: Prompts, options: GRPOOptions, episodes
     return Built(objective=objective, dataset=data.load(batch=options.batch), rollout=rollout, model=model)
 
 
-def lock_step_routes(options: GRPOOptions) -> None:
-    """Refuse routing replay where episodes are drawn in lock step: their draws do not record
-    routes yet (the scheduled, asynchronous path does, on the native server and the engines)."""
-    if options.routing_replay != "none":
-        raise ValueError(f"GRPOOptions.routing_replay={options.routing_replay!r} needs the routes of every "
-                         "draw, and lock-step episodes (mode='sync' tool episodes, PPO) do not record them; "
-                         "set mode='async' (GRPO), or routing_replay='none'")
 
-
-__all__ = ["OneTurn", "build_episode_grpo", "lock_step_routes"]
+__all__ = ["OneTurn", "build_episode_grpo"]

@@ -74,7 +74,9 @@ class Action:
     raw_log_probs and behavior_log_probs: one per sampled id, the raw policy's and the sampler's
     after temperature and filters, when the policy reports them (a lock-step `EpisodeRollout`
     always does; they become the session's call). policy_step: the trainer updates committed
-    when it was sampled (the call's version).
+    when it was sampled (the call's version). routed_experts: on a mixture of experts sampled
+    with routing, `[context + tokens, layers, top_k]` the experts each id went through (the last
+    sampled id, never fed, holds zeros), for routing replay.
     """
 
     context: np.ndarray
@@ -84,6 +86,7 @@ class Action:
     raw_log_probs: np.ndarray | None = None
     behavior_log_probs: np.ndarray | None = None
     policy_step: int = 0
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self):
         context = token_ids(self.context, "Action.context")
@@ -105,6 +108,13 @@ class Action:
             if not np.all(np.isfinite(value)):
                 raise ValueError(f"Action.{name} holds a non-finite value")
             object.__setattr__(self, name, value)
+        if self.routed_experts is not None:
+            routed = np.asarray(self.routed_experts)
+            ids = context.size + self.tokens.size
+            if routed.ndim != 3 or routed.shape[0] != ids or not np.issubdtype(routed.dtype, np.integer):
+                raise ValueError(f"Action.routed_experts must be integer expert ids [context + tokens = {ids}, "
+                                 f"layers, top_k], got {routed.dtype} {routed.shape}")
+            object.__setattr__(self, "routed_experts", routed)
 
 
 def check_action(action: Action, eos_ids: tuple[int, ...]) -> None:

@@ -123,7 +123,7 @@ def session_of(episode: Episode, *, group: int, reward: float | None = None) -> 
                           behavior_log_probs=action.behavior_log_probs,
                           raw_log_probs=action.raw_log_probs,
                           finish_reason="stop" if action.terminated else "length",
-                          version=action.policy_step))
+                          version=action.policy_step, routed_experts=action.routed_experts))
     identity = episode.identity
     return Session(task=episode.task.id, group=group, sample=identity.sample, attempt=identity.attempt,
                    calls=tuple(calls), status=_SESSION_STATUS[episode.status], reward=reward,
@@ -333,12 +333,15 @@ class EpisodeRollout:
                            width=self.max_prompt_tokens)
         except BaseException as error:
             raise SlotError(slots[running.index(True) if any(running) else 0], "policy", error, str(error)) from error
+        routes = getattr(drawn, "routes", None)  # [cohort, P + R, layers, k], each real prompt first
         draws = {}
         for live, slot in zip(running, slots, strict=True):
             if live:
                 n, count = slot.index, int(drawn.lengths[slot.index])  # its row of the job's cohort
-                draws[slot.index] = PendingDraw(slot.context, drawn.tokens[n, :count], drawn.log_probs[n, :count],
-                                                drawn.behavior_log_probs[n, :count], bool(drawn.stopped[n]))
+                context = np.asarray(slot.context)
+                routed = None if routes is None else routes[n, :context.size + count]
+                draws[slot.index] = PendingDraw(context, drawn.tokens[n, :count], drawn.log_probs[n, :count],
+                                                drawn.behavior_log_probs[n, :count], bool(drawn.stopped[n]), routed)
         return draws
 
     def _step(self, slot: Slot, action: Action, log, restored: Restored) -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import io
 import json
 import os
 import sqlite3
@@ -64,7 +65,7 @@ from dew_lib.rollouts.journal_records import (
     policy_digest,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: draws.routed_experts
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS collections (
     id INTEGER PRIMARY KEY,
@@ -86,6 +87,7 @@ CREATE TABLE IF NOT EXISTS draws (   -- a round's sampled actions, saved before 
     raw_log_probs BLOB NOT NULL,     -- float32, one per sampled id
     behavior_log_probs BLOB NOT NULL,
     terminated INTEGER NOT NULL,     -- EOS ended it (else the budget did: never sent to a tool)
+    routed_experts BLOB,             -- .npy int [context + tokens, layers, top_k] when routes are drawn
     PRIMARY KEY (collection, turn, slot)
 );
 CREATE TABLE IF NOT EXISTS turns (   -- a tool's answer to a draw, with the state it left
@@ -121,8 +123,9 @@ class CollectionLog:
     def pending(self, turn: int, draws: Mapping[int, PendingDraw]) -> None:
         """Save round `turn`'s draws (slot -> draw) in one commit, before any of its tool calls."""
         rows = [(self.collection, turn, slot, _ids(d.context), _ids(d.tokens), _floats(d.raw_log_probs),
-                 _floats(d.behavior_log_probs), int(bool(d.terminated))) for slot, d in sorted(draws.items())]
-        self.journal._commits.write("INSERT INTO draws VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+                 _floats(d.behavior_log_probs), int(bool(d.terminated)), _array(d.routed_experts))
+                for slot, d in sorted(draws.items())]
+        self.journal._commits.write("INSERT INTO draws VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
     def completed(self, slot: int, transition: Transition, snapshot: bytes) -> None:
         """Commit a tool's answer to slot `slot`'s draw and the environment's state after it."""
@@ -247,14 +250,16 @@ class EpisodeJournal:
     def _restore(self, collection: int) -> Restored:
         with self._mutex:
             draws = self._db.execute("SELECT turn, slot, context, tokens, raw_log_probs, behavior_log_probs, "
-                                     "terminated FROM draws WHERE collection = ?", (collection,)).fetchall()
+                                     "terminated, routed_experts FROM draws WHERE collection = ?",
+                                     (collection,)).fetchall()
             turns = self._db.execute("SELECT turn, slot, context, status, detail, seconds, snapshot FROM turns "
                                      "WHERE collection = ?", (collection,)).fetchall()
         rounds: dict[int, dict[int, PendingDraw]] = {}
-        for turn, slot, context, tokens, raw, behavior, terminated in draws:
+        for turn, slot, context, tokens, raw, behavior, terminated, routed in draws:
             rounds.setdefault(turn, {})[slot] = PendingDraw(
                 np.frombuffer(context, "<i4"), np.frombuffer(tokens, "<i4"), np.frombuffer(raw, "<f4"),
-                np.frombuffer(behavior, "<f4"), bool(terminated))
+                np.frombuffer(behavior, "<f4"), bool(terminated),
+                None if routed is None else np.load(io.BytesIO(routed), allow_pickle=False))
         answered = {(turn, slot): CompletedTurn(Observation(np.frombuffer(context, "<i4"), EpisodeStatus(status),
                                                             detail), seconds, bytes(snapshot))
                     for turn, slot, context, status, detail, seconds, snapshot in turns}
@@ -354,10 +359,11 @@ def _connect(path: str) -> sqlite3.Connection:
                           f"{mode!r} mode); put the journal on a local filesystem")
         db.execute("PRAGMA synchronous=FULL")
         version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
+        if version not in (0, 1, SCHEMA_VERSION):
             raise ValueError(f"the episode journal {path} has schema version {version}; this Dew reads "
-                             f"version {SCHEMA_VERSION}: use a new journal directory")
-        db.executescript(f"BEGIN; {SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
+                             f"versions 1 and {SCHEMA_VERSION}: use a new journal directory")
+        upgrade = "ALTER TABLE draws ADD COLUMN routed_experts BLOB;" if version == 1 else ""
+        db.executescript(f"BEGIN; {SCHEMA} {upgrade} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
     except BaseException:
         db.close()
         raise
@@ -370,6 +376,15 @@ def _ids(values: np.ndarray) -> bytes:
 
 def _floats(values: np.ndarray) -> bytes:
     return np.asarray(values).astype("<f4").tobytes()
+
+
+def _array(values: np.ndarray | None) -> bytes | None:
+    """`values` as .npy bytes (shape and dtype kept), or None."""
+    if values is None:
+        return None
+    buffer = io.BytesIO()
+    np.save(buffer, np.asarray(values), allow_pickle=False)
+    return buffer.getvalue()
 
 
 __all__ = ["CollectionIdentity", "CollectionLog", "CompletedTurn", "EpisodeJournal", "JournalBusy",

@@ -136,12 +136,13 @@ class PendingDraw:
     raw_log_probs: np.ndarray
     behavior_log_probs: np.ndarray
     terminated: bool
+    routed_experts: np.ndarray | None = None  # [context + tokens, layers, top_k] when routes are drawn
 
     def action(self, turn: int, policy_step: int) -> Action:
         """The draw as an `Action` (whose own checks apply to restored draws as to live ones)."""
         return Action(context=self.context, tokens=self.tokens, terminated=self.terminated, step=turn,
                       raw_log_probs=self.raw_log_probs, behavior_log_probs=self.behavior_log_probs,
-                      policy_step=policy_step)
+                      policy_step=policy_step, routed_experts=self.routed_experts)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
