@@ -6,7 +6,10 @@ units with top-2 routing (the same 1,536 active units per token, four times the 
 plus the router's aux and z losses. Tokens/s of each, in alternating rounds, and MoE / dense per
 round; the issue's target is 0.7x or more. A second line gives the MoE's routed work's share: the
 same step with every expert's MLP run on every token (the dense-equivalent of dispatching
-nothing) against the dropless dispatch, which shows what the sorting and block loop save.
+nothing) against the dropless dispatch, which shows what the sorting and block loop save. A
+third gives routing replay's cost: GRPO's scoring forward and backward on the MoE decoder with
+the routes of every token replayed (`routing_replay="rollout"`) against free routing, in
+alternating rounds; the issue's target is under 5%.
 
 Run: `python bench/moe.py [--rounds N] [--steps N]` (a few minutes on two cores).
 """
@@ -87,6 +90,41 @@ def dispatch(repeats: int) -> list[tuple[str, str]]:
             ("every expert / dropless", f"{times['every expert'] / times['dropless']:.2f}x")]
 
 
+def replay_cost(rounds: int, repeats: int) -> list[tuple[str, str]]:
+    """GRPO's scoring pass (forward and backward of the sampled ids' log-probs) with routes
+    replayed against routing freely, on the same packed rows."""
+    import jax
+    import jax.numpy as jnp
+    from common import median_seconds
+
+    from dew_lib import models
+    from dew_lib.objectives import GRPOObjective
+
+    model = models.build("causal_transformer", **MOE)
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    rng = np.random.default_rng(0)
+    shape = (ROWS, WIDTH + 1)
+    experts = np.argsort(rng.random(shape + (MOE["num_layers"], MOE["experts"])), axis=-1)
+    batch = {"input_ids": rng.integers(0, MOE["vocab_size"], size=shape).astype(np.int32),
+             "text_segment_ids": np.ones(shape, np.int32),
+             "text_positions": np.broadcast_to(np.arange(WIDTH + 1, dtype=np.int32), shape),
+             "routed_experts": experts[..., :MOE["experts_per_token"]].astype(np.int32),
+             "routed": np.ones(shape, bool)}
+    steps = {}
+    for replay in ("none", "rollout"):
+        objective = GRPOObjective(model, WIDTH, routing_replay=replay)
+        step = jax.jit(jax.grad(lambda params, batch, o=objective: jnp.sum(o.target_log_probs(params, batch))))
+        jax.block_until_ready(step(variables, batch))
+        steps[replay] = step
+    ratios = []
+    for _ in range(rounds):
+        free, replayed = (median_seconds(lambda s=steps[r]: jax.block_until_ready(s(variables, batch)), repeats)
+                          for r in ("none", "rollout"))
+        ratios.append(replayed / free)
+    return [("pass", f"{ROWS} x {WIDTH} ids, log-probs of every id, forward and backward"),
+            ("replayed / free (target < 1.05x)", per_round(ratios))]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
@@ -103,6 +141,8 @@ def main():
         ("moe tokens/s", f"{np.median(rates['moe']):,.0f}"),
         ("moe / dense (target >= 0.7x)", per_round(ratios))])
     report("one MoE layer: dropless dispatch against every expert on every token", dispatch(repeats=5))
+    report("routing replay: GRPO's scoring pass with the rollout's routes against free routing",
+           replay_cost(args.rounds, repeats=3))
 
 
 if __name__ == "__main__":
