@@ -76,7 +76,8 @@ def _stages(params: PipelineParams, directory: str, store_root: str, run: str):
     check_lengths(data, params)  # logs what each length cuts; refuses before anything trains
     policy = initial_policy(params.model, data, os.path.join(directory, "init"), params.seed)
     graded = {"reward": params.reward, "tools": params.tools}
-    start = evaluate("start", policy, data, params.evaluation, directory, store_root, run, **graded)
+    tracked = {**graded, "tracking": params.tracking}
+    start = evaluate("start", policy, data, params.evaluation, directory, store_root, run, **tracked)
     table = [_row("start", start, start.cached)]  # its only work is the evaluation
     for stage in params.stages:
         name, options = params.stage_name(stage), getattr(params, stage)  # the RL stage: grpo's options
@@ -85,7 +86,7 @@ def _stages(params: PipelineParams, directory: str, store_root: str, run: str):
                               tracking=params.tracking, **rl)
         policy = result.policy
         steps = options.steps if result.steps is None else result.steps
-        accuracy = evaluate(name, policy, data, params.evaluation, directory, store_root, run, steps, **graded)
+        accuracy = evaluate(name, policy, data, params.evaluation, directory, store_root, run, steps, **tracked)
         table.append(_row(name, accuracy, result.cached))  # the stage reused, not its evaluation
     return table, policy
 

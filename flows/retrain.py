@@ -56,7 +56,8 @@ def retrain(params: RetrainParams = RetrainParams()) -> dict:
         current = evaluate("promoted", PolicyRef(path=target, fingerprint=checkpoint_fingerprint(target)),
                            data, params.pipeline.evaluation,
                            os.path.join(params.pipeline.root, params.pipeline.name), store_root,
-                           run, reward=params.pipeline.reward, tools=params.pipeline.tools).accuracy
+                           run, reward=params.pipeline.reward, tools=params.pipeline.tools,
+                           tracking=params.pipeline.tracking).accuracy
     promoted = current is None or new > current
     if promoted:
         promote(outcome["policy"], params.promoted, new, run)

@@ -21,7 +21,9 @@ from prefect.artifacts import create_markdown_artifact
 
 from dew_lib.sampling import Sampling, generate
 from dew_lib.store import Evaluation
+from dew_lib.train.trackers import TrackerOptions
 from tasks.data import read_eval
+from tasks.lifecycle import stage_trackers
 from tasks.manifests import DataManifest, EvalResult, PolicyRef, fingerprint
 from tasks.params import EvalParams, RewardParams, ToolParams
 from tasks.policy import load_policy
@@ -99,13 +101,16 @@ def publish_transcripts(stage: str, results: list[Evaluation]) -> None:
 @task(retries=1, retry_delay_seconds=1, retry_condition_fn=retry_unless_refused, task_run_name="evaluate-{stage}")
 def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: EvalParams,
                     directory: str, store_root: str, run: str, step: int = 0,
-                    reward: RewardParams | None = None, tools: ToolParams | None = None) -> EvalResult:
+                    reward: RewardParams | None = None, tools: ToolParams | None = None,
+                    tracking: TrackerOptions | None = None) -> EvalResult:
     """Held-out accuracy of `policy`; every answer, its score and its programs land in the store.
 
     reward: how answers are graded (tasks/rewards.py). Saved answers are graded again, so it is
     not part of the fingerprint that reuses them. tools: on a tool task (data.tool), each answer
     is the last reply of an episode shaped by these (tasks/tool_task.py), its transcript the
     evaluation's `detail`, and a few greedy transcripts the `<run>-<stage>-transcripts` artifact.
+    tracking: the trackers that also get the held-out accuracies, as a run `<run>/eval-<stage>`
+    with one point at `step`.
     """
     logger = get_run_logger()
     began = datetime.datetime.now(datetime.UTC)  # the stage is recorded once graded: its seconds start here
@@ -145,10 +150,15 @@ def evaluate_policy(stage: str, policy: PolicyRef, data: DataManifest, params: E
     accuracy = float(np.mean([r.correct for r in results[:len(rows)]]))
     sampled = float(np.mean([r.correct for r in results[len(rows):]])) if k else None
     if not (cached and stage_completed(store_root, run, f"eval-{stage}")):  # else recorded already
+        held_out = {"greedy_accuracy": accuracy,  # held-out: not a training `accuracy`
+                    **({} if sampled is None else {"sampled_accuracy": sampled})}
         with open_stage(store_root, run, f"eval-{stage}", "evaluate", started_at=began) as writer:
             writer.evaluations(results, step=step, verdicts=[verdicts(r) for r in runs])
-            writer.finish("completed", {"greedy_accuracy": accuracy,  # held-out: not a training `accuracy`
-                                        **({} if sampled is None else {"sampled_accuracy": sampled})})
+            with stage_trackers(tracking, writer, run, f"eval-{stage}", params, directory, logger) as trackers:
+                for tracker in trackers.sinks:
+                    tracker.begin(step, step)
+                    tracker.write(step, held_out)
+            writer.finish("completed", held_out)
     if not cached:
         write_json(saved_path, {"fingerprint": key, "answers": answers, "sampled": drawn,
                                 **({"details": details} if episodes is not None else {})})

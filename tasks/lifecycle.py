@@ -65,11 +65,12 @@ def begin(stage: str, kind: str, params: StageParams, key: str, inputs: dict, di
     return Start(place=place, resumed=resumed, written=written)
 
 
-def stage_trackers(tracking: TrackerOptions | None, writer, run: str, stage: str, params: StageParams,
+def stage_trackers(tracking: TrackerOptions | None, writer, run: str, stage: str, params: BaseModel,
                    output: str, logger=None):
     """The stage's tracker sinks (dew_lib/train/trackers.py) as a context that ends their runs
     with the stage, each run recorded in the store's `trackers` table as it starts; none without
-    a writer (a process of a job other than process 0). output: the run's directory."""
+    a writer (a process of a job other than process 0). params: the stage's options (a training
+    stage's, or an evaluation's). output: the run's directory."""
 
     def record(step: int, started) -> None:
         writer.tracker_run(step, started.tracker, started.id, name=started.name, location=started.location,

@@ -377,7 +377,8 @@ def test_the_mlflow_server_lists_the_pipeline_and_stage_runs_with_the_stores_par
     experiment = client.get_experiment_by_name("dew")
     found = {r.info.run_id: r for r in client.search_runs([experiment.experiment_id],
                                                           filter_string=f"tags.`dew.run` = '{run}'")}
-    assert sorted(found) == sorted([run_id, parent_id])
+    levels = sorted(r.data.tags.get("dew.stage", r.data.tags["dew.level"]) for r in found.values())
+    assert levels == ["eval-sft", "eval-start", "pipeline", "sft"]  # each evaluation is a run of its own
     stage, parent = found[run_id], found[parent_id]
     assert (parent.info.run_name, parent.data.tags["dew.level"], parent.info.status) == (run, "pipeline", "FINISHED")
     assert (stage.info.run_name, stage.data.tags["mlflow.parentRunId"], stage.data.tags["dew.stage"],
@@ -391,6 +392,24 @@ def test_the_mlflow_server_lists_the_pipeline_and_stage_runs_with_the_stores_par
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert artifacts == {"curves.png", "policy"}
     assert "model.safetensors" in {os.path.basename(a.path) for a in client.list_artifacts(run_id, "policy")}
+
+
+@pytest.mark.slow
+def test_each_evaluation_sends_its_held_out_accuracy_to_every_tracker(tracked):
+    from mlflow.tracking import MlflowClient
+
+    root, run, store, uri = tracked
+    for stage, step in (("eval-start", 0), ("eval-sft", 4)):
+        (accuracy,), = store.rows("SELECT metrics['greedy_accuracy'] FROM stages WHERE run = ? AND stage = ?",
+                                  [run, stage])[1]
+        runs = {row[0]: row[1:] for row in store.rows(
+            "SELECT tracker, step, tracker_run, name FROM trackers WHERE run = ? AND stage = ?", [run, stage])[1]}
+        assert sorted(runs) == ["mlflow", "tensorboard", "wandb"]
+        assert all(at == step and name == f"{run}/{stage}" for at, _, name in runs.values())
+        events = tensorboard_events(str(root / "tracked" / "tensorboard" / run / stage))
+        assert [(e.step, e.value) for e in events.Scalars("greedy_accuracy")] == [(step, float(np.float32(accuracy)))]
+        history = MlflowClient(uri).get_metric_history(runs["mlflow"][1], "greedy_accuracy")
+        assert [(m.step, m.value) for m in history] == [(step, accuracy)]
 
 
 @pytest.mark.slow
