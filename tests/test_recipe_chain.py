@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from dew_lib import models
-from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts
+from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts, UnpairedExamples
 from dew_lib.data.byte_bpe import train_byte_bpe
 from dew_lib.recipes import DPOOptions, GRPOOptions, SFTOptions
 from dew_lib.recipes.chain import Recipe, Stage
@@ -64,6 +64,26 @@ def test_stages_chain_their_policies_freeze_references_and_resume(tmp_path):
         assert int(second.step) == 2
         for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_kto_stage_trains_unpaired_examples_from_the_previous_stage_s_policy(tmp_path):
+    model = models.build("causal_transformer", vocab_size=16, emb_features=16, num_layers=1,
+                         num_heads=2, mlp_features=32, max_seq_len=16)
+    chats = (json.dumps({"prompt": [1, 2], "completion": [3 + n % 4, 9], "label": n % 2 == 0}) for n in range(8))
+    pairs = (json.dumps({"chosen": [1, 2, 3], "rejected": [1, 2, 4], "chosen_mask": [0, 0, 1],
+                         "rejected_mask": [0, 0, 1]}),) * 4
+    kto = DPOOptions(steps=2, batch=4, loss_type="kto", beta=0.1, nll_weight=0.0, log_every=1)
+    recipe = Recipe(model=model, optimizer=optax.adam(1e-2), key=jax.random.key(0), directory=tmp_path / "run",
+                    stages=[Stage(name="dpo", data=PreferencePairs(records=pairs, seq_len=6, loading=LOADING),
+                                  options=DPOOptions(steps=2, batch=4, beta=0.1, nll_weight=0.0)),
+                            Stage(name="kto", data=UnpairedExamples(records=tuple(chats), seq_len=6, loading=LOADING),
+                                  options=kto)])
+    dpo, trained = recipe.run(sinks_for=lambda stage: [])
+    assert int(trained.updates) == 2
+    for reference, policy in zip(jax.tree.leaves(trained.ema), jax.tree.leaves(dpo.params), strict=True):
+        np.testing.assert_allclose(np.asarray(reference), np.asarray(policy), atol=1e-6)  # KTO's reference
+    with pytest.raises(ValueError, match="only DPOOptions.loss_type='kto' reads; got loss_type='sigmoid'"):
+        Stage(name="kto", data=UnpairedExamples(records=("{}",), seq_len=6), options=DPOOptions(nll_weight=0.0))
 
 
 def test_stage_and_recipe_refuse_bad_settings(tmp_path):

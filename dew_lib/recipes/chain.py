@@ -4,7 +4,8 @@ Each `Stage` names a directory, a data spec and its options; the spec's type pic
 and the options class it takes:
 
     ChatMessages     + SFTOptions   -> LMObjective counting assistant targets (SFT)
-    PreferencePairs  + DPOOptions   -> DPOObjective
+    PreferencePairs  + DPOOptions   -> DPOObjective (or the family member `loss_type` names)
+    UnpairedExamples + DPOOptions   -> KTOObjective (`loss_type="kto"`, the one loss that reads them)
     Prompts          + GRPOOptions  -> GRPOObjective with a SampledRollout (or, mode "async", a
                                        ScheduledRollout on the native server)
 
@@ -39,17 +40,18 @@ import optax
 from dew_lib.data.chat_messages import ChatMessages
 from dew_lib.data.preference import PreferencePairs
 from dew_lib.data.prompts import Prompts
+from dew_lib.data.unpaired import UnpairedExamples
 from dew_lib.models import lora
 from dew_lib.recipes.build import Built, build_dpo, build_grpo, build_sft
 from dew_lib.recipes.options import DPOOptions, GRPOOptions, SFTOptions, optimizer
 from dew_lib.train.trainer import Trainer, TrainState
 
-DataSpec = ChatMessages | PreferencePairs | Prompts
+DataSpec = ChatMessages | PreferencePairs | UnpairedExamples | Prompts
 ADAPTERS = 1  # folded into a stage's key for its adapters' draw (the Trainer's is the stage key itself)
 
 
 OPTIONS = {"sft": SFTOptions, "dpo": DPOOptions, "grpo": GRPOOptions}  # what each kind's stage reads
-KINDS = {ChatMessages: "sft", PreferencePairs: "dpo", Prompts: "grpo"}
+KINDS = {ChatMessages: "sft", PreferencePairs: "dpo", UnpairedExamples: "dpo", Prompts: "grpo"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,13 +74,17 @@ class Stage:
             raise ValueError(f"Stage.name must be a plain directory name, got {self.name!r}")
         if type(self.data) not in KINDS:
             raise TypeError(
-                f"Stage {self.name!r}: data must be ChatMessages (SFT), PreferencePairs (DPO) or "
-                f"Prompts (GRPO), got {type(self.data).__name__}"
+                f"Stage {self.name!r}: data must be ChatMessages (SFT), PreferencePairs (DPO), "
+                f"UnpairedExamples (KTO) or Prompts (GRPO), got {type(self.data).__name__}"
             )
         wanted = OPTIONS[self.kind]
         if type(self.options) is not wanted:
             raise TypeError(f"Stage {self.name!r} trains {self.kind.upper()} on {type(self.data).__name__}, so "
                             f"its options are {wanted.__name__}, got {type(self.options).__name__}")
+        unpaired = isinstance(self.data, UnpairedExamples) and isinstance(self.options, DPOOptions)
+        if unpaired and self.options.loss_type != "kto":
+            raise ValueError(f"Stage {self.name!r} trains on UnpairedExamples, which only DPOOptions.loss_type='kto' "
+                             f"reads; got loss_type={self.options.loss_type!r}")
         if self.kind == "grpo" and self.reward is None:
             raise ValueError(f"Stage {self.name!r} trains GRPO on Prompts and needs a reward")
 
