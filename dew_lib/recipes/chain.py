@@ -121,11 +121,14 @@ class Recipe:
         """The objects of the `index`th stage (objective, loaded data, rollout), starting from
         `start`; its adapters, if it trains any, are drawn from the Recipe's key and `index`."""
         key = jax.random.fold_in(jax.random.fold_in(self.key, index), ADAPTERS)
-        if isinstance(stage.options, SFTOptions):
-            return build_sft(self.model, start, stage.data, stage.options, key=key)
-        if isinstance(stage.options, DPOOptions):
-            return build_dpo(self.model, start, stage.data, stage.options, key=key)
-        return build_grpo(self.model, start, stage.data, stage.options, reward=stage.reward, key=key)
+        data, options = stage.data, stage.options  # paired by Stage's checks
+        if isinstance(data, ChatMessages) and isinstance(options, SFTOptions):
+            return build_sft(self.model, start, data, options, key=key)
+        if isinstance(data, PreferencePairs | UnpairedExamples) and isinstance(options, DPOOptions):
+            return build_dpo(self.model, start, data, options, key=key)
+        if isinstance(data, Prompts) and isinstance(options, GRPOOptions) and stage.reward is not None:
+            return build_grpo(self.model, start, data, options, reward=stage.reward, key=key)
+        raise TypeError(f"Stage {stage.name!r}: {type(data).__name__} with {type(options).__name__} is no stage")
 
     def trainer(self, index: int, stage: Stage, start: Any, built: Built | None = None) -> Trainer:
         """The Trainer for one stage, starting from the variables `start` (from `built` when
