@@ -1,0 +1,171 @@
+"""DistillRollout: the student's own samples, or a dataset's completions, packed for DistillObjective.
+
+The Trainer calls it on the host before each compiled update with a `Prompts`-layout batch
+(`prompt [B, P]` left-padded, `prompt_length [B]`, and when `lmbda < 1` the dataset's
+`completion [B, C]` right-padded ids with `completion_length [B]`, C <= max_new_tokens). As TRL's
+`GKDTrainer` does, a step trains on the student's own samples with probability `lmbda` and on the
+dataset's completions otherwise; the coin is drawn from the step's rollout key (the Trainer folds
+the step into it), so a resumed run flips the same coins and draws the same samples. lmbda = 0
+never samples and lmbda = 1 always does (TRL's `random() <= lmbda` samples on a 0 draw too).
+
+A sampled step draws one completion per prompt with `sampling.generate` at the student's current
+weights (one compiled loop, as SampledRollout draws). Either way every row becomes a one-call
+`Session` packed by `pack` into `[B, P + R]` rows (the layout every RL batch has). Each session's
+reward is the negative mean per-token reverse KL of its completion, log p_student - log p_teacher
+at the objective's temperature, scored in one compiled pass against the teacher in
+`TrainState.ema`; the batch carries `on_policy [B]` so the objective reports the share sampled.
+
+After a sampled step `last_tasks`, `last_sessions`, `last_latencies` and `last_reward_details`
+hold what SampledRollout's hold, so `RecordedRollout(rollout, sampled_sessions(rollout, writer))`
+(dew_lib/recipes/recorded.py) records the sessions in the run store as GRPO's are; after a dataset
+step they are empty (nothing was drawn) and `last_on_policy` is False.
+
+Not here: a remote engine or rollout server drawing the samples, multi-process drawing (refused:
+SampledRollout gathers prompts across processes, this one does not yet), several samples per
+prompt, TRL's `seq_kd` (teacher-generated completions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from dew_lib.options import integer
+from dew_lib.records.sessions import Call, Session, Status, Task
+from dew_lib.rollouts.packing import pack
+from dew_lib.rollouts.sampled import token_text
+from dew_lib.rollouts.scheduler.tasks import prompt_tasks
+from dew_lib.sampling import Sampling, generate
+
+COLUMNS = ("input_ids", "text_segment_ids", "text_positions", "response_mask", "session_index",
+           "session_weights")
+
+
+class DistillRollout:
+    """Pack the student's samples (probability `lmbda`) or the dataset's completions for
+    DistillObjective.
+
+    max_new_tokens: the response budget R; the objective's seq_len must be P + R - 1.
+    sampling: how the student draws (pass eos_id so completions can stop; its temperature is
+    TRL's generation temperature). lmbda: the share of steps trained on the student's samples.
+    decode: ids -> text, for the run store's prompts (default: ids separated by spaces).
+    """
+
+    def __init__(self, objective, *, max_new_tokens: int, sampling: Sampling = Sampling(),
+                 lmbda: float = 1.0, decode: Callable[[Sequence[int]], str] = token_text):
+        max_new_tokens = integer("DistillRollout.max_new_tokens", max_new_tokens)
+        if not 0.0 <= lmbda <= 1.0:
+            raise ValueError(f"DistillRollout.lmbda must lie in [0, 1] (the share of steps trained on "
+                             f"the student's own samples), got {lmbda}")
+        if getattr(objective, "loss", None) == "reverse_kl" and lmbda < 1.0:
+            raise ValueError(
+                f"DistillRollout(lmbda={lmbda}) trains some steps on dataset completions, but "
+                "DistillObjective(loss='reverse_kl') is a policy gradient on the student's own samples "
+                "and is biased on tokens it did not draw; use lmbda=1.0, or loss='jsd' for the mix")
+        self.objective = objective
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.lmbda = float(lmbda)
+        self.decode = decode
+        self.last_on_policy = False
+        self.last_tasks: list[Task] = []
+        self.last_sessions: list[Session] = []
+        self.last_latencies: list[float] = []
+        self.last_reward_details: list[Any] = []
+
+    def on_policy(self, key: jax.Array) -> bool:
+        """Whether the step with rollout key `key` trains on the student's samples."""
+        if self.lmbda in (0.0, 1.0):
+            return self.lmbda == 1.0
+        return float(jax.random.uniform(jax.random.fold_in(key, 1))) < self.lmbda
+
+    def __call__(self, state, batch, key) -> dict[str, np.ndarray]:
+        if jax.process_count() > 1:
+            raise NotImplementedError("DistillRollout draws in one process; a multi-process job needs "
+                                      "a rollout that gathers prompts (as SampledRollout does)")
+        prompt = np.asarray(batch["prompt"], np.int32)
+        lengths = np.asarray(batch["prompt_length"], np.int32)
+        rows, width = prompt.shape
+        if width + self.max_new_tokens != self.objective.width:
+            raise ValueError(
+                f"prompts are {width} ids wide and max_new_tokens is {self.max_new_tokens}, so rows are "
+                f"{width + self.max_new_tokens} wide, but the objective reads seq_len + 1 = "
+                f"{self.objective.width}; set DistillObjective(seq_len={width + self.max_new_tokens - 1})")
+        started = time.perf_counter()
+        tasks = prompt_tasks(batch)
+        sampled = self.on_policy(key)
+        if sampled:
+            drawn = generate(self.objective.model, state.params, prompt, lengths, key=jax.random.fold_in(key, 0),
+                             max_new_tokens=self.max_new_tokens, sampling=self.sampling)
+            tokens, raw, behavior, counts, stopped = jax.device_get(tuple(drawn)[:5])
+            calls = [Call(prompt_ids=tasks[n].data["prompt_ids"], sampled_ids=tokens[n, :counts[n]],
+                          behavior_log_probs=behavior[n, :counts[n]], raw_log_probs=raw[n, :counts[n]],
+                          finish_reason="stop" if stopped[n] else "length", version=_version(state))
+                     for n in range(rows)]
+            finished = [bool(s) for s in stopped]
+        else:
+            calls = self._dataset_calls(batch, tasks)
+            finished = [True] * rows
+        sessions = [Session(task=tasks[n].id, group=n, sample=0, calls=(calls[n],),
+                            status=Status.COMPLETED if finished[n] else Status.TRUNCATED, reward=0.0)
+                    for n in range(rows)]
+        # The layout does not depend on rewards (no advantage is read); the rewards come from it.
+        packed = pack(sessions, self.objective.width, rows=rows, estimator="mean", truncation="score")
+        out = {name: packed[name] for name in COLUMNS}
+        out["on_policy"] = np.full(rows, sampled, np.int32)
+        rewards = self._rewards(state, out, rows)
+        sessions = [dataclasses.replace(s, reward=r) for s, r in zip(sessions, rewards, strict=True)]
+        seconds = time.perf_counter() - started
+        self.last_on_policy = sampled
+        self.last_tasks = tasks if sampled else []
+        self.last_sessions = sessions if sampled else []
+        self.last_latencies = [seconds] * len(self.last_sessions)  # one lockstep draw
+        self.last_reward_details = [None] * len(self.last_sessions)
+        return out
+
+    def _dataset_calls(self, batch, tasks: list[Task]) -> list[Call]:
+        for name in ("completion", "completion_length"):
+            if name not in batch:
+                raise KeyError(
+                    f"DistillRollout(lmbda={self.lmbda}) trains some steps on the dataset's completions, "
+                    f"so every batch needs 'completion' [B, C] (right-padded ids) and "
+                    f"'completion_length' [B]; the batch lacks {name!r} (has {sorted(batch)}); "
+                    "use lmbda=1.0 to train on the student's samples alone")
+        completion = np.asarray(batch["completion"], np.int32)
+        counts = np.asarray(batch["completion_length"], np.int32)
+        if counts.min(initial=1) < 1 or counts.max(initial=0) > min(completion.shape[1], self.max_new_tokens):
+            raise ValueError(f"completion_length must lie in [1, {min(completion.shape[1], self.max_new_tokens)}] "
+                             f"(the completion width and max_new_tokens), got {counts.tolist()}")
+        return [Call(prompt_ids=tasks[n].data["prompt_ids"], sampled_ids=completion[n, :counts[n]],
+                     behavior_log_probs=np.zeros(counts[n], np.float32), finish_reason="stop")
+                for n in range(len(tasks))]
+
+    def _rewards(self, state, rows: dict[str, np.ndarray], count: int) -> list[float]:
+        """Each session's negative mean per-token reverse KL (one row per session here)."""
+        teacher = state.ema if getattr(state, "ema", None) is not None else self.objective.teacher
+        kl = np.asarray(jax.device_get(_sampled_kl(self.objective, state.params, teacher, rows)), np.float64)
+        mask = rows["response_mask"][:, 1:]
+        sessions = rows["session_index"][:, 1:]
+        totals = np.zeros(count)
+        tokens = np.zeros(count)
+        np.add.at(totals, sessions[mask > 0], kl[mask > 0])
+        np.add.at(tokens, sessions[mask > 0], 1.0)
+        return [float(-t / max(n, 1.0)) for t, n in zip(totals, tokens, strict=True)]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _sampled_kl(objective, params, teacher, rows):
+    return objective.sampled_kl(params, teacher, rows)
+
+
+def _version(state) -> int:
+    return int(np.asarray(jax.device_get(state.updates)))
+
+
+__all__ = ["DistillRollout"]
