@@ -176,6 +176,9 @@ def _plan_parser(commands) -> None:
     plan.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                       help="parameters and activations (default bfloat16)")
     plan.add_argument("--remat", action="store_true", help="recompute each layer's activations in the backward pass")
+    plan.add_argument("--suggest", type=int, default=None, metavar="DEVICES",
+                      help="plan every fsdp x expert mesh of DEVICES devices (expert dividing the expert count; "
+                           "--mesh's tensor kept) and say which to train on and why")
     size = plan.add_mutually_exclusive_group()
     size.add_argument("--device", choices=sorted(DEVICE_BYTES), help="the device's memory from the known table")
     size.add_argument("--device-bytes", type=int, help="the device's memory in bytes")
@@ -286,19 +289,34 @@ def _plan(args) -> int:
     if os.environ.get("DEW_PLAN_CHILD") != "1":
         import subprocess
 
-        devices = f"--xla_force_host_platform_device_count={mesh.devices()}"
+        devices = f"--xla_force_host_platform_device_count={args.suggest or mesh.devices()}"
         env = {**os.environ, "DEW_PLAN_CHILD": "1", "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": " ".join([*os.environ.get("XLA_FLAGS", "").split(), devices])}
         given = sys.argv[1:] if args.argv_given is None else args.argv_given
         return subprocess.run([sys.executable, "-m", "dew_lib.cli", *given], env=env).returncode
     from dew_lib.train import plan
 
+    config = None
     try:
-        found = plan.plan(plan.model_config(args.model), stage=args.stage, mesh=mesh, seq_len=args.seq_len,
-                          batch=args.batch, dtype=args.dtype, remat=args.remat, accumulate=args.accumulate,
-                          device=plan.device_bytes(args.device, args.device_bytes))
+        config, memory = plan.model_config(args.model), plan.device_bytes(args.device, args.device_bytes)
+        if args.suggest is not None:
+            choice = plan.suggest(config, devices=args.suggest, stage=args.stage, seq_len=args.seq_len,
+                                  batch=args.batch, dtype=args.dtype, remat=args.remat, accumulate=args.accumulate,
+                                  tensor=mesh.tensor, device=memory)
+            print(choice.report(), flush=True)
+            return 2 if memory is not None and choice.chosen is None else 0
+        found = plan.plan(config, stage=args.stage, mesh=mesh, seq_len=args.seq_len, batch=args.batch,
+                          dtype=args.dtype, remat=args.remat, accumulate=args.accumulate, device=memory)
     except (ValueError, OSError) as error:
         print(f"dew plan: {' '.join(str(error).split())}", file=sys.stderr)
+        if config is not None:  # what the config holds, counted even where the decoder refuses it
+            from dew_lib.train.plan_moe import count_parameters
+
+            try:
+                counted = count_parameters(config).describe().removeprefix("model: ")
+                print(f"dew plan: the config counts {counted}", file=sys.stderr)
+            except (ValueError, KeyError, TypeError):
+                pass
         return 1
     print(found.report(), flush=True)
     return 2 if found.fits is False else 0

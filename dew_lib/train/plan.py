@@ -8,7 +8,10 @@ compiled step gives the temporary peak (activations kept for the backward pass, 
 gathered weights). The sum is compared with the device's memory, and a plan that does not fit
 says what would make it fit. Under an `expert` axis the experts' weights and moments are read
 from their shardings like the rest (each device's `experts / expert` of them), and the peak
-includes the expert-parallel exchange's buffers (models/moe.py).
+includes the expert-parallel exchange's buffers (models/moe.py). A plan of a mixture of experts
+also reports the config's parameter count, the experts' split, one sparse layer's dispatch
+buffers and one layer's traffic (train/plan_moe.py), and `suggest` plans every `fsdp x expert`
+mesh of a device count and chooses one, saying why.
 
 Compiled for the CPU, the temporary peak is XLA:CPU's, not XLA:GPU's or XLA:TPU's: their
 fusions and attention kernels differ (the plan compiles the XLA-only `blockwise` attention,
@@ -32,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dew_lib.models.partitioning import BATCH_AXES
 from dew_lib.plan_tables import DEVICE_BYTES, MODELS, STAGES
+from dew_lib.train import plan_moe
 from dew_lib.train.mesh import MeshSpec, batch_shards
 
 GB = 10**9
@@ -53,6 +57,8 @@ class MemoryPlan:
     temporary: int
     device_bytes: int | None
     advice: tuple[str, ...] = ()
+    accumulate: int = 1
+    notes: tuple[str, ...] = ()  # a mixture of experts: its count, experts' split, dispatch, traffic
 
     @property
     def state(self) -> int:
@@ -75,6 +81,7 @@ class MemoryPlan:
                             ("batch", self.batch), ("temporary peak (XLA)", self.temporary),
                             ("total", self.total)):
             lines.append(f"  {name:<22}{value / GB:>10.2f} GB")
+        lines += self.notes
         if self.device_bytes is None:
             lines.append("no device size given (--device or --device-bytes): no verdict")
         else:
@@ -129,7 +136,65 @@ def plan(config: Mapping[str, Any], *, stage: str, mesh: MeshSpec, seq_len: int,
                          attention_kernel="blockwise", remat=remat)
     trainer = Trainer(_objective(stage, model, seq_len - 1), optax.adamw(1e-6), key=jax.random.key(0),
                       mesh=mesh, accumulate=accumulate)
-    return measure(trainer, stage, rows=batch, width=seq_len, device=device, remat=remat, dtype=dtype)
+    found = measure(trainer, stage, rows=batch, width=seq_len, device=device, remat=remat, dtype=dtype)
+    notes = tuple(plan_moe.moe_notes(config, found, width.itemsize))
+    advice = found.advice + tuple(_expert_advice(config, found))
+    return dataclasses.replace(found, notes=notes, advice=advice)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshChoice:
+    """The plans of every mesh `suggest` tried, the one it chose (None: none fits) and why."""
+
+    plans: tuple[MemoryPlan, ...]
+    chosen: MemoryPlan | None
+    reasons: tuple[str, ...]
+
+    def report(self) -> str:
+        first = self.plans[0]
+        devices = math.prod(first.mesh.values())
+        lines = [f"{first.stage}: {first.rows} rows of {first.width} ids a step on {devices} devices, every "
+                 "fsdp x expert mesh; GB per device:",
+                 f"  {'mesh':<20}{'params':>8}{'optimizer':>11}{'reference':>11}{'temporary':>11}{'total':>8}"]
+        for found in self.plans:
+            verdict = "" if not found.device_bytes else f"  {found.total / found.device_bytes:.0%} " + (
+                "fits" if found.fits else "does NOT fit")
+            lines.append(f"  {plan_moe.mesh_text(found.mesh):<20}{found.parameters / GB:>8.2f}"
+                         f"{found.optimizer / GB:>11.2f}{found.reference / GB:>11.2f}"
+                         f"{found.temporary / GB:>11.2f}{found.total / GB:>8.2f}{verdict}")
+        lines.append(first.notes[0] if first.notes else "")
+        return "\n".join([*lines, *(f"  - {line}" for line in self.reasons)])
+
+
+def suggest(config: Mapping[str, Any], *, devices: int, stage: str, seq_len: int, batch: int,
+            dtype: str = "bfloat16", remat: bool = False, accumulate: int = 1, tensor: int = 1,
+            device: int | None = None) -> MeshChoice:
+    """Plan `stage` on every `fsdp x expert` mesh of `devices` devices (`tensor` kept; an
+    expert size divides the expert count) on this process's devices, and choose: of the meshes
+    that fit, the one that moves the fewest bytes a layer (weights gathered over fsdp, tokens
+    over expert), the least loaded when the device's size is not given."""
+    if devices % tensor or (batch // accumulate) % (devices // tensor):
+        raise ValueError(f"{batch // accumulate} rows a micro-step do not split over the data x fsdp x expert "
+                         f"of {devices} devices with tensor={tensor}")
+    plans = tuple(plan(config, stage=stage, mesh=MeshSpec(**sizes), seq_len=seq_len, batch=batch, dtype=dtype,
+                       remat=remat, accumulate=accumulate, device=device)
+                  for sizes in plan_moe.candidate_meshes(devices, plan_moe.expert_count(config), tensor))
+    itemsize = jnp.dtype(dtype).itemsize
+    chosen = plan_moe.choose(config, plans, itemsize)
+    return MeshChoice(plans, chosen, tuple(plan_moe.reasons(config, plans, chosen, itemsize)))
+
+
+def _expert_advice(config: Mapping[str, Any], found: MemoryPlan) -> list[str]:
+    """A plan of an MoE model that does not fit: the `expert` axis among its remedies."""
+    counted = plan_moe.count_parameters(config)
+    if found.fits is not False or not counted.expert_count:
+        return []
+    devices = math.prod(found.mesh.values())
+    sizes = [n for n in range(2, counted.expert_count + 1) if counted.expert_count % n == 0][:4]
+    return [f"the experts hold {counted.experts / counted.total:.0%} of the parameters: expert=N (N dividing "
+            f"{counted.expert_count}: {', '.join(map(str, sizes))}, ...) splits them and their moments as fsdp "
+            "does without gathering them each layer, while fsdp also splits the rest; "
+            f"`dew plan --suggest {devices}` plans every fsdp x expert mesh of {devices} devices"]
 
 
 def measure(trainer: Any, stage: str, *, rows: int, width: int, device: int | None = None,
@@ -155,7 +220,7 @@ def measure(trainer: Any, stage: str, *, rows: int, width: int, device: int | No
         raise ValueError(f"the {jax.default_backend()} compiler of this JAX gives no memory analysis, "
                          "which the plan reads")
     parts = {name: _held(getattr(state, name)) for name in ("params", "opt_state", "ema", "grads")}
-    found = MemoryPlan(stage=stage, mesh=dict(trainer.mesh.shape), rows=rows, width=width,
+    found = MemoryPlan(stage=stage, mesh=dict(trainer.mesh.shape), rows=rows, width=width, accumulate=accumulate,
                        parameters=parts["params"], optimizer=parts["opt_state"], reference=parts["ema"],
                        gradients=parts["grads"], batch=_held(micro),
                        temporary=int(analysis.temp_size_in_bytes), device_bytes=device)
@@ -205,6 +270,10 @@ def _batch(stage: str, rows: int, width: int, objective: Any) -> Any:
     if stage == "dpo":
         pair = jax.ShapeDtypeStruct((rows, 2, width), np.int32)
         return {"input_ids": pair, "completion_mask": pair}
+    if stage == "distill":  # DistillRollout's packed rows, with one on_policy flag per row
+        packed_ids = ("input_ids", "text_segment_ids", "text_positions", "response_mask", "session_index")
+        return {**dict.fromkeys(packed_ids, ids), "session_weights": floats,
+                "on_policy": jax.ShapeDtypeStruct((rows,), np.int32)}
     packed = dict(input_ids=ids, text_segment_ids=ids, text_positions=ids, response_mask=ids,
                   behavior_log_probs=floats, advantages=floats, session_index=ids, versions=ids,
                   call_index=ids, rewards=floats, session_weights=floats, old_log_probs=floats)
@@ -232,5 +301,5 @@ def _advice(plan: MemoryPlan, remat: bool, dtype: str, accumulate: int) -> tuple
     return tuple(lines)
 
 
-__all__ = ["DEVICE_BYTES", "MODELS", "STAGES", "MemoryPlan", "device_bytes", "device_limit", "measure",
-           "model_config", "plan"]
+__all__ = ["DEVICE_BYTES", "MODELS", "STAGES", "MemoryPlan", "MeshChoice", "device_bytes", "device_limit",
+           "measure", "model_config", "plan", "suggest"]
