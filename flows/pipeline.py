@@ -1,12 +1,13 @@
-"""pipeline: data, then SFT, DPO and GRPO, each evaluated on held-out prompts; `make run`.
+"""pipeline: data, then SFT, DPO and GRPO (or distill), each evaluated on held-out prompts; `make run`.
 
 Each stage starts from the previous stage's final policy (DPO and GRPO freeze it as their
-reference). Each stage works in the directory of its inputs, runs/<name>/<stage>/<key[:12]>/
-(tasks/storage.py): a rerun with the same name and inputs reuses every finished stage, a failed
-or killed stage continues from its last checkpoint there, and a stage whose inputs changed (its
-parameters, the data, the policy it starts from, the seed) trains from step 0, and so does every
-stage after it. A rerun with the same name, parameters and data files as the last run under
-that name is that run in the store, finished or not: its next attempt (tasks/records.py).
+reference; distill learns from the frozen `distill.teacher`). Each stage works in the directory
+of its inputs, runs/<name>/<stage>/<key[:12]>/ (tasks/storage.py): a rerun with the same name
+and inputs reuses every finished stage, a failed or killed stage continues from its last
+checkpoint there, and a stage whose inputs changed (its parameters, the data, the policy it
+starts from, the seed) trains from step 0, and so does every stage after it. A rerun with the
+same name, parameters and data files as the last run under that name is that run in the store,
+finished or not: its next attempt (tasks/records.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.data_prep import data_prep
+from flows.distill import distill
 from flows.dpo import dpo
 from flows.evaluate import evaluate
 from flows.grpo import grpo, ppo
@@ -32,7 +34,7 @@ from tasks.records import pipeline_run
 from tasks.refusals import refusal_exit
 from tasks.ui import artifact_key
 
-STAGES = {"sft": sft, "dpo": dpo, "grpo": grpo, "ppo": ppo}
+STAGES = {"sft": sft, "dpo": dpo, "grpo": grpo, "ppo": ppo, "distill": distill}
 
 
 @flow(name="pipeline")

@@ -176,7 +176,7 @@ def measure_lengths(data: DataManifest, params: PipelineParams) -> dict[str, lis
                                               read_eval(data.eval_path)[: params.evaluation.limit]])}
     if "sft" in params.stages and data.chat_path is not None:
         out["chat"] = _chat_lengths(data.chat_path, tokenizer, params.sft.max_length - 1)
-    if "grpo" in params.stages and data.prompts_path is not None:
+    if {"grpo", "distill"} & set(params.stages) and data.prompts_path is not None:
         out["prompts"] = _prompt_lengths(renderer, read_rows(data.prompts_path).column("prompt"))
     if "dpo" in params.stages and params.dpo.pairs == "policy" and data.prompts_path is not None:
         out["pairs"] = _pair_lengths(data.prompts_path, renderer, params.dpo.pair_prompts)
@@ -189,7 +189,11 @@ def length_checks(data: DataManifest, params: PipelineParams,
     if measured.get("chat"):
         checks.append(LengthCheck("sft.max_length", params.sft.max_length, params.sft.max_length, 0,
                                   "SFT conversations", "cuts", data.chat_path, tuple(measured["chat"])))
-    if measured.get("prompts"):
+    if measured.get("prompts") and "distill" in params.stages:
+        checks.append(LengthCheck("distill.max_prompt_len", params.distill.max_prompt_len,
+                                  params.distill.max_prompt_len, 0, "distill prompts", "cuts the start of",
+                                  data.prompts_path, tuple(measured["prompts"])))
+    if measured.get("prompts") and "grpo" in params.stages:
         checks.append(LengthCheck("grpo.max_prompt_len", params.grpo.max_prompt_len,
                                   params.grpo.max_prompt_len, 0, "GRPO prompts", "cuts the start of",
                                   data.prompts_path, tuple(measured["prompts"])))
@@ -238,6 +242,9 @@ def length_refusals(data: DataManifest, params: PipelineParams,
                         f"{params.grpo.max_new_tokens} is longer than {setting}={context}; raise "
                         f"{setting} to at least {params.grpo.max_prompt_len + params.grpo.max_new_tokens} "
                         "or lower one of them")
+    if "distill" in params.stages and params.distill.max_prompt_len + params.distill.max_new_tokens > context:
+        refusals.append(f"distill.max_prompt_len + distill.max_new_tokens = {params.distill.max_prompt_len} + "
+                        f"{params.distill.max_new_tokens} is longer than {setting}={context}; lower one of them")
     return notes, refusals
 
 

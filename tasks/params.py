@@ -15,31 +15,26 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from dew_lib.recipes.options import (
+    DistillOptions,
     DPOOptions,
     EpisodeOptions,
-    FlowGRPOOptions,
-    FlowPretrainOptions,
     GRPOOptions,
-    Options,
     PPOOptions,
     Renamed,
     SFTOptions,
-    TrainOptions,
 )
 from dew_lib.train.mesh import MeshSpec
 from dew_lib.train.trackers import TrackerOptions
 from tasks.memory import planned_bytes
+from tasks.params_base import Params, StageParams, _existing
 from tasks.params_file import command_line, read_params_file  # noqa: F401 - flows import them from here
-
-Params = Options  # frozen, and unknown fields are refused: a typo in the UI is an error, not a no-op
-
-
-def _existing(value: str | None) -> str | None:
-    """A path field's check: empty, or a path that exists where the flow runs."""
-    if value is not None and not os.path.exists(value):
-        raise ValueError(f"{value!r} does not exist; give a path readable from where the flow runs")
-    return value
-
+from tasks.params_image import (  # noqa: F401 - flows and tasks import the image pipeline's forms from here
+    DiTParams,
+    FlowGRPOParams,
+    FlowPipelineParams,
+    FlowPretrainParams,
+    ImageDataParams,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -178,12 +173,6 @@ class ModelParams(Params):
         return value
 
 
-class StageParams(TrainOptions):
-    """A pipeline stage: the library's training options and a deadline."""
-
-    max_minutes: float | None = Field(None, gt=0, description="stop the stage with an error after this long")
-
-
 class TextStageParams(StageParams):
     """A language-model stage (SFT, DPO, GRPO), which can train as a job of several processes."""
 
@@ -292,6 +281,30 @@ class GRPOParams(GRPOOptions, TextStageParams):
         return self
 
 
+class DistillParams(DistillOptions, TextStageParams):
+    """On-policy distillation of the policy (the student) from the teacher checkpoint `teacher`,
+    on the GRPO stage's prompts (docs/distill.md, The pipeline stage)."""
+
+    max_prompt_len: int = Field(24, ge=2, description="prompt ids kept (left-padded)")
+
+    @field_validator("teacher")
+    @classmethod
+    def _checkpoint(cls, value: str | None) -> str | None:
+        if value is not None and not os.path.isfile(os.path.join(value, "config.json")):
+            raise ValueError(f"distill.teacher={value!r} is not a Hugging Face checkpoint directory (no config.json)")
+        return value
+
+    @model_validator(mode="after")
+    def _pipeline_draws(self) -> DistillParams:
+        if self.lmbda < 1:
+            raise ValueError(f"distill.lmbda={self.lmbda} trains some steps on the data's completions, and the "
+                             "pipeline's prompts carry none: set lmbda=1.0 (the student's own samples every step)")
+        if self.processes != 1:
+            raise ValueError(f"distill.processes={self.processes}: the distill stage draws in one process; set "
+                             "processes=1")
+        return self
+
+
 class RewardParams(Params):
     """How answers are graded, in GRPO and in evaluation: each row's `data_source` picks the
     reward (tasks/rewards.py); code is run in a sandbox chosen here."""
@@ -350,9 +363,10 @@ class PipelineParams(Params):
                                        "'ppo' (a critic and GAE; grpo.mode='sync'). Its policy side is the "
                                        "grpo block either way; PPO adds the ppo block")
     ppo: PPOParams = PPOParams()
-    stages: tuple[Literal["sft", "dpo", "grpo"], ...] = Field(
+    distill: DistillParams = DistillParams()
+    stages: tuple[Literal["sft", "dpo", "grpo", "distill"], ...] = Field(
         ("sft", "dpo", "grpo"), description="stages to run, in order; 'grpo' is the RL stage, trained "
-        "with the algorithm `rl` names")
+        "with the algorithm `rl` names; 'distill' distils distill.teacher into the policy on the GRPO prompts")
     tracking: TrackerOptions = Field(default_factory=TrackerOptions, description="TensorBoard, MLflow and "
                                      "W&B runs of every training stage, beside the run store (docs/trackers.md)")
 
@@ -365,6 +379,14 @@ class PipelineParams(Params):
         if self.data.source in ("code", "tools") and "dpo" in self.stages:
             raise ValueError(f"data.source={self.data.source!r} has no preference pairs for DPO; choose "
                              "stages without 'dpo', e.g. stages=['sft', 'grpo']")
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_given(self) -> PipelineParams:
+        if "distill" in self.stages and self.distill.teacher is None:
+            raise ValueError("stages has 'distill' and distill.teacher is empty: give the teacher's Hugging Face "
+                             "checkpoint directory, with the student's tokenizer (e.g. the policy an SFT "
+                             "stage of a larger model wrote)")
         return self
 
     @model_validator(mode="after")
@@ -412,75 +434,3 @@ class PipelineParams(Params):
                              "model.pretrained to a checkpoint that has one")
         return self
 
-
-# ----- rectified-flow image models: flow-matching pre-training and Flow-GRPO --------------------
-
-class ImageDataParams(Params):
-    source: Literal["shapes", "folder", "npz"] = Field(
-        "shapes", description="'shapes' generates coloured 8x8 squares and crosses from the seed; "
-        "'folder' reads PNG/JPEG files from `path`; 'npz' reads an array of uint8 [N, H, W, C] images")
-    count: int = Field(512, ge=8, description="shapes: images generated")
-    path: str | None = Field(None, description="folder: a directory of .png/.jpg files; npz: an .npz "
-                             "file whose 'images' array (or only array) is uint8 [N, H, W, 1 or 3]")
-    size: int = Field(8, ge=2, description="folder: side every image is resized to (pixels)")
-    channels: Literal[1, 3] = Field(3, description="folder: 3 reads RGB, 1 reads grayscale")
-
-    _exists = field_validator("path")(_existing)
-
-
-class DiTParams(Params):
-    pretrained: str | None = Field(None, description="a SimpleDiT directory written by flow_pretrain "
-                                   "(config.json + model.safetensors); empty: a fresh model as below")
-    patch_size: int = Field(2, ge=1, description="side of the square patches (divides the image side)")
-    emb_features: int = Field(32, ge=4, description="width (a multiple of num_heads and of 4)")
-    num_layers: int = Field(2, ge=1, description="transformer blocks")
-    num_heads: int = Field(4, ge=1, description="attention heads")
-    mlp_ratio: float = Field(2.0, gt=0, description="MLP width as a multiple of the width")
-
-    @field_validator("pretrained")
-    @classmethod
-    def _saved(cls, value: str | None) -> str | None:
-        if value is not None and not os.path.isfile(os.path.join(value, "model.safetensors")):
-            raise ValueError(f"{value!r} is not a SimpleDiT directory written by flow_pretrain "
-                             "(no model.safetensors)")
-        return value
-
-
-class FlowPretrainParams(FlowPretrainOptions, StageParams):
-    preview_rows: int = Field(16, ge=1, description="samples in each preview grid (the same noise every time)")
-
-
-class FlowGRPOParams(FlowGRPOOptions, StageParams):
-    reward: Literal["redness", "greenness", "blueness", "brightness"] = Field(
-        "redness", description="what the samples are scored on: how red (green, blue) the lit pixels "
-        "are, or the mean brightness")
-    preview_rows: int = Field(16, ge=1, description="samples in each preview grid (the same noise every time)")
-    store_images: bool = Field(True, description="store every rollout sample as a PNG in the "
-                               "run store's samples table")
-
-
-class FlowPipelineParams(Params):
-    name: str = Field("flow", pattern=r"^[A-Za-z0-9_.-]+$",
-                      description="run directory name under `root`; a rerun with the same name "
-                      "and inputs skips the stages that already finished")
-    root: str = Field("runs", description="project directory: runs and the store (dew.duckdb) live here")
-    seed: int = Field(0, description="seeds data generation, initialization, noise and rollouts")
-    data: ImageDataParams = ImageDataParams()
-    model: DiTParams = DiTParams()
-    pretrain: FlowPretrainParams = FlowPretrainParams()
-    grpo: FlowGRPOParams = FlowGRPOParams()
-    stages: tuple[Literal["flow_pretrain", "flow_grpo"], ...] = Field(
-        ("flow_pretrain", "flow_grpo"), description="stages to run, in order (flow_grpo alone "
-        "starts from model.pretrained)")
-    tracking: TrackerOptions = Field(default_factory=TrackerOptions, description="TensorBoard, MLflow and "
-                                     "W&B runs of every training stage, beside the run store (docs/trackers.md)")
-
-    @model_validator(mode="after")
-    def _chain(self) -> FlowPipelineParams:
-        if self.stages not in (("flow_pretrain",), ("flow_grpo",), ("flow_pretrain", "flow_grpo")):
-            raise ValueError(f"stages must be ('flow_pretrain',), ('flow_grpo',) or ('flow_pretrain', "
-                             f"'flow_grpo'), got {self.stages}")
-        if self.stages == ("flow_grpo",) and self.model.pretrained is None:
-            raise ValueError("stages=('flow_grpo',) starts from a pre-trained model: set "
-                             "model.pretrained to a directory flow_pretrain wrote, or add 'flow_pretrain'")
-        return self

@@ -41,12 +41,12 @@ from dew_lib.train import distributed
 from dew_lib.train.launch import launch
 from dew_lib.train.trackers import TrackerOptions
 from tasks.manifests import DataManifest, PolicyRef, StageResult
-from tasks.params import DPOParams, GRPOParams, PPOParams, RewardParams, SFTParams, ToolParams
+from tasks.params import DistillParams, DPOParams, GRPOParams, PPOParams, RewardParams, SFTParams, ToolParams
 from tasks.storage import read_json, write_json
 
 ENTRY = ("-m", "tasks.stage_job")  # what each process runs after the interpreter; then the job file
 TAIL_LINES = 40  # of the job's output, in the error of a failed job
-PARAMS = {"sft": SFTParams, "dpo": DPOParams, "grpo": GRPOParams, "ppo": GRPOParams}
+PARAMS = {"sft": SFTParams, "dpo": DPOParams, "grpo": GRPOParams, "ppo": GRPOParams, "distill": DistillParams}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds tasks/ and dew_lib/
 
 
@@ -63,7 +63,7 @@ class StageJob(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     stage: str
-    kind: Literal["sft", "dpo", "grpo", "ppo"]
+    kind: Literal["sft", "dpo", "grpo", "ppo", "distill"]
     params: dict[str, Any]
     data: DataManifest
     start: PolicyRef
@@ -79,7 +79,7 @@ class StageJob(BaseModel):
     written: str | None = None
     tracking: TrackerOptions | None = None
 
-    def stage_params(self) -> SFTParams | DPOParams | GRPOParams:
+    def stage_params(self) -> SFTParams | DPOParams | GRPOParams | DistillParams:
         return PARAMS[self.kind].model_validate(self.params)
 
 

@@ -7,8 +7,9 @@ which make the objective, dataset and rollout, sync or async, and the optimizer;
 the run store, the UI and the two kinds of resume.
 
 A stage works in the directory of its inputs, `runs/<name>/<stage>/<key[:12]>/` (key: the
-fingerprint of its parameters, data, starting policy, seed and, for GRPO, reward parameters;
-tasks/storage.py `stage_directory`), so two kinds of resume meet here and neither crosses inputs:
+fingerprint of its parameters, data, starting policy, seed and, for GRPO, reward parameters, for
+distill, the teacher checkpoint; tasks/storage.py `stage_directory`), so two kinds of resume meet
+here and neither crosses inputs:
   * a retry (an exception, or the process killed and the flow run again with the same inputs)
     continues from the last checkpoint in that directory: `Trainer.fit` restores it, and the
     store drops what earlier attempts recorded after that checkpoint;
@@ -37,6 +38,7 @@ from prefect import get_run_logger, task
 
 from dew_lib import recipes
 from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts
+from dew_lib.data.tokenizer import load_tokenizer
 from dew_lib.models import lora, save_adapter
 from dew_lib.objectives import PPOObjective
 from dew_lib.recipes import (
@@ -45,12 +47,14 @@ from dew_lib.recipes import (
     OneTurn,
     RemoteEngine,
     ScheduledRollout,
+    build_distill,
     build_dpo,
     build_episode_grpo,
     build_grpo,
     build_sft,
     remote_server,
 )
+from dew_lib.recipes.build import load_teacher
 from dew_lib.store import Store
 from dew_lib.train import distributed
 from dew_lib.train.mesh import MeshSpec
@@ -60,8 +64,17 @@ from tasks.job_records import DeferredWriter
 from tasks.lifecycle import Start, begin, conclude, stage_sinks, stage_trackers, write_result
 from tasks.manifests import DataManifest, PolicyRef, StageResult, fingerprint, keyed
 from tasks.memory import check_memory
-from tasks.params import DPOParams, GRPOParams, PPOParams, RewardParams, SFTParams, StageParams, ToolParams
-from tasks.policy import load_policy, save_policy
+from tasks.params import (
+    DistillParams,
+    DPOParams,
+    GRPOParams,
+    PPOParams,
+    RewardParams,
+    SFTParams,
+    StageParams,
+    ToolParams,
+)
+from tasks.policy import checkpoint_fingerprint, load_policy, save_policy
 from tasks.records import open_stage
 from tasks.refusals import RunRefused, retry_unless_refused
 from tasks.rewards import TaskReward, verdicts
@@ -140,6 +153,9 @@ def _build(kind: str, params: StageParams, pretrained, variables, data: DataMani
                                seq_len=params.max_length,
                                pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
         return build_dpo(model, variables, spec, params)
+    if kind == "distill":
+        assert isinstance(params, DistillParams)
+        return _build_distill(params, pretrained, variables, data, tokenizer_dir, seed, writer)
     assert isinstance(params, GRPOParams)
     if data.tool is not None or kind == "ppo":
         return _build_episodes(params, pretrained, variables, data, tokenizer_dir, seed, writer, reward, tools,
@@ -150,6 +166,22 @@ def _build(kind: str, params: StageParams, pretrained, variables, data: DataMani
     return build_grpo(model, variables, spec, params, reward=reward, eos_id=tokenizer.eos_token_id,
                       decode=completion_text(tokenizer), reward_details=reward.last_runs,
                       writer=writer, verdicts=verdicts, server=_server(params, pretrained))
+
+
+def _build_distill(params: DistillParams, pretrained, variables, data: DataManifest, tokenizer_dir: str,
+                   seed: int, writer) -> Built:
+    """Distillation of the policy from `params.teacher` on the GRPO prompts; a teacher that
+    cannot teach this student (another vocabulary) refuses the run."""
+    model, tokenizer = pretrained.model, pretrained.tokenizer
+    spec = Prompts(path=_needs(data.prompts_path, "distill", "prompts (prompts_path)"),
+                   max_prompt_len=params.max_prompt_len, tokenizer=tokenizer_dir,
+                   pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
+    try:
+        teacher = load_teacher(params, model, tokenizer=load_tokenizer(tokenizer_dir))
+    except ValueError as error:
+        raise RunRefused(f"distill: {error}") from None
+    return build_distill(model, variables, spec, params, eos_id=tokenizer.eos_token_id,
+                         decode=completion_text(tokenizer), teacher=teacher, writer=writer)
 
 
 def _server(params: GRPOParams, pretrained):
@@ -168,7 +200,7 @@ def _labels(stage: str) -> dict[str, str]:
     """How the log names each group of a stage's inputs when they changed."""
     return {"params": f"{stage} parameters", "data": "the data", "start": "the starting policy",
             "seed": "seed", "reward": "reward parameters", "tools": "tool parameters",
-            "ppo": "PPO parameters"}
+            "ppo": "PPO parameters", "teacher": "the teacher checkpoint"}
 
 
 def stage_inputs(kind: str, params: StageParams, data: DataManifest, start: PolicyRef, seed: int,
@@ -176,7 +208,7 @@ def stage_inputs(kind: str, params: StageParams, data: DataManifest, start: Poli
                  ppo: PPOParams | None = None) -> tuple[str, dict]:
     """The stage's fingerprint and the inputs it is computed from (inputs.json): its parameters
     (`keyed`) but `log_every` and `max_minutes`, the data, the starting policy, the seed and, for
-    the RL stage, the reward, tool and PPO parameters."""
+    the RL stage, the reward, tool and PPO parameters; for distillation, the teacher checkpoint's."""
     relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
     if isinstance(relevant, GRPOParams) and relevant.rollout.remote:
         # Native or remote, the wire format and the log-probabilities decide the rollouts; where
@@ -192,9 +224,13 @@ def stage_inputs(kind: str, params: StageParams, data: DataManifest, start: Poli
         if kind == "ppo":
             groups["ppo"] = ppo or PPOParams()
     # The groups enter the key in this order (reward, tools, ppo), as they always have.
-    key = fingerprint(kind, dumped, data.fingerprint, start.fingerprint, seed, *map(keyed, groups.values()))
-    inputs = {"params": dumped, "data": data.fingerprint, "start": start.fingerprint, "seed": seed,
-              **{name: keyed(group) for name, group in groups.items()}}
+    keys = [keyed(group) for group in groups.values()]
+    extra = {name: keyed(group) for name, group in groups.items()}
+    if isinstance(params, DistillParams) and params.teacher is not None:
+        extra["teacher"] = checkpoint_fingerprint(params.teacher)  # a new teacher at the same path too
+        keys.append(extra["teacher"])
+    key = fingerprint(kind, dumped, data.fingerprint, start.fingerprint, seed, *keys)
+    inputs = {"params": dumped, "data": data.fingerprint, "start": start.fingerprint, "seed": seed, **extra}
     return key, inputs
 
 

@@ -94,20 +94,22 @@ def test_ppo_is_a_stage_of_its_own_keyed_with_its_critic_options():
 
 
 def test_no_option_of_the_library_is_declared_again_by_the_pipeline():
-    """tasks/params.py subclasses the options; a field it wrote again would be a second
-    declaration, free to drift (as DPO's beta and GRPO's groups once did)."""
+    """tasks/params.py (and the image forms it imports from tasks/params_image.py) subclasses the
+    options; a field it wrote again would be a second declaration, free to drift (as DPO's beta
+    and GRPO's groups once did)."""
     from tasks import params
 
     checked = 0
     for cls in vars(params).values():
-        if not isinstance(cls, type) or not issubclass(cls, Options) or cls.__module__ != "tasks.params":
+        if (not isinstance(cls, type) or not issubclass(cls, Options)
+                or not cls.__module__.startswith("tasks.params")):
             continue
         library = {name for base in cls.__mro__ if base.__module__ == "dew_lib.recipes.options"
                    for name in getattr(base, "model_fields", {})}
         restated = library & set(vars(cls).get("__annotations__", {}))
         assert not restated, f"{cls.__name__} declares {restated} again"
         checked += bool(library)
-    assert checked >= 8  # the text and image stages' forms, the tools and the PPO options
+    assert checked >= 9  # the text, distill and image stages' forms, the tools and the PPO options
 
 
 def test_every_algorithm_choice_shows_in_the_form_and_reads_from_a_parameters_file(tmp_path):

@@ -1,7 +1,7 @@
 """Stage builders and ready-made recipes: the one place a stage's options become objects.
 
 options.py declares every stage's options once (pydantic models the pipeline's forms are made
-of) and builds the optimizer; build.py maps SFT, DPO and GRPO options (sync or async) to an
+of) and builds the optimizer; build.py maps SFT, DPO, GRPO (sync or async) and distill options to an
 objective, its data and its rollout; flow.py does the same for flow-matching pre-training and
 Flow-GRPO; scheduled.py is asynchronous GRPO's rollout, drawn on the native server or on a
 remote engine (remote.py); episodes.py is GRPO on tool episodes; recorded.py writes what a sync
@@ -11,11 +11,12 @@ pipeline's tasks (tasks/train.py, tasks/flow_train.py) and the Recipe chain both
 Not here: Prefect, reading files into data specs, Trainer.fit's loop.
 """
 
-from dew_lib.recipes.build import Built, build_dpo, build_grpo, build_sft
+from dew_lib.recipes.build import Built, build_distill, build_dpo, build_grpo, build_sft
 from dew_lib.recipes.chain import Recipe, Stage
 from dew_lib.recipes.episodes import OneTurn, build_episode_grpo
 from dew_lib.recipes.flow import build_flow_grpo, build_flow_pretrain, image_batches
 from dew_lib.recipes.options import (
+    DistillOptions,
     DPOOptions,
     EpisodeOptions,
     FlowGRPOOptions,
@@ -32,8 +33,8 @@ from dew_lib.recipes.recorded import RecordedRollout, episode_sessions, sampled_
 from dew_lib.recipes.remote import RemoteEngine, remote_server
 from dew_lib.recipes.scheduled import ScheduledRollout
 
-__all__ = ["Built", "DPOOptions", "EpisodeOptions", "FlowGRPOOptions", "FlowPretrainOptions", "GRPOOptions",
-           "LoRAOptions", "OneTurn", "Options", "PPOOptions", "Recipe", "RecordedRollout", "RemoteEngine", "SFTOptions",
-           "ScheduledRollout", "Stage", "TrainOptions", "build_dpo", "build_episode_grpo", "build_flow_grpo",
-           "build_flow_pretrain", "build_grpo", "build_sft", "episode_sessions", "image_batches", "optimizer",
-           "remote_server", "sampled_sessions"]
+__all__ = ["Built", "DPOOptions", "DistillOptions", "EpisodeOptions", "FlowGRPOOptions", "FlowPretrainOptions",
+           "GRPOOptions", "LoRAOptions", "OneTurn", "Options", "PPOOptions", "Recipe", "RecordedRollout",
+           "RemoteEngine", "SFTOptions", "ScheduledRollout", "Stage", "TrainOptions", "build_distill", "build_dpo",
+           "build_episode_grpo", "build_flow_grpo", "build_flow_pretrain", "build_grpo", "build_sft",
+           "episode_sessions", "image_batches", "optimizer", "remote_server", "sampled_sessions"]

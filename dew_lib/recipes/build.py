@@ -11,12 +11,15 @@ options) both build every stage here, so the two cannot drift:
     Prompts         + GRPOOptions -> GRPOObjective with a SampledRollout (mode "sync"), or with a
                                      ScheduledRollout: RolloutScheduler + PromptSource on a
                                      NativeRolloutServer (mode "async", scheduled.py)
+    Prompts      + DistillOptions -> DistillObjective against the teacher checkpoint
+                                     options.teacher, with a DistillRollout (the student samples)
 
 A builder returns `Built(objective, dataset, rollout, eval_every)`; the caller picks the optimizer
 and key, makes the Trainer and fits it, then calls `Built.close()` (which stops an async stage's
 server and scheduler). Given a `StageWriter`, a GRPO stage records every session it drew in the
 run store (sync: `RecordedRollout`, recorded.py; async: every SchedulerRecord and settled session), with the
-programs a code reward ran as Verdict rows when `verdicts` turns them into rows.
+programs a code reward ran as Verdict rows when `verdicts` turns them into rows; a distill stage records
+the sessions its student sampled, each with reward = the negative mean per-token KL to the teacher.
 
 `GRPOOptions.objective` and `.sampling` are the one place a GRPOObjective and its Sampling come
 from options (the sync, async, episode and PPO paths all call them). Flow-matching and Flow-GRPO
@@ -36,12 +39,13 @@ import jax
 
 from dew_lib.data import ChatMessages, Dataset, PreferencePairs, Prompts, UnpairedExamples
 from dew_lib.data.chat import Role
-from dew_lib.objectives import DPOObjective, KTOObjective, LMObjective
+from dew_lib.models import load_pretrained
+from dew_lib.objectives import DistillObjective, DPOObjective, KTOObjective, LMObjective
 from dew_lib.options import integer
-from dew_lib.recipes.options import DPOOptions, GRPOOptions, SFTOptions
+from dew_lib.recipes.options import DistillOptions, DPOOptions, GRPOOptions, SFTOptions
 from dew_lib.recipes.recorded import RecordedRollout, Verdicts, sampled_sessions
 from dew_lib.recipes.scheduled import ScheduledRollout
-from dew_lib.rollouts import SampledRollout
+from dew_lib.rollouts import DistillRollout, SampledRollout
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -149,4 +153,53 @@ def build_grpo(model, variables, data: Prompts, options: GRPOOptions, *,
     return Built(objective=objective, dataset=dataset, rollout=rollout, model=model)
 
 
-__all__ = ["Built", "build_dpo", "build_grpo", "build_sft"]
+def load_teacher(options: DistillOptions, student, tokenizer=None) -> tuple[Any, Any]:
+    """`(model, variables)` of the checkpoint `options.teacher`, refused with the field named when
+    it is empty or its vocabulary is not the student's: another vocab_size, or, when both the
+    teacher's directory and the caller (`tokenizer`, what the prompts are encoded with) have a
+    tokenizer, another token -> id map."""
+    if options.teacher is None:
+        raise ValueError("DistillOptions.teacher is empty: give the teacher's Hugging Face checkpoint directory "
+                         "(e.g. the policy directory of an SFT stage of a larger model)")
+    teacher = load_pretrained(options.teacher, tokenizer=tokenizer is not None)
+    ours, theirs = getattr(student, "vocab_size", None), getattr(teacher.model, "vocab_size", None)
+    if ours != theirs:
+        raise ValueError(f"DistillOptions.teacher={options.teacher!r} has vocab_size {theirs} and the student "
+                         f"{ours}: distillation compares their next-token distributions id by id, so both must "
+                         "use one tokenizer; pick a teacher trained with the student's tokenizer")
+    theirs_ids = None if tokenizer is None or teacher.tokenizer is None else teacher.tokenizer.get_vocab()
+    if theirs_ids is not None and theirs_ids != tokenizer.get_vocab():
+        raise ValueError(f"DistillOptions.teacher={options.teacher!r} ships a tokenizer whose token ids differ from "
+                         f"the student's (both have vocab_size {ours}): distillation compares the two models id by "
+                         "id, so both must use one tokenizer; pick a teacher trained with the student's tokenizer")
+    return teacher.model, teacher.variables
+
+
+def build_distill(model, variables, data: Prompts, options: DistillOptions, *,
+                  eos_id: int | Sequence[int] | None = None, decode: Callable[[Sequence[int]], str] | None = None,
+                  teacher: tuple[Any, Any] | None = None, writer=None, key: jax.Array | None = None) -> Built:
+    """On-policy distillation of the student `(model, variables)` (variables None: a fresh init)
+    from the teacher `options.teacher` (or `teacher`, a `(model, variables)` already loaded), on
+    the prompts of `data`; the student samples every step. A Prompts spec carries no completion
+    ids, so `options.lmbda` below 1 (steps on the data's completions) is refused here.
+    eos_id, decode, writer, key: as `build_grpo`'s (writer records each sampled session with reward
+    = its negative mean per-token KL to the teacher)."""
+    if options.lmbda < 1:
+        raise ValueError(f"DistillOptions.lmbda={options.lmbda} trains some steps on the data's completions, "
+                         "and prompts (Prompts) carry none: set lmbda=1.0 (the student's own samples every "
+                         "step), or train DistillObjective with DistillRollout on batches that hold "
+                         "'completion' ids (docs/distill.md)")
+    teacher_model, teacher_variables = teacher if teacher is not None else load_teacher(options, model)
+    model, variables = adapted(model, variables, options, key)
+    objective = DistillObjective(model, data.max_prompt_len + options.max_new_tokens - 1, teacher_model=teacher_model,
+                                 teacher=teacher_variables, loss=options.loss, beta=options.beta,
+                                 temperature=options.temperature, pretrained=variables)
+    decoded = {} if decode is None else {"decode": decode}
+    rollout: Any = DistillRollout(objective, max_new_tokens=options.max_new_tokens, sampling=options.sampling(eos_id),
+                                  lmbda=options.lmbda, **decoded)
+    if writer is not None:
+        rollout = RecordedRollout(rollout, sampled_sessions(rollout, writer))
+    return Built(objective=objective, dataset=data.load(batch=options.batch), rollout=rollout, model=model)
+
+
+__all__ = ["Built", "build_distill", "build_dpo", "build_grpo", "build_sft", "load_teacher"]

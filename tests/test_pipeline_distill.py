@@ -1,0 +1,159 @@
+"""The pipeline's `distill` stage: a student checkpoint distilled from a teacher checkpoint through
+the Prefect flow, its sessions and metrics checked through the run store; and its options'
+refusals, which need no flow."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from dew_lib import models
+from dew_lib.models import Pretrained, load_pretrained
+from dew_lib.recipes import DistillOptions, build_distill
+from dew_lib.recipes.build import load_teacher
+
+pytest.importorskip("prefect")
+
+from conftest import run_log  # noqa: E402
+from test_pipeline import TINY, query, tiny  # noqa: E402
+
+from tasks.params import DistillParams, PipelineParams  # noqa: E402
+
+SMALL = dict(num_heads=2, mlp_features=32, max_seq_len=64)
+
+
+def save_decoder(directory, vocab_size: int, emb_features: int, num_layers: int, tokenizer=None, seed: int = 0) -> str:
+    """A fresh embedded decoder saved as a Hugging Face checkpoint; its directory."""
+    model = models.build("causal_transformer", vocab_size=vocab_size, emb_features=emb_features,
+                         num_layers=num_layers, **SMALL)
+    variables = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))
+    Pretrained.from_model(model, tokenizer=tokenizer).save(variables, str(directory), dtype=None)
+    return str(directory)
+
+
+# ----- the options' refusals (fast) --------------------------------------------------------------
+
+def test_the_distill_stage_needs_a_teacher_and_names_the_field(tmp_path):
+    with pytest.raises(ValidationError, match="distill.teacher is empty"):
+        PipelineParams(root=str(tmp_path), stages=["distill"])
+    with pytest.raises(ValidationError, match="distill.teacher=.*not a Hugging Face checkpoint"):
+        DistillParams(teacher=str(tmp_path))
+    PipelineParams(root=str(tmp_path), stages=["sft", "grpo"])  # no distill stage, no teacher needed
+
+
+def test_reverse_kl_and_the_pipeline_train_on_the_student_s_own_samples_only(tmp_path):
+    with pytest.raises(ValidationError, match="loss='reverse_kl' is a policy gradient"):
+        DistillOptions(loss="reverse_kl", lmbda=0.5)
+    with pytest.raises(ValidationError, match="the pipeline's prompts carry none"):
+        DistillParams(lmbda=0.5)
+    with pytest.raises(ValidationError, match="draws in one process"):
+        DistillParams(processes=2, batch=8)
+    with pytest.raises(ValidationError, match="beta"):
+        DistillOptions(beta=1.5)
+    # The library's builder refuses the mix on prompts, which carry no completion ids.
+    with pytest.raises(ValueError, match="Prompts.*carry none"):
+        build_distill(None, None, None, DistillOptions(lmbda=0.5))
+    assert DistillOptions(loss="reverse_kl").lmbda == 1.0
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_with_both_sizes(tmp_path):
+    teacher = save_decoder(tmp_path / "teacher", vocab_size=40, emb_features=16, num_layers=1)
+    student = models.build("causal_transformer", vocab_size=32, emb_features=16, num_layers=1, **SMALL)
+    with pytest.raises(ValueError, match=r"DistillOptions.teacher=.* has vocab_size 40 and the student 32"):
+        load_teacher(DistillOptions(teacher=teacher), student)
+    with pytest.raises(ValueError, match="DistillOptions.teacher is empty"):
+        load_teacher(DistillOptions(), student)
+    same = models.build("causal_transformer", vocab_size=40, emb_features=8, num_layers=1, **SMALL)
+    model, variables = load_teacher(DistillOptions(teacher=teacher), same)
+    assert model.vocab_size == 40 and model.emb_features == 16 and "params" in variables
+    # Of one size, but other ids: the tokenizers both sides read are compared too.
+    from dew_lib.data.byte_bpe import train_byte_bpe
+
+    ours = train_byte_bpe(["the quick brown fox jumps over the lazy dog"] * 20, vocab_size=266)
+    theirs = train_byte_bpe(["pack my box with five dozen liquor jugs"] * 20, vocab_size=266)
+    assert len(ours) == len(theirs)
+    taught = save_decoder(tmp_path / "taught", vocab_size=len(theirs), emb_features=16, num_layers=1, tokenizer=theirs)
+    student = models.build("causal_transformer", vocab_size=len(ours), emb_features=8, num_layers=1, **SMALL)
+    with pytest.raises(ValueError, match="ships a tokenizer whose token ids differ from the student's"):
+        load_teacher(DistillOptions(teacher=taught), student, tokenizer=ours)
+    load_teacher(DistillOptions(teacher=taught), student, tokenizer=theirs)
+
+
+def test_the_stage_s_key_reads_the_teacher_checkpoint(tmp_path):
+    from tasks.manifests import DataManifest, PolicyRef
+    from tasks.train import stage_inputs
+
+    teacher = save_decoder(tmp_path / "teacher", vocab_size=40, emb_features=16, num_layers=1)
+    data = DataManifest(directory=str(tmp_path), tokenizer=None, chat_path=None, chat_val_path=None,
+                        pairs_path=None, prompts_path=None, eval_path=str(tmp_path), fingerprint="data")
+    start = PolicyRef(path=teacher, fingerprint="start")
+    params = DistillParams(teacher=teacher)
+    key, inputs = stage_inputs("distill", params, data, start, 0)
+    assert set(inputs) == {"params", "data", "start", "seed", "teacher"}
+    os.utime(os.path.join(teacher, "model.safetensors"), (1, 1))  # the teacher rewritten in place
+    assert stage_inputs("distill", params, data, start, 0)[0] != key
+
+
+# ----- the stage in the pipeline (slow) ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def harness(prefect_harness):
+    yield
+
+
+@pytest.mark.slow
+def test_the_pipeline_distils_a_teacher_into_a_student_and_records_it(harness, tmp_path):
+    from flows.pipeline import pipeline
+
+    # The teacher: the pipeline's SFT stage on a decoder twice the student's width and depth.
+    bigger = dict(TINY["model"], emb_features=64, num_layers=2, mlp_features=128)
+    taught = pipeline(tiny(tmp_path, name="teacher", model=bigger, stages=["sft"],
+                           sft=dict(TINY["sft"], steps=12, batch=8, learning_rate=1e-2, log_every=4,
+                                    checkpoint_every=12),
+                           evaluation=dict(TINY["evaluation"], samples=0)))
+    teacher = taught["policy"]
+    # The student: a fresh tiny decoder with the teacher's tokenizer, saved as a checkpoint.
+    tokenizer = load_pretrained(teacher).tokenizer
+    student = save_decoder(tmp_path / "student", vocab_size=len(tokenizer), emb_features=32, num_layers=1,
+                           tokenizer=tokenizer, seed=1)
+    steps, batch, budget = 8, 4, 8
+    params = tiny(tmp_path, name="distil", model=dict(pretrained=student), stages=["distill"],
+                  distill=dict(teacher=teacher, steps=steps, batch=batch, max_new_tokens=budget, learning_rate=1e-2,
+                               log_every=1, checkpoint_every=4, device_memory="h200"),  # planned for an H200 first
+                  evaluation=dict(TINY["evaluation"], samples=0))
+    with run_log() as lines:
+        outcome = pipeline(params)
+    run = outcome["run"]
+    assert list(outcome["accuracy"]) == ["start", "distill"]
+    stages = dict(query(tmp_path, f"SELECT stage, kind || ':' || status FROM stages WHERE run = '{run}'"))
+    assert stages["distill"] == "distill:completed" and stages["eval-distill"].endswith(":completed")
+    # Every sampled session landed, with reward = its negative mean per-token KL: weighted by
+    # length, each update's rewards give back the step's logged kl.
+    sessions = query(tmp_path, f"SELECT s.update, s.reward, len(c.sampled_ids) FROM sessions s JOIN calls c "
+                               f"ON c.run = s.run AND c.session_uid = s.session_uid "
+                               f"WHERE s.run = '{run}' AND s.stage = 'distill'")
+    assert len(sessions) == steps * batch and all(n > 0 for _, _, n in sessions)
+    kl = dict(query(tmp_path, f"SELECT step, value FROM metrics WHERE run = '{run}' AND stage = 'distill' "
+                              "AND name = 'kl' ORDER BY step"))
+    assert sorted(kl) == list(range(1, steps + 1))
+    for update in range(steps):
+        rows = [(reward, n) for u, reward, n in sessions if u == update]
+        weighted = -sum(reward * n for reward, n in rows) / sum(n for _, n in rows)
+        assert weighted == pytest.approx(kl[update + 1], rel=1e-3, abs=1e-4)
+    # The student moved towards the teacher: its KL on its own samples fell.
+    values = [kl[step] for step in sorted(kl)]
+    assert np.mean(values[-3:]) < 0.7 * np.mean(values[:2]), values
+    names = {name for (name,) in query(tmp_path, f"SELECT DISTINCT name FROM metrics WHERE run = '{run}' "
+                                                 "AND stage = 'distill'")}
+    assert {"loss", "kl", "entropy", "on_policy"} <= names
+    assert load_pretrained(outcome["policy"]).model.emb_features == 32  # the student, trained
+    # The update was planned before it trained: the prompts and the budget, a row per prompt.
+    plan = next(line for line in lines if line.startswith("distill fits: "))
+    assert f"distill: {batch} rows of {24 + budget} ids a step" in plan
+    # A rerun with the same inputs (the teacher's files included) reuses the finished stage.
+    again = pipeline(params)
+    assert again["run"] == run and again["reused"]["distill"]
+    assert again["accuracy"] == outcome["accuracy"]
