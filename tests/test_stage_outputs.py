@@ -42,6 +42,7 @@ def artifacts_of(keys):
 def test_a_finished_stage_keeps_only_its_last_checkpoint_and_says_so(finished):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterTextSearch
+    from prefect.client.schemas.sorting import LogSort
 
     root, outcome = finished
     directories = {os.path.realpath(os.path.join(folder, "checkpoints"))
@@ -53,9 +54,11 @@ def test_a_finished_stage_keeps_only_its_last_checkpoint_and_says_so(finished):
     from prefect.logging.handlers import APILogWorker
 
     APILogWorker.drain_all(timeout=30)  # logs reach the server from a background worker
+    # Prefect's text search ORs space-separated words, so the phrase is quoted: unquoted, every log
+    # with "the" matched, and this run's line fell past the first page once the worker had run enough.
     with get_client(sync_client=True) as client:
-        logs = client.read_logs(
-            log_filter=LogFilter(text=LogFilterTextSearch(query="kept the last checkpoint")))
+        logs = client.read_logs(log_filter=LogFilter(text=LogFilterTextSearch(query='"kept the last checkpoint"')),
+                                sort=LogSort.TIMESTAMP_DESC)
     lines = [log.message for log in logs if log.message.startswith("sft: kept the last checkpoint")
              and checkpoints in log.message]  # this run's line: the worker's other runs log theirs too
     assert lines, "no log line says what the stage kept"
