@@ -39,7 +39,7 @@ import numpy as np
 from dew_lib.options import integer
 from dew_lib.records.sessions import Call, Session, Status, Task
 from dew_lib.rollouts.packing import pack
-from dew_lib.rollouts.sampled import token_text
+from dew_lib.rollouts.sampled import check_row_width, token_text
 from dew_lib.rollouts.scheduler.tasks import prompt_tasks
 from dew_lib.sampling import Sampling, generate
 
@@ -87,16 +87,12 @@ class DistillRollout:
 
     def __call__(self, state, batch, key) -> dict[str, np.ndarray]:
         if jax.process_count() > 1:
-            raise NotImplementedError("DistillRollout draws in one process; a multi-process job needs "
-                                      "a rollout that gathers prompts (as SampledRollout does)")
+            raise ValueError(f"DistillRollout draws in one process and this job has {jax.process_count()}: "
+                             "run distillation as a single process")
         prompt = np.asarray(batch["prompt"], np.int32)
         lengths = np.asarray(batch["prompt_length"], np.int32)
         rows, width = prompt.shape
-        if width + self.max_new_tokens != self.objective.width:
-            raise ValueError(
-                f"prompts are {width} ids wide and max_new_tokens is {self.max_new_tokens}, so rows are "
-                f"{width + self.max_new_tokens} wide, but the objective reads seq_len + 1 = "
-                f"{self.objective.width}; set DistillObjective(seq_len={width + self.max_new_tokens - 1})")
+        check_row_width(width, self.max_new_tokens, self.objective)
         started = time.perf_counter()
         tasks = prompt_tasks(batch)
         sampled = self.on_policy(key)

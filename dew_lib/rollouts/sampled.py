@@ -67,6 +67,17 @@ class RewardFailed(RuntimeError):
     """A reward raised or returned a non-finite value; names the prompt row and the completion."""
 
 
+def check_row_width(prompt_width: int, max_new_tokens: int, objective: Any) -> None:
+    """Refuse prompts whose width plus the response budget is not the row width `objective`
+    reads (its seq_len + 1), naming the seq_len that fits."""
+    if prompt_width + max_new_tokens != objective.width:
+        raise ValueError(
+            f"prompts are {prompt_width} ids wide and max_new_tokens is {max_new_tokens}, so rows "
+            f"are {prompt_width + max_new_tokens} wide, but the objective reads seq_len + 1 = "
+            f"{objective.width}; set {type(objective).__name__}(seq_len={prompt_width + max_new_tokens - 1})"
+        )
+
+
 class SampledRollout:
     """Draw `groups` completions per prompt, score them, and pack them for GRPOObjective.
 
@@ -111,12 +122,7 @@ class SampledRollout:
         prompt = np.asarray(batch["prompt"], np.int32)
         lengths = np.asarray(batch["prompt_length"], np.int32)
         rows, width = prompt.shape
-        if width + self.max_new_tokens != self.objective.width:
-            raise ValueError(
-                f"prompts are {width} ids wide and max_new_tokens is {self.max_new_tokens}, so rows "
-                f"are {width + self.max_new_tokens} wide, but the objective reads seq_len + 1 = "
-                f"{self.objective.width}; set GRPOObjective(seq_len={width + self.max_new_tokens - 1})"
-            )
+        check_row_width(width, self.max_new_tokens, self.objective)
         started = time.perf_counter()
         tasks = prompt_tasks(batch)  # each row's stable id, prompt ids and reward fields
         g = self.groups
