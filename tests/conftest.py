@@ -25,15 +25,27 @@ for variable in [name for name in os.environ if name.startswith(("JAX_COMPILATIO
 
 import jax  # noqa: E402
 
+# Most tests compile tiny programs and run them a few times, so XLA's optimizing passes cost more
+# than they save: with most of them off (jax_disable_most_optimizations: LLVM at -O0, no expensive
+# passes) such a module takes about a third less CPU time. The HLO is the same; only the machine
+# code is plainer. A module that trains the demo's model for hundreds of steps (one that runs a
+# Prefect pipeline, or marks a test `optimized`) would run twice as long, so it keeps them.
+# DEW_TEST_PLAIN_COMPILE=0 compiles everything fully, to compare.
+PLAIN = os.environ.get("DEW_TEST_PLAIN_COMPILE", "1") != "0"
+PLAIN_COMPILE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"} if PLAIN else {}  # for the tiny jobs tests launch
+_OPTIMIZED_MODULES: set[str] = set()
+
 
 @pytest.fixture(scope="module", autouse=True)
-def _compiled_code_freed_after_each_module():
-    """Drop every compiled executable once a test module is done. A worker runs hundreds of
-    modules, and JAX keeps what each compiled for the life of the process: without this a
-    worker's memory grows with every module it has run."""
+def _compiled_code_freed_after_each_module(request):
+    """Compile with the effort the module needs (above), and drop every compiled executable once
+    the module is done. A worker runs hundreds of modules, and JAX keeps what each compiled for
+    the life of the process: without this a worker's memory grows with every module it has run."""
+    jax.config.update("jax_disable_most_optimizations", PLAIN and request.module.__name__ not in _OPTIMIZED_MODULES)
     yield
     import gc
 
+    jax.config.update("jax_disable_most_optimizations", False)
     jax.clear_caches()
     gc.collect()
 
@@ -109,11 +121,34 @@ def pytest_xdist_make_scheduler(config, log):
     return make_scheduler(config, log)
 
 
+_SECONDS_BY_MODULE: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Add up each module's seconds (setup, call and teardown); under xdist the reports of every
+    worker reach the controller, so the sum covers the whole session."""
+    module = report.nodeid.split("::")[0]
+    _SECONDS_BY_MODULE[module] = _SECONDS_BY_MODULE.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The modules that took longest, summed over their tests: where the suite's time goes."""
+    if not _SECONDS_BY_MODULE:
+        return
+    ranked = sorted(_SECONDS_BY_MODULE.items(), key=lambda pair: -pair[1])
+    total = sum(_SECONDS_BY_MODULE.values())
+    terminalreporter.write_sep("=", f"slowest modules (of {total:.0f} s in tests, all workers together)")
+    for module, seconds in ranked[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {module}")
+
+
 def pytest_collection_modifyitems(config, items):
     """Slow tests first: under xdist each worker then ends on short tests, not one of them on a
     two-minute run while the other idles (longest first). xdist orders the work units by their
     size and keeps this order within one size, and every worker reorders alike."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    _OPTIMIZED_MODULES.update(item.module.__name__ for item in items if isinstance(item, pytest.Function) and (
+        "prefect_harness" in item.fixturenames or item.get_closest_marker("optimized")))
 
 
 @pytest.fixture
@@ -138,7 +173,7 @@ def run_on_host_devices(script: str, devices: int = 2, timeout: float = 120) -> 
     """Run a Python `script` in a fresh process whose CPU is split into `devices` XLA devices
     (the count is fixed when JAX starts, so it cannot change inside this process); returns its
     stdout. The tests' directory is importable, so the script can use `conftest`."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    env = dict(os.environ, **PLAIN_COMPILE, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,
@@ -155,7 +190,8 @@ def worker_job(processes, local_devices, recipes, out, *extra, check=True, env=N
     devices each train `recipes` and write their final states to OUT-<recipe>.npz."""
     command = [sys.executable, "-m", "dew_lib.cli", "launch", "--processes", str(processes),
                "--local-devices", str(local_devices), "--", sys.executable, WORKER, recipes, str(out), *extra]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **PLAIN_COMPILE, **(env or {})})
     if check:
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     return done
