@@ -262,7 +262,8 @@ def run_stage(job: StageJob, logger, *, progress: bool = True, publish=None) -> 
         if params.lora.rank:  # adapters on the frozen starting policy; its saves fold them in
             model, variables = params.lora.attach(pretrained.model, variables, adapter_key(job.seed))
             pretrained = dataclasses.replace(pretrained, model=model)
-            logger.info("%s trains LoRA adapters on its frozen starting policy: %s", stage, model.lora)
+            logger.info("%s trains LoRA adapters on its frozen starting policy (quantized: %s): %s", stage,
+                        params.lora.quantize, model.lora)
         tokenizer_dir = job.data.tokenizer or job.start.path
         built = _build(kind, params, pretrained, variables, job.data, tokenizer_dir, job.seed, recorder, grader,
                        job.tools, job.ppo)

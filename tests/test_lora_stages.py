@@ -3,6 +3,7 @@ started), PPO's critic trains its own adapters and value head or, without adapte
 the optimizer state covers what trains and nothing else, and the frozen reference each update
 scores against is the base with its adapters off, no copy kept."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -103,6 +104,44 @@ def test_ppo_trains_the_policy_s_adapters_and_the_critic_against_the_base(own_ad
     np.testing.assert_allclose(sink.series("kl")[-1][1], expected["kl"], rtol=1e-5)
 
 
+def test_a_critic_on_the_policy_s_base_trains_as_one_on_a_copy_and_the_state_keeps_one_base():
+    """share_base: the critic's subtree holds its adapters and value head alone and reads the
+    policy's frozen base; three PPO steps give what a critic on a copy of that base gives."""
+    head = ValueHead(ADAPTED)
+    start = lora.attach(MODEL, BASE, CONFIG, jax.random.key(2))[1]  # the critic's adapters, drawn apart
+    batch = ppo_batch()
+    states, objectives = {}, {}
+    for shared in (False, True):
+        objective = PPOObjective(ADAPTED, SEQ, critic=head, pretrained=POLICY, beta=0.05,
+                                 critic_variables=critic_from_policy(head, start, SEQ, share_base=shared))
+        assert objective.shares_base == shared
+        data = Dataset(train=lambda p: itertools.repeat(batch), batch=4)
+        states[shared] = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0)).fit(data, steps=3, log_every=1,
+                                                                                         sinks=[])
+        objectives[shared] = objective
+    shared, copied = states[True], states[False]
+    backbone = shared.params["critic"]["params"]["backbone"]
+    assert lora.split(backbone)[1] == {} and jax.tree.map(jnp.shape, backbone) == ADAPTER_SHAPES
+
+    def nbytes(tree):
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
+
+    assert nbytes(shared.params["critic"]) < 0.1 * nbytes(copied.params["critic"])
+    assert jax.tree.map(jnp.shape, shared.opt_state[0].mu) == jax.tree.map(jnp.shape, copied.opt_state[0].mu)
+    as_copied = objectives[True].critic_params(shared.params)  # the shared critic, base and all
+    assert same(lora.split(as_copied["params"]["backbone"])[1], lora.split(POLICY["params"])[1])
+    for a, b in zip(jax.tree.leaves(as_copied), jax.tree.leaves(copied.params["critic"]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(shared.params["policy"]), jax.tree.leaves(copied.params["policy"]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert not same(lora.split(as_copied["params"]["backbone"])[0], lora.split(start["params"])[0])  # they trained
+    fields = {k: jnp.asarray(batch[k]) for k in ("input_ids", "text_segment_ids", "text_positions")}
+    np.testing.assert_allclose(objectives[True].packed_values(as_copied, fields),  # what PPORollout reads
+                               objectives[False].packed_values(copied.params["critic"], fields), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="share_base=True.* no adapters, so every weight of the policy trains"):
+        critic_from_policy(ValueHead(MODEL), BASE, SEQ, share_base=True)
+
+
 INPUTS = InputSpec(Field("image", (4, 4, 1)))
 DIT = models.SimpleDiT(output_channels=1, patch_size=2, emb_features=8, num_layers=1, num_heads=2, mlp_ratio=2)
 SOURCE = {"image": np.zeros((2, 4, 4, 1), np.uint8)}
@@ -172,6 +211,48 @@ def test_flow_grpo_trains_the_dit_s_adapters_alone_against_its_base():
     _, expected = objective.loss(state.params, batch, reference=off)
     trainer.fit(data, steps=4, log_every=1, sinks=[sink], state=state)
     np.testing.assert_allclose(sink.series("kl")[-1][1], expected["kl"], rtol=1e-5)
+
+
+def test_the_dit_s_adapters_drop_reproducibly_by_key_in_training_and_never_in_evaluation():
+    """DiTLoRA.dropout, from flow_grpo's lora group: a forward given a dropout key drops on the
+    adapters' path (the same key, the same drop); one given none, or a fresh adapter, drops nothing."""
+    from dew_lib.recipes import FlowGRPOOptions
+
+    options = FlowGRPOOptions(lora=dict(rank=2, alpha=4, targets="all-linear", dropout=0.5))
+    model, variables = options.lora.attach(DIT, trained_dit(), jax.random.key(1))
+    assert model.lora.dropout == 0.5 and model.lora == dataclasses.replace(DIT_CONFIG, dropout=0.5)
+    x, t = jax.random.normal(jax.random.key(3), (2, 4, 4, 1)), jnp.array([0.9, 0.4])
+
+    def forward(params, key=None):
+        return model.apply(params, x, t, rngs=None if key is None else {"dropout": jax.random.key(key)})
+
+    np.testing.assert_array_equal(forward(variables, 1), forward(variables))  # B = 0: nothing to drop
+    moved = jax.tree_util.tree_map_with_path(lambda p, v: v + 0.2 if lora.is_adapter(p) else v, variables)
+    evaluated = forward(moved)
+    np.testing.assert_array_equal(evaluated, model.clone(lora=DIT_CONFIG).apply(moved, x, t))  # no key: no drop
+    np.testing.assert_array_equal(forward(moved, 1), forward(moved, 1))
+    assert not np.allclose(forward(moved, 1), forward(moved, 2), atol=1e-5)
+    assert not np.allclose(forward(moved, 1), evaluated, atol=1e-5)
+
+    # Flow-GRPO's training forward draws from the step's key; its loss view (evaluation) from none
+    objective = FlowGRPOObjective(model, presets.Flow()(), INPUTS, guidance=None, steps=5, beta=0.1,
+                                  pretrained=moved)
+    batch = FlowRollout(objective, lambda images, _: images.mean(axis=(1, 2, 3)), groups=4, steps=5,
+                        train_steps=2)(Trainer(objective, optax.adam(1e-2), key=jax.random.key(0)).initial_state(),
+                                       SOURCE, jax.random.key(2))
+    reference = lora.without_adapters(moved)
+
+    def pg_loss(key):
+        terms = objective.terms(moved, batch, step=0, reference=reference,
+                                key=None if key is None else jax.random.key(key))
+        return float(terms.metrics["pg_loss"][0])
+
+    assert pg_loss(1) == pg_loss(1) and pg_loss(1) != pg_loss(2) and pg_loss(1) != pg_loss(None)
+    assert pg_loss(None) == pg_loss(None)
+    plain = FlowGRPOObjective(model.clone(lora=DIT_CONFIG), presets.Flow()(), INPUTS, guidance=None, steps=5,
+                              beta=0.1, pretrained=moved)
+    assert float(plain.terms(moved, batch, step=0, reference=reference, key=jax.random.key(1)
+                             ).metrics["pg_loss"][0]) == pg_loss(None)
 
 
 def test_an_objective_s_trainable_marks_are_checked_before_anything_compiles():

@@ -49,17 +49,20 @@ class Denoiser:
         return self.model.init(key, jnp.zeros((1, *self.latent_shape), jnp.float32),
                                jnp.zeros((1,), jnp.float32), condition)
 
-    def velocity(self, params, x, t, condition, guidance: CFG | None = None, *, frozen_uncond=False):
+    def velocity(self, params, x, t, condition, guidance: CFG | None = None, *, frozen_uncond=False,
+                 dropout_key: jax.Array | None = None):
         """The velocity at `(x [N, ...], t [N])`; with `guidance`, mixed with the unconditional one.
 
         frozen_uncond: stop gradients through the unconditional branch (as the released Flow-GRPO
-        trainer does when it rescores with guidance).
+        trainer does when it rescores with guidance). dropout_key: given only by a training
+        forward, which then drops what the model drops in training (adapter dropout).
         """
+        rngs = None if dropout_key is None else {"dropout": dropout_key}
         if guidance is None or condition is None:
-            return self.process.velocity(self.model.apply(params, x, t, condition), x, t)
+            return self.process.velocity(self.model.apply(params, x, t, condition, rngs=rngs), x, t)
         rows = x.shape[0]
         both = self.model.apply(params, jnp.concatenate([x, x]), jnp.concatenate([t, t]),
-                                jnp.concatenate([jnp.zeros_like(condition), condition]))
+                                jnp.concatenate([jnp.zeros_like(condition), condition]), rngs=rngs)
         both = self.process.velocity(both, jnp.concatenate([x, x]), jnp.concatenate([t, t]))
         uncond, cond = both[:rows], both[rows:]
         if frozen_uncond:

@@ -155,8 +155,10 @@ class FlowGRPOObjective(Objective):
                                  f"{(rows, *c.shape)}, got {got}")
 
     # ----- the loss ------------------------------------------------------------------------
-    def _transitions(self, params, batch, reference):
-        """Per-transition terms `[K, N]`: surrogate, KL, kept, clipped, ratio, log-ratio per coordinate."""
+    def _transitions(self, params, batch, reference, key=None):
+        """Per-transition terms `[K, N]`: surrogate, KL, kept, clipped, ratio, log-ratio per coordinate.
+        key: the training forward's (adapter dropout), folded with each transition's index; the
+        reference's velocity never drops."""
         condition = self.inputs.encode(batch)
         advantages = jnp.broadcast_to(
             batch["advantages"].reshape(batch["advantages"].shape[0], -1), batch["timesteps"].shape)
@@ -166,13 +168,15 @@ class FlowGRPOObjective(Objective):
 
         xs = (time_major("latents"), time_major("next_latents"), time_major("timesteps"),
               time_major("next_timesteps"), time_major("old_log_probs"),
-              time_major("transition_mask"), advantages.T)
+              time_major("transition_mask"), advantages.T, jnp.arange(advantages.shape[1]))
         coordinates = self.coordinates
         kl_needed = self.beta > 0
 
         def one(_, x):  # nothing carried: each transition stands alone
-            latents, next_latents, t, t_next, old, mask, advantage = x
-            v = self.denoiser.velocity(params, latents, t, condition, self.guidance, frozen_uncond=True)
+            latents, next_latents, t, t_next, old, mask, advantage, index = x
+            dropout = None if key is None else jax.random.fold_in(key, index)
+            v = self.denoiser.velocity(params, latents, t, condition, self.guidance, frozen_uncond=True,
+                                       dropout_key=dropout)
             mean, std = self.sde.transition(latents, v, t, t_next)
             std_row = std.reshape(std.shape[0], -1)[:, 0]
             kept = mask.astype(bool) & self.sde.stochastic(t) & (std_row > 0)
@@ -198,11 +202,11 @@ class FlowGRPOObjective(Objective):
         return out
 
     def terms(self, params, batch, *, step, reference, key) -> LossTerms:
-        del step, key
+        del step
         if self.beta > 0 and reference is None:
             raise ValueError("FlowGRPOObjective(beta > 0) needs the frozen reference; the Trainer "
                              "passes it from the EMA slot (ema_decay is 1.0)")
-        surrogate, kl, kept, clipped, ratio, log_ratio = self._transitions(params, batch, reference)
+        surrogate, kl, kept, clipped, ratio, log_ratio = self._transitions(params, batch, reference, key)
         weight = kept.sum()
         policy = (kept * surrogate).sum()
         total = policy + self.beta * (kept * kl).sum() if self.beta > 0 else policy

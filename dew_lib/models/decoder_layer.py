@@ -9,8 +9,8 @@ product are recomputed in the backward pass rather than kept.
 
 A layer's methods take `dropout`, a key or None: with a key, each adapter (models/lora.py) reads
 its own dropped copy of its input; without one (evaluation, sampling) nothing is dropped. With
-`quantized`, the projections' kernels are int8 with a scale per output channel
-(models/quantize.py), dequantized here, per layer.
+`quantized`, the projections' kernels are int8 with a scale per output channel (or NF4 codes with
+an absmax per block; models/quantize.py), dequantized here, per layer.
 
 Not here: the layer stack, embeddings and output head (`decoder.CausalTransformer`), the
 attention functions (`decoder_attention`).
@@ -61,7 +61,8 @@ class Linear(nn.Module):
     so a parent can concatenate kernels that share an input. With `lora_rank`, a low-rank
     adapter beside the kernel (`lora_a` `[in, r]`, `lora_b` `[r, out]`, models/lora.py) adds
     `lora_scale * (dropout(x) A) B` to the output. With `quantized`, `kernel` is int8 and
-    `kernel_scale` `[out]` its float32 scale per output channel.
+    `kernel_scale` `[out]` its float32 scale per output channel; with `quantized="nf4"`, `kernel`
+    holds packed NF4 codes `[in/2, out]` and `kernel_absmax` `[in/block, out]` (models/quantize.py).
     """
 
     in_features: int
@@ -72,11 +73,15 @@ class Linear(nn.Module):
     lora_rank: int = 0
     lora_scale: float = 1.0
     lora_dropout: float = 0.0
-    quantized: bool = False
+    quantized: bool | str = False
 
     def setup(self):
         shape = (self.in_features, self.features)
-        if self.quantized:
+        if self.quantized == "nf4":
+            blocks = self.in_features // quantize.nf4_block(self.in_features)
+            self.kernel = self.param("kernel", quantize.init_codes, (self.in_features // 2, self.features), jnp.uint8)
+            self.kernel_scale = self.param(quantize.ABSMAX, quantize.init_absmax, (blocks, self.features), jnp.float32)
+        elif self.quantized:
             self.kernel = self.param("kernel", quantize.init_values, shape, jnp.int8)
             self.kernel_scale = self.param(quantize.SCALE, quantize.init_scale, (self.features,), jnp.float32)
         else:
@@ -133,11 +138,11 @@ def fused(x, projections, dropout=None):
 
 def _on_rows(x, kernel, dtype, scale=None):
     """`x @ kernel` computed on `[B*S, in]` rows (see `fused`), shaped back like `x`. With
-    `scale` `[out]`, `kernel` is int8 and is dequantized here (`q * scale`, in float32), one
+    `scale`, `kernel` is quantized (int8 or NF4) and is dequantized here, in float32, one
     layer's kernel at a time inside the layer scan."""
     rows = x.reshape(-1, x.shape[-1]).astype(dtype)
     if scale is not None:
-        kernel = kernel.astype(jnp.float32) * scale.astype(jnp.float32)
+        kernel = quantize.dequantized_kernel(kernel, scale)
     return jnp.dot(rows, kernel.astype(dtype)).reshape(*x.shape[:-1], kernel.shape[-1])
 
 
@@ -201,7 +206,7 @@ class Block(nn.Module):
     dtype: Any
     param_dtype: Any
     lora: Any = None  # a lora.LoRA: which projections carry adapters
-    quantized: bool = False  # int8 projection kernels (models/quantize.py)
+    quantized: bool | str = False  # int8 (True) or "nf4" projection kernels (models/quantize.py)
     sparse: Any = None  # a moe.Sparse: a mixture of experts in place of the MLP
 
     def setup(self):

@@ -11,10 +11,13 @@ With `lora=DiTLoRA(...)` the blocks' attention and MLP projections carry low-ran
 their kernels, initialised and scaled as the decoder's (models/lora.py: `A` Kaiming-uniform, `B`
 zero, so a fresh adapter changes no velocity); the Trainer then trains the adapters alone.
 `attach` adds fresh adapters to a trained DiT's variables, `merged` folds them into the kernels
-(`W + s A B`) for a plain SimpleDiT's checkpoint.
+(`W + s A B`) for a plain SimpleDiT's checkpoint. Adapter dropout (`DiTLoRA.dropout`) drops units
+of an adapted projection's input on the adapter's path only, as the decoder's adapters do, and only
+in a call given a `dropout` rng (Flow-GRPO's training forward): block i draws from that key folded
+with i, each adapter from the block's key folded with its place in `TARGETS`.
 
 Not here: cross-attention to token sequences (conditions arrive as one feature vector),
-learned position embeddings, dropout, mixed precision.
+learned position embeddings, dropout outside the adapters, mixed precision.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ class DiTLoRA(lora.LoRA):
 
     targets: among qkv, attention_out, mlp_in, mlp_out, or "all-linear" for the four; the
     adaptive norms' modulation, the time and condition embeddings, the patch embedding and the
-    output projection are never adapted. Adapter dropout is not implemented on the DiT.
+    output projection are never adapted. dropout: as `lora.LoRA`'s, on the adapters' path in
+    training only (module docstring).
     """
 
     targets: tuple[str, ...] | str = ("qkv", "attention_out")
@@ -65,8 +69,7 @@ class DiTLoRA(lora.LoRA):
     def __post_init__(self):
         # LoRA's own checks of every other field
         lora.LoRA(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "targets"})
-        if getattr(self, "dropout", 0.0):
-            raise ValueError(f"DiTLoRA.dropout must be 0: the DiT has no adapter dropout; got {self.dropout!r}")
+        object.__setattr__(self, "dropout", float(self.dropout))
         targets = TARGETS if self.targets == "all-linear" else self.targets
         if isinstance(targets, str):
             targets = (targets,)
@@ -78,18 +81,21 @@ class DiTLoRA(lora.LoRA):
 
 
 class _Adapted(nn.Dense):
-    """`nn.Dense` (the same `kernel` and `bias`) plus `lora_scale * (x A) B`, with `lora_a`
-    `[in, r]` and `lora_b` `[r, out]` beside the kernel."""
+    """`nn.Dense` (the same `kernel` and `bias`) plus `lora_scale * (dropout(x) A) B`, with
+    `lora_a` `[in, r]` and `lora_b` `[r, out]` beside the kernel; `x` drops (at `lora_dropout`)
+    only when a `dropout` key is given, and on the adapter's path only."""
 
     lora_rank: int = 1
     lora_scale: float = 1.0
+    lora_dropout: float = 0.0
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, dropout=None):
         out = super().__call__(x)
         a = self.param("lora_a", lora.A_INIT, (jnp.shape(x)[-1], self.lora_rank), self.param_dtype)
         b = self.param("lora_b", _ZERO, (self.lora_rank, self.features), self.param_dtype)
-        low = jnp.dot(jnp.dot(x.astype(out.dtype), a.astype(out.dtype)), b.astype(out.dtype))
+        seen = x if dropout is None else lora.dropped(x, dropout, self.lora_dropout)
+        low = jnp.dot(jnp.dot(seen.astype(out.dtype), a.astype(out.dtype)), b.astype(out.dtype))
         return out + self.lora_scale * low
 
 
@@ -130,24 +136,27 @@ class DiTBlock(nn.Module):
     param_dtype: Any = jnp.float32
     lora: Any = None  # a DiTLoRA: which projections carry adapters
 
-    def _dense(self, features: int, name: str):
-        """A projection, with an adapter when `lora` targets it."""
+    def _dense(self, features: int, name: str, dropout=None):
+        """A projection, with an adapter when `lora` targets it; `dropout`: the block's key of
+        adapter dropout (None: nothing drops)."""
         if self.lora is not None and name in self.lora.targets:
-            return _Adapted(features, param_dtype=self.param_dtype, lora_rank=self.lora.rank,
-                            lora_scale=self.lora.scale, name=name)
+            adapted = _Adapted(features, param_dtype=self.param_dtype, lora_rank=self.lora.rank,
+                               lora_scale=self.lora.scale, lora_dropout=self.lora.dropout, name=name)
+            key = None if dropout is None else jax.random.fold_in(dropout, TARGETS.index(name))
+            return lambda x: adapted(x, key)
         return nn.Dense(features, param_dtype=self.param_dtype, name=name)
 
-    def _attention(self, x):
+    def _attention(self, x, dropout):
         batch, length, features = x.shape
         heads = self.num_heads
-        qkv = self._dense(3 * features, "qkv")(x)
+        qkv = self._dense(3 * features, "qkv", dropout)(x)
         q, k, v = jnp.split(qkv.reshape(batch, length, 3 * heads, features // heads), 3, axis=2)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(features // heads)
         mixed = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
-        return self._dense(features, "attention_out")(mixed.reshape(batch, length, features))
+        return self._dense(features, "attention_out", dropout)(mixed.reshape(batch, length, features))
 
     @nn.compact
-    def __call__(self, h, c):
+    def __call__(self, h, c, dropout=None):
         features = h.shape[-1]
         modulation = nn.Dense(6 * features, kernel_init=_ZERO, param_dtype=self.param_dtype,
                               name="modulation")(nn.silu(c))
@@ -157,12 +166,12 @@ class DiTBlock(nn.Module):
             return nn.LayerNorm(use_scale=False, use_bias=False, epsilon=1e-6, name=name)
 
         a = _modulate(norm("norm1")(h), shift1, scale1)
-        a = self._attention(a)
+        a = self._attention(a, dropout)
         h = h + gate1[:, None] * a
         m = _modulate(norm("norm2")(h), shift2, scale2)
         hidden = max(1, int(round(features * self.mlp_ratio)))
-        m = self._dense(hidden, "mlp_in")(m)
-        m = self._dense(features, "mlp_out")(nn.gelu(m))
+        m = self._dense(hidden, "mlp_in", dropout)(m)
+        m = self._dense(features, "mlp_out", dropout)(nn.gelu(m))
         return h + gate2[:, None] * m
 
 
@@ -220,9 +229,13 @@ class SimpleDiT(nn.Module):
         if condition is not None:
             c = c + nn.Dense(e, param_dtype=self.param_dtype, name="condition")(
                 condition.astype(jnp.float32))
+        # adapter dropout only in a call given a `dropout` rng (a training forward), and only at a rate
+        dropout = (self.make_rng("dropout") if self.lora is not None and self.lora.dropout
+                   and self.has_rng("dropout") else None)
         for i in range(self.num_layers):  # rows pinned to the batch split (partitioning.constrain_rows)
+            key = None if dropout is None else jax.random.fold_in(dropout, i)
             h = partitioning.constrain_rows(
-                DiTBlock(self.num_heads, self.mlp_ratio, self.param_dtype, self.lora, name=f"blocks_{i}")(h, c))
+                DiTBlock(self.num_heads, self.mlp_ratio, self.param_dtype, self.lora, name=f"blocks_{i}")(h, c, key))
         shift, scale = jnp.split(
             nn.Dense(2 * e, kernel_init=_ZERO, param_dtype=self.param_dtype, name="final_modulation")(
                 nn.silu(c)), 2, axis=-1)

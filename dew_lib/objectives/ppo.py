@@ -16,7 +16,9 @@ j - 1, the state the id was drawn from.
 With LoRA (models/lora.py) the policy trains its adapters alone and its frozen reference is its
 base with the adapters off (no copy kept). The critic trains whole, or, when its backbone carries
 adapters of its own (`ValueHead` on an adapted decoder), those adapters and its value head
-(`trainable`).
+(`trainable`). Such a critic can read the policy's frozen base rather than a copy of it
+(`critic_from_policy(..., share_base=True)`): its subtree then holds its adapters and value head
+alone, and `critic_params` puts them over the policy's base for each forward.
 
 Batch columns beyond GRPO's, aligned with `input_ids`: `old_values` (the critic when the rows
 were prepared), `advantages` (GAE, whitened) and `returns` (advantages plus old values).
@@ -66,15 +68,30 @@ class ValueHead(nn.Module):
         return head(features.astype(jnp.float32))[..., 0]
 
 
-def critic_from_policy(critic: ValueHead, policy_variables: Any, seq_len: int, key: jax.Array | None = None):
+def critic_from_policy(critic: ValueHead, policy_variables: Any, seq_len: int, key: jax.Array | None = None, *,
+                       share_base: bool = False):
     """Variables for `critic` (a ValueHead on the policy's own model) whose backbone starts as a
     copy of `policy_variables` and whose value head starts at zero: the usual way to start a
-    critic from the policy PPO begins with."""
+    critic from the policy PPO begins with.
+
+    share_base: for an adapted policy, keep only a copy of the adapters in the backbone; the
+    PPOObjective then reads the policy's frozen base under them (`critic_params`), so the
+    train state holds one base, not two. `policy_variables` must be on the policy's own base."""
+    if share_base and not lora.has_adapters(policy_variables):
+        raise ValueError("critic_from_policy(share_base=True) shares the policy's frozen base, and these policy "
+                         "variables have no adapters, so every weight of the policy trains: attach adapters "
+                         "(lora.attach) or keep a copy (share_base=False)")
     key = jax.random.key(0) if key is None else key
     ids = jnp.zeros((1, seq_len), jnp.int32)
     fresh = critic.init(key, ids, jnp.ones_like(ids), jnp.arange(seq_len)[None])
-    return {**fresh, "params": {**fresh["params"],
-                                "backbone": jax.tree.map(jnp.array, policy_variables["params"])}}
+    backbone = lora.split(policy_variables["params"])[0] if share_base else policy_variables["params"]
+    return {**fresh, "params": {**fresh["params"], "backbone": jax.tree.map(jnp.array, backbone)}}
+
+
+def shares_base(critic_variables: Any) -> bool:
+    """Whether a critic's variables hold only its adapters in its backbone (`share_base`)."""
+    backbone = critic_variables.get("params", {}).get("backbone") if isinstance(critic_variables, Mapping) else None
+    return isinstance(backbone, Mapping) and lora.has_adapters(backbone) and not lora.split(backbone)[1]
 
 
 class PolicyOf:
@@ -126,6 +143,10 @@ class PPOObjective(Objective):
         self.value_coefficient = number("PPOObjective.value_coefficient", value_coefficient, at_least=0)
         self.value_clip = number("PPOObjective.value_clip", value_clip, above=0)
         self.critic_variables = critic_variables
+        self.shares_base = critic_variables is not None and shares_base(critic_variables)
+        if self.shares_base and not isinstance(critic, ValueHead):
+            raise ValueError("PPOObjective.critic_variables share the policy's base (adapters alone in "
+                             "'backbone'), which only a ValueHead on the policy's model reads")
         self.beta = self.actor.beta
         self.ema_decay = self.actor.ema_decay
 
@@ -147,9 +168,21 @@ class PPOObjective(Objective):
         """What the frozen reference keeps: the policy subtree."""
         return params["policy"]
 
+    def critic_params(self, params):
+        """The critic's variables in the PPO variables `params`: their `critic` subtree, or, when
+        the critic shares the policy's base, its adapters and head over the policy's frozen base
+        (the policy's adapters swapped out; nothing is copied)."""
+        critic = params["critic"]
+        if not self.shares_base:
+            return critic
+        base = lora.split(params["policy"]["params"])[1]
+        backbone = lora.merge(critic["params"]["backbone"], base)
+        return {**critic, "params": {**critic["params"], "backbone": backbone}}
+
     def trainable(self, params):
         """The policy's adapters (or all of it without any); the critic whole, or, when its
-        backbone has adapters, those and every leaf outside the backbone (the value head)."""
+        backbone has adapters, those and every leaf outside the backbone (the value head): with a
+        shared base, every leaf of its subtree."""
         critic = params["critic"]
         if not lora.has_adapters(critic):
             return {"policy": adapters_or_all(params["policy"]), "critic": jax.tree.map(lambda _: True, critic)}
@@ -200,7 +233,7 @@ class PPOObjective(Objective):
         actor = self.actor.terms(params["policy"], batch, step=step, reference=reference, key=key)
         mask = batch["response_mask"][:, 1:].astype(jnp.float32)
         critic_key = None if key is None else jax.random.fold_in(key, 1)  # its own dropout masks
-        predictions = self.values(params["critic"], batch, critic_key)
+        predictions = self.values(self.critic_params(params), batch, critic_key)
         old_values = batch["old_values"][:, 1:].astype(jnp.float32)
         returns = batch["returns"][:, 1:].astype(jnp.float32)
         losses, clipped = algorithms.clipped_value_loss(predictions, returns, old_values, self.value_clip)
@@ -247,4 +280,4 @@ def split_optimizer(policy: optax.GradientTransformation,
                                  lambda params: {name: name for name in params})
 
 
-__all__ = ["PPOObjective", "PolicyOf", "ValueHead", "critic_from_policy", "split_optimizer"]
+__all__ = ["PPOObjective", "PolicyOf", "ValueHead", "critic_from_policy", "shares_base", "split_optimizer"]

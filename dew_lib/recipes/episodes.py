@@ -27,6 +27,7 @@ import numpy as np
 
 from dew_lib.data import Prompts
 from dew_lib.inference import TextGeneration
+from dew_lib.models import lora
 from dew_lib.objectives import PPOObjective, ValueHead
 from dew_lib.objectives.ppo import critic_from_policy
 from dew_lib.recipes.build import Built, adapted
@@ -120,9 +121,10 @@ def _episode_ppo(model, variables, data: Prompts, options: GRPOOptions, episodes
                  ppo: PPOOptions, *, environment, verifier, eos_id, decode, writer) -> Built:
     options.check_ppo()
     width = episodes.max_prompt_len + options.max_new_tokens
-    critic = ValueHead(model)
+    critic = ValueHead(model)  # with adapters, the critic's own over the policy's frozen base (no copy)
+    critic_variables = critic_from_policy(critic, variables, width - 1, share_base=lora.has_adapters(variables))
     objective = PPOObjective(model, width - 1, critic=critic, beta=options.beta, pretrained=variables,
-                             critic_variables=critic_from_policy(critic, variables, width - 1),
+                             critic_variables=critic_variables,
                              value_coefficient=ppo.value_coefficient, value_clip=ppo.value_clip,
                              epsilon_low=options.epsilon_low, epsilon_high=options.epsilon_high,
                              dual_clip=options.dual_clip, kl_estimator=options.kl_estimator,

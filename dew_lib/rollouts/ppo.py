@@ -111,7 +111,7 @@ class PPORollout:
         job every process calls it with its own rows, and the advantages are whitened over the
         job's whole batch, as one process would whiten them."""
         fields = {k: packed[k] for k in ("input_ids", "text_segment_ids", "text_positions")}
-        critic = local_copy(params["critic"])  # this process's rows, on this process's copy
+        critic = local_copy(self.objective.critic_params(params))  # this process's rows, on its copy
         values = np.asarray(jax.device_get(self._values(critic, fields)), np.float32)
         mask = np.asarray(packed["response_mask"]) > 0
         rows, columns = np.nonzero(mask)
