@@ -27,6 +27,15 @@ family) held like DPO's reference: `reference_params` returns its variables, so 
 them in `TrainState.ema` with decay 1 (sharded with the state, saved in checkpoints) and hands them
 to `terms` as `reference`; `ema_decay` is 1.0 and they are never updated.
 
+Or the teacher is remote (`teacher=RemoteTeacher(...)`, dew_lib/inference/remote_teacher.py, with
+no `teacher_model`): an engine that reports only its log-prob of each given id. Then DistillRollout
+asks it for the rows it packs and puts them in the batch as `teacher_log_probs` `[R, W]` (aligned
+to `input_ids`), which the loss reads where the local teacher's `score_targets` would be: the same
+"reverse_kl" loss and metrics. `ema_decay` is None (nothing to hold in the state). The engine's
+log-probs are its raw model's, so only `temperature=1` is served, and "jsd" (every beta: even
+beta = 1 is the exact reverse KL over the whole vocabulary) needs the teacher's whole distribution
+and is refused.
+
 Metrics (each `(sum, count)`): loss; kl, the mean per-token reverse KL on the sampled ids
 (log p_student - log p_teacher at `temperature`); tokens; completions/mean_length;
 on_policy (share of rows the student sampled, when the batch says); entropy of the student (jsd
@@ -34,8 +43,8 @@ only, where the whole distribution is at hand). Validation (`evaluate`, on packe
 held-out set's completions): the exact per-position reverse KL over the vocabulary, the sampled-
 token kl and the loss, scored against the teacher variables the objective was built with.
 
-Not here: sampling and the on-policy/dataset mix (rollouts/distill.py), a remote engine as the
-teacher (prompt log-probs over HTTP), chunked JSD over a large vocabulary (the jsd loss holds the
+Not here: sampling and the on-policy/dataset mix (rollouts/distill.py), the HTTP requests to a
+remote teacher (inference/remote_teacher.py), chunked JSD over a large vocabulary (the jsd loss holds the
 `[R, W - 1, V]` logits of both models), a mixture-of-experts student's router terms, the
 pipeline stage.
 """
@@ -58,7 +67,8 @@ from dew_lib.objectives.policy import check_pretrained, check_seq_len, initial_v
 from dew_lib.options import choice
 
 FIELDS = ("input_ids", "text_segment_ids", "text_positions", "response_mask")
-ALIGNED = FIELDS + ("session_index", "session_weights", "on_policy")
+ALIGNED = FIELDS + ("session_index", "session_weights", "on_policy", "teacher_log_probs")
+REMOTE = "teacher_log_probs"  # [R, W]: a remote teacher's log-prob of each id, aligned to input_ids
 
 
 # ----- the divergences, on plain logits ---------------------------------------------------------
@@ -121,7 +131,8 @@ class Scored(NamedTuple):
     entropy: jax.Array | None
 
 
-def _jsd_terms(objective: DistillObjective, params, teacher, rows, key) -> Scored:
+def _jsd_terms(objective: DistillObjective, params, teacher, rows, key, teacher_scores=None) -> Scored:
+    del teacher_scores  # a remote teacher is refused for jsd
     inputs, targets, segments, positions = rows
     student = objective.model.apply(params, inputs, segments, positions,
                                     rngs=dropout_rngs(key)).astype(jnp.float32)  # [R, T, V]
@@ -135,12 +146,13 @@ def _jsd_terms(objective: DistillObjective, params, teacher, rows, key) -> Score
     return Scored(jsd, jax.lax.stop_gradient(picked_s - picked_t), jax.lax.stop_gradient(entropy))
 
 
-def _reverse_kl_terms(objective: DistillObjective, params, teacher, rows, key) -> Scored:
+def _reverse_kl_terms(objective: DistillObjective, params, teacher, rows, key, teacher_scores=None) -> Scored:
     inputs, targets, segments, positions = rows
     student, _ = score_targets(objective.model, params, inputs, targets, segments, positions,
                                temperature=objective.temperature, dropout_key=key)
-    teacher_scores, _ = score_targets(objective.teacher_model, teacher, inputs, targets, segments,
-                                      positions, temperature=objective.temperature)
+    if teacher_scores is None:  # a local teacher; a remote one's come in the batch
+        teacher_scores, _ = score_targets(objective.teacher_model, teacher, inputs, targets, segments,
+                                          positions, temperature=objective.temperature)
     loss, kl = opd_surrogate(student, teacher_scores, None)
     return Scored(loss, jax.lax.stop_gradient(kl), None)
 
@@ -148,29 +160,70 @@ def _reverse_kl_terms(objective: DistillObjective, params, teacher, rows, key) -
 LOSSES: dict[str, Callable[..., Scored]] = {"jsd": _jsd_terms, "reverse_kl": _reverse_kl_terms}
 
 
+def _check_remote(teacher_model, loss: str, beta: float, temperature: float) -> None:
+    """Refuse what a teacher that reports only its raw log-prob of each given id cannot serve."""
+    if teacher_model is not None:
+        raise ValueError("DistillObjective got a RemoteTeacher as teacher and a teacher_model too; a remote "
+                         "teacher runs on its engine: leave teacher_model out")
+    if loss != "reverse_kl":
+        raise ValueError(
+            f"DistillObjective(loss={loss!r}, beta={beta}) compares the teacher's whole next-token "
+            "distribution with the student's (beta=1 too: the exact reverse KL over the vocabulary), and a "
+            "RemoteTeacher reports only its log-prob of each sampled id; use loss='reverse_kl' (the "
+            "sampled-token reverse KL, prime-rl's OPD), or a local teacher (teacher_model and its "
+            "variables) for jsd")
+    if temperature != 1.0:
+        raise ValueError(f"DistillObjective.temperature={temperature}: a RemoteTeacher's engine reports its raw "
+                         "model's log-probs (temperature 1); use temperature=1.0, or a local teacher")
+
+
 class DistillObjective(Objective):
     """On-policy distillation of `model` (the student) from a frozen teacher.
 
     seq_len: the packed row width minus one. teacher_model, teacher: the teacher decoder and its
-    full Flax variables (outer 'params' included); it must share the student's vocabulary.
+    full Flax variables (outer 'params' included); it must share the student's vocabulary. Or
+    teacher: a `RemoteTeacher` and no teacher_model (loss "reverse_kl", temperature 1).
     loss: "jsd" (TRL's GKD generalized JSD) or "reverse_kl" (prime-rl's OPD). beta: the JSD's
     interpolation in [0, 1] (0 forward KL, 1 reverse KL; read by "jsd" only). temperature: both
     distributions are softmax(logits / temperature). pretrained: the student's starting
     variables (None: a fresh init).
     """
 
-    def __init__(self, model, seq_len: int, *, teacher_model, teacher, loss: str = "jsd",
+    def __init__(self, model, seq_len: int, *, teacher_model=None, teacher, loss: str = "jsd",
                  beta: float = 0.5, temperature: float = 1.0, pretrained: Any = None):
         check_seq_len("DistillObjective", model, seq_len)
-        check_seq_len("DistillObjective (the teacher)", teacher_model, seq_len)
         check_pretrained("DistillObjective", pretrained)
-        check_pretrained("DistillObjective.teacher", teacher)
         choice("DistillObjective.loss", loss, tuple(LOSSES))
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"DistillObjective.beta must lie in [0, 1] (0: forward KL, 1: reverse KL, "
                              f"between: the generalized JSD), got {beta}")
         if not temperature > 0:
             raise ValueError(f"DistillObjective.temperature must be positive, got {temperature}")
+        from dew_lib.inference.remote_teacher import RemoteTeacher  # here: inference imports objectives
+
+        self.remote = isinstance(teacher, RemoteTeacher)
+        if self.remote:
+            _check_remote(teacher_model, loss, beta, temperature)
+        else:
+            self._check_local(model, seq_len, teacher_model, teacher)
+        self.model = model
+        self.seq_len = seq_len
+        self.teacher_model = teacher_model
+        self.teacher = teacher
+        self.loss = loss
+        self.beta = float(beta)
+        self.temperature = float(temperature)
+        self.pretrained = pretrained
+        # TrainState.ema holds a local teacher, frozen; a remote one is nothing to hold
+        self.ema_decay = None if self.remote else 1.0
+
+    @staticmethod
+    def _check_local(model, seq_len, teacher_model, teacher) -> None:
+        if teacher_model is None:
+            raise ValueError("DistillObjective.teacher_model is None: pass the teacher's decoder with its "
+                             "variables as teacher, or a RemoteTeacher as teacher")
+        check_seq_len("DistillObjective (the teacher)", teacher_model, seq_len)
+        check_pretrained("DistillObjective.teacher", teacher)
         student_vocab = getattr(model, "vocab_size", None)
         teacher_vocab = getattr(teacher_model, "vocab_size", None)
         if student_vocab != teacher_vocab:
@@ -184,15 +237,6 @@ class DistillObjective(Objective):
         if lora.has_adapters(teacher):
             raise ValueError("DistillObjective.teacher holds LoRA adapters; fold them into the base "
                              "first (dew_lib.models.lora.merged) so the teacher is one plain decoder")
-        self.model = model
-        self.seq_len = seq_len
-        self.teacher_model = teacher_model
-        self.teacher = teacher
-        self.loss = loss
-        self.beta = float(beta)
-        self.temperature = float(temperature)
-        self.pretrained = pretrained
-        self.ema_decay = 1.0  # TrainState.ema holds the teacher, frozen
 
     @property
     def width(self) -> int:
@@ -228,6 +272,10 @@ class DistillObjective(Objective):
             if name in batch and np.shape(batch[name]) != expected:
                 raise ValueError(f"batch field {name!r} has shape {np.shape(batch[name])}, expected "
                                  f"{expected}: packed columns are aligned with input_ids {shape}")
+        if self.remote and REMOTE not in batch:
+            raise KeyError(f"DistillObjective with a remote teacher reads the teacher's log-probs from the batch "
+                           f"field {REMOTE!r}, which DistillRollout adds (RemoteTeacher.annotate adds it to "
+                           f"other packed rows); the batch has {describe(batch)}")
         check_token_ids("input_ids", batch["input_ids"], self.model)
 
     # ----- the loss ----------------------------------------------------------------------------
@@ -242,17 +290,23 @@ class DistillObjective(Objective):
         inputs, targets, segments, positions = self._rows(batch)
         student, _ = score_targets(self.model, params, inputs, targets, segments, positions,
                                    temperature=self.temperature)
-        scores, _ = score_targets(self.teacher_model, teacher, inputs, targets, segments, positions,
-                                  temperature=self.temperature)
+        scores = self._teacher_scores(batch)
+        if scores is None:
+            scores, _ = score_targets(self.teacher_model, teacher, inputs, targets, segments, positions,
+                                      temperature=self.temperature)
         return (student - scores) * batch["response_mask"][:, 1:]
+
+    def _teacher_scores(self, batch):
+        """A remote teacher's log-prob of each target `[R, W - 1]`, from the batch; None for a local one."""
+        return batch[REMOTE][:, 1:].astype(jnp.float32) if self.remote else None
 
     def terms(self, params, batch, *, step, reference, key) -> LossTerms:
         del step
-        if reference is None:
+        if reference is None and not self.remote:
             raise ValueError("DistillObjective needs the teacher in TrainState.ema (its ema_decay is 1.0)")
-        teacher = jax.lax.stop_gradient(reference)
+        teacher = None if self.remote else jax.lax.stop_gradient(reference)
         mask = batch["response_mask"][:, 1:].astype(jnp.float32)  # [R, T]
-        scored = LOSSES[self.loss](self, params, teacher, self._rows(batch), key)
+        scored = LOSSES[self.loss](self, params, teacher, self._rows(batch), key, self._teacher_scores(batch))
         total, count = algorithms.token_mean(scored.loss, mask, None)
         metrics: Metrics = {
             "loss": (total, count),
@@ -271,9 +325,15 @@ class DistillObjective(Objective):
     # ----- validation --------------------------------------------------------------------------
     def evaluate(self, params, batch) -> Metrics:
         """The exact reverse KL(student || teacher) per counted position (over the vocabulary),
-        the sampled-token kl and the loss, against the teacher this objective was built with."""
+        the sampled-token kl and the loss, against the teacher this objective was built with. A
+        remote teacher gives no whole distribution: kl and loss only, from the batch's
+        `teacher_log_probs` (`RemoteTeacher.annotate`)."""
         inputs, targets, segments, positions = self._rows(batch)
         mask = batch["response_mask"][:, 1:].astype(jnp.float32)
+        if self.remote:
+            scored = _reverse_kl_terms(self, params, None, (inputs, targets, segments, positions), None,
+                                       self._teacher_scores(batch))
+            return {"kl": ((scored.kl * mask).sum(), mask.sum()), "loss": ((scored.loss * mask).sum(), mask.sum())}
         student = self.model.apply(params, inputs, segments, positions).astype(jnp.float32)
         teacher = self.teacher_model.apply(self.teacher, inputs, segments, positions).astype(jnp.float32)
         exact = generalized_jsd(student, teacher, 1.0, self.temperature)  # [R, T]

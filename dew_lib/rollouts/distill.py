@@ -20,6 +20,18 @@ hold what SampledRollout's hold, so `RecordedRollout(rollout, sampled_sessions(r
 (dew_lib/recipes/recorded.py) records the sessions in the run store as GRPO's are; after a dataset
 step they are empty (nothing was drawn) and `last_on_policy` is False.
 
+With a remote teacher (`DistillObjective(teacher=RemoteTeacher(...))`) each batch also carries
+`teacher_log_probs [R, W]`, the engine's log-prob of each packed id (`RemoteTeacher.sampled_log_probs`,
+one request per `rows_per_request` rows), which the objective and the rewards read in place of a
+local teacher's forward pass.
+
+The teacher's context is checked when the rollout is built, not inside the objective: rows are
+P + R ids (P = the objective's width less max_new_tokens), a local teacher reads P + R - 1 of them
+(refused at once by the objective's own seq_len check against its max_seq_len), and a remote
+scoring request holds P + R ids plus the one the engine samples, so an engine whose max_model_len
+(`RemoteTeacher.context()`: given, or read from /v1/models) is under P + R + 1 is refused here,
+naming both. An engine that does not say its context is not checked.
+
 Not here: a remote engine or rollout server drawing the samples, multi-process drawing (refused:
 SampledRollout gathers prompts across processes, this one does not yet), several samples per
 prompt, TRL's `seq_kd` (teacher-generated completions).
@@ -68,6 +80,7 @@ class DistillRollout:
                 f"DistillRollout(lmbda={lmbda}) trains some steps on dataset completions, but "
                 "DistillObjective(loss='reverse_kl') is a policy gradient on the student's own samples "
                 "and is biased on tokens it did not draw; use lmbda=1.0, or loss='jsd' for the mix")
+        check_teacher_context(objective, max_new_tokens)
         self.objective = objective
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
@@ -115,6 +128,8 @@ class DistillRollout:
         packed = pack(sessions, self.objective.width, rows=rows, estimator="mean", truncation="score")
         out = {name: packed[name] for name in COLUMNS}
         out["on_policy"] = np.full(rows, sampled, np.int32)
+        if getattr(self.objective, "remote", False):  # the engine scores what was packed
+            out["teacher_log_probs"] = self.objective.teacher.sampled_log_probs(out)
         rewards = self._rewards(state, out, rows)
         sessions = [dataclasses.replace(s, reward=r) for s, r in zip(sessions, rewards, strict=True)]
         seconds = time.perf_counter() - started
@@ -144,7 +159,10 @@ class DistillRollout:
 
     def _rewards(self, state, rows: dict[str, np.ndarray], count: int) -> list[float]:
         """Each session's negative mean per-token reverse KL (one row per session here)."""
-        teacher = state.ema if getattr(state, "ema", None) is not None else self.objective.teacher
+        if getattr(self.objective, "remote", False):
+            teacher = None  # its log-probs are in rows
+        else:
+            teacher = state.ema if getattr(state, "ema", None) is not None else self.objective.teacher
         kl = np.asarray(jax.device_get(_sampled_kl(self.objective, state.params, teacher, rows)), np.float64)
         mask = rows["response_mask"][:, 1:]
         sessions = rows["session_index"][:, 1:]
@@ -153,6 +171,23 @@ class DistillRollout:
         np.add.at(totals, sessions[mask > 0], kl[mask > 0])
         np.add.at(tokens, sessions[mask > 0], 1.0)
         return [float(-t / max(n, 1.0)) for t, n in zip(totals, tokens, strict=True)]
+
+
+def check_teacher_context(objective, max_new_tokens: int) -> None:
+    """Refuse a remote teacher whose engine cannot hold a scoring request of the rows this
+    rollout packs: the prompt width plus max_new_tokens, plus the one id the engine samples."""
+    if not getattr(objective, "remote", False):
+        return  # a local teacher's max_seq_len was checked against seq_len by the objective
+    prompt_width = objective.width - max_new_tokens
+    needed = objective.width + 1
+    context = objective.teacher.context()
+    if context is not None and context < needed:
+        raise ValueError(
+            f"the remote teacher ({objective.teacher.engine}) has max_model_len={context}, but each row it "
+            f"scores is the prompt width {prompt_width} plus DistillRollout.max_new_tokens={max_new_tokens} "
+            f"= {objective.width} ids, and the request samples one more: it needs max_model_len >= {needed}. "
+            f"Serve the teacher with a longer context (vLLM --max-model-len, dew serve --capacity) or "
+            f"shorten max_new_tokens or the prompts")
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -164,4 +199,4 @@ def _version(state) -> int:
     return int(np.asarray(jax.device_get(state.updates)))
 
 
-__all__ = ["DistillRollout"]
+__all__ = ["DistillRollout", "check_teacher_context"]

@@ -45,7 +45,7 @@ from pydantic import BaseModel
 
 from dew_lib.records.draw import Draw
 from dew_lib.sampling import Sampling
-from dew_lib.serve import render, stream
+from dew_lib.serve import prompt_logprobs, render, stream
 from dew_lib.serve.adapters import ServedModels
 from dew_lib.serve.dev import dev_routes
 from dew_lib.serve.guard import ServeOptions, install
@@ -389,6 +389,7 @@ def _openai_routes(models: ServedModels, options: ServeOptions) -> APIRouter:
     async def completions(request: CompletionRequest, raw: Request) -> Response:
         policy = models.pick(request.model)
         _check_request(request, policy)
+        prompt_k = prompt_logprobs.requested(request)
         if request.logprobs not in (None, 0):
             raise ServeError(f"logprobs={request.logprobs}: dew serve reports the sampled token's "
                              "log-probability only; send logprobs=0", param="logprobs")
@@ -407,6 +408,10 @@ def _openai_routes(models: ServedModels, options: ServeOptions) -> APIRouter:
         if draws is None:
             return _gone()
         choices = await policy.text(_completion_choices, policy, request, prompts, draws)
+        if prompt_k is not None:  # one forward pass over every prompt, with the weights that drew
+            for choice, scored in zip(choices, await prompt_logprobs.prompt_logprobs(policy, prompts, prompt_k),
+                                      strict=True):
+                choice.prompt_logprobs = scored
         usage = _usage(sum(map(len, prompts)), sum(map(len, draws)))
         return _json(CompletionResponse(model=policy.name, choices=choices, usage=usage))
 
@@ -414,6 +419,7 @@ def _openai_routes(models: ServedModels, options: ServeOptions) -> APIRouter:
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
         policy = models.pick(request.model)
         _check_request(request, policy)
+        prompt_k = prompt_logprobs.requested(request)
         template = request_template(request, options.trust_request_chat_template)
         _check_chat(request, policy, templated=template is not None)
         sent = (("max_completion_tokens", request.max_completion_tokens), ("max_tokens", request.max_tokens))
@@ -435,6 +441,8 @@ def _openai_routes(models: ServedModels, options: ServeOptions) -> APIRouter:
         choice = await policy.text(_chat_choice, policy, request, draws[0])
         response = ChatCompletionResponse(model=policy.name, choices=[choice], usage=_usage(len(prompt), len(draws[0])),
                                           prompt_token_ids=prompt if request.return_token_ids else None)
+        if prompt_k is not None:
+            (response.prompt_logprobs,) = await prompt_logprobs.prompt_logprobs(policy, [prompt], prompt_k)
         return _json(response)
 
     return router

@@ -145,7 +145,7 @@ NEUTRAL: dict[str, tuple] = {
     "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0), "length_penalty": (None, 1.0),
     "logit_bias": (None, {}), "ignore_eos": (None, False), "min_tokens": (None, 0),
     "use_beam_search": (None, False), "bad_words": (None, []), "allowed_token_ids": (None,),
-    "prompt_logprobs": (None,), "logprob_token_ids": (None,),
+    "logprob_token_ids": (None,),
     "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
     "truncate_prompt_tokens": (None,),
     "spaces_between_special_tokens": (None, True), "priority": (None, 0), "echo": (None, False),
@@ -188,6 +188,17 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One entry of a prompt position's dict in `prompt_logprobs`: vLLM's `Logprob`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # null for the first id, then one dict per id
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -195,7 +206,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None  # base64 .npy [prompt + sampled - 1, layers, top_k], when served
 
@@ -253,7 +264,7 @@ class ChatCompletionResponse(BaseModel):
     service_tier: None = None
     system_fingerprint: None = None
     usage: UsageInfo
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
 
 
