@@ -265,6 +265,7 @@ def gsm8k_params(tmp_path) -> PipelineParams:
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # its 151,669-id head runs twice as long compiled plainly (tests/conftest.py)
 def test_gsm8k_as_published_runs_through_every_stage(harness, tmp_path):
     from prefect import flow
 
