@@ -261,7 +261,7 @@ def _generate(model, variables, prompt, prompt_length, key, *, max_new_tokens, s
     tokens, raw, behavior, done, lengths = state[2]
     routes = state[3]
     if routes is not None:
-        routes = routes.reshape(batch, width + max_new_tokens, model.num_layers, -1)
+        routes = routes.reshape(batch, width + max_new_tokens, len(model.moe_layers), -1)
     return Generation(tokens, raw, behavior, lengths, done, routes)
 
 

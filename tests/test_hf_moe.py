@@ -1,4 +1,5 @@
-"""Mixture-of-experts Hugging Face checkpoints in and out: Qwen3-MoE, Qwen2-MoE and Mixtral.
+"""Mixture-of-experts Hugging Face checkpoints in and out: Qwen3-MoE, Qwen2-MoE and Mixtral, and
+a Qwen2-MoE with dense layers among its sparse ones (`qwen2_moe_mixed`).
 
 Parity with transformers (logits and the load-balancing loss it reports), the Hub's per-expert
 tensor names on save, transformers 5's fused layout on load, round trips, refusals. The fixtures
@@ -20,6 +21,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from dew_lib import models
+from dew_lib.models.decoder import split_layers
 from dew_lib.models.pretrained import (
     CheckpointError,
     Pretrained,
@@ -29,6 +31,9 @@ from dew_lib.models.pretrained import (
 from dew_lib.models.pretrained import files as files_module
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+# decoder_sparse_step=2 and mlp_only_layers=[3] over 6 layers: 1 and 5 sparse, the rest dense
+MIXED = "qwen2_moe_mixed"
+PARITY = (*FAMILIES, MIXED)
 TOLERANCE = 1e-5  # float32 logits and aux losses (issue 44), what tools/parity_hf.py checks
 # The largest logit difference measured here is 8e-6 (Qwen3-MoE, plain): another CPU can order
 # XLA's float32 sums otherwise, so the tests give the logits twice the tool's bound.
@@ -86,13 +91,13 @@ def hub_names(name, layers, experts, shared=False):
 
 @pytest.fixture(scope="module")
 def loaded():
-    return {name: load_pretrained(FIXTURES / name) for name in FAMILIES}
+    return {name: load_pretrained(FIXTURES / name) for name in PARITY}
 
 
 # -- parity with transformers -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", PARITY)
 def test_logits_match_transformers(name, loaded):
     pretrained, variables = loaded[name]
     ref = reference(name)
@@ -105,11 +110,12 @@ def test_logits_match_transformers(name, loaded):
     assert np.abs(ref["logits_plain"]).max() > 1.0  # the check is not vacuous
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", PARITY)
 def test_aux_loss_and_experts_match_transformers(name, loaded):
     """transformers' `aux_loss` (output_router_logits=True; over the tokens attention_mask keeps
     on the padded batch) is the routing's aux loss, unscaled; its coefficient is the config's.
-    Every real token uses the experts transformers' router picked, in the same order."""
+    Every real token uses the experts transformers' router picked, in the same order. The
+    routes' layer axis holds the sparse layers only, as transformers' router logits do."""
     pretrained, variables = loaded[name]
     model, ref = pretrained.model, reference(name)
     for case in CASES:
@@ -119,6 +125,7 @@ def test_aux_loss_and_experts_match_transformers(name, loaded):
         np.testing.assert_allclose(float(routing.aux_loss), ref[f"aux_loss_{case}"], rtol=0,
                                    atol=TOLERANCE, err_msg=case)
         theirs = np.moveaxis(ref[f"experts_{case}"], 0, 2)  # [L, B, S, k] -> [B, S, L, k]
+        assert routing.experts.shape == theirs.shape, case
         real = np.ones(ids.shape, bool) if segments is None else np.asarray(segments) > 0
         np.testing.assert_array_equal(np.asarray(routing.experts)[real], theirs[real],
                                       err_msg=case)
@@ -307,8 +314,11 @@ def test_from_model_writes_a_loadable_checkpoint(architecture, extra, tmp_path):
 
 
 @pytest.mark.parametrize("name, changes, message", [
-    ("qwen3_moe", dict(decoder_sparse_step=2), "decoder_sparse_step"),
-    ("qwen2_moe", dict(mlp_only_layers=[1]), "mlp_only_layers"),
+    ("mixtral", dict(decoder_sparse_step=2), "decoder_sparse_step"),
+    ("qwen2_moe", dict(mlp_only_layers=[0, 1]), "leave no sparse layer"),
+    ("qwen3_moe", dict(decoder_sparse_step=3), "leave no sparse layer"),
+    ("qwen3_moe", dict(mlp_only_layers=[2]), "mlp_only_layers"),
+    ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step"),
     ("qwen3_moe", dict(use_sliding_window=True, sliding_window=4), "use_sliding_window"),
     ("qwen2_moe", dict(use_sliding_window=True, sliding_window=4), "use_sliding_window"),
     ("mixtral", dict(sliding_window=4096), "sliding_window"),
@@ -325,6 +335,16 @@ def test_unsupported_configs_are_refused(name, changes, message, tmp_path):
     directory = copy_fixture(name, tmp_path)
     edit_config(directory, **changes)
     with pytest.raises(UnsupportedCheckpoint, match=message):
+        load_pretrained(directory)
+
+
+def test_a_layer_made_dense_needs_its_dense_mlp(tmp_path):
+    """decoder_sparse_step=2 makes layer 0 of the 2-layer Qwen3-MoE dense: its checkpoint holds
+    experts there, and loading names the dense MLP tensor it lacks."""
+    directory = copy_fixture("qwen3_moe", tmp_path)
+    edit_config(directory, decoder_sparse_step=2)
+    assert Pretrained.from_directory(directory).model.dense_layers == (0,)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight"):
         load_pretrained(directory)
 
 
@@ -348,3 +368,88 @@ def test_wrong_expert_shapes_and_missing_experts_are_named(tmp_path):
     edit_config(directory, moe_intermediate_size=32, num_local_experts=9)
     with pytest.raises(CheckpointError, match=r"missing .*model\.layers\.0\.mlp\.experts\.8\."):
         load_pretrained(directory)
+
+
+# -- dense and sparse layers mixed --------------------------------------------------------------
+
+
+def test_mixed_layers_are_placed_by_kind(loaded):
+    """Attention and norms stack over all 6 layers; the experts over the sparse layers 1 and 5;
+    the dense MLP over layers 0, 2, 3 and 4, each in order."""
+    pretrained, variables = loaded[MIXED]
+    model = pretrained.model
+    assert model.dense_layers == (0, 2, 3, 4) and model.moe_layers == (1, 5)
+    layers = variables["params"]["layers"]
+    assert layers["q_proj"]["kernel"].shape == (6, 64, 64)
+    assert layers["router"]["kernel"].shape == (2, 64, 8)
+    assert layers["experts"]["gate_proj"].shape == (2, 8, 64, 32)
+    assert layers["shared_expert"]["up_proj"]["kernel"].shape == (2, 64, 48)
+    assert layers["gate_proj"]["kernel"].shape == (4, 64, 96)
+    stored = stored_tensors(FIXTURES / MIXED)
+    assert "model.layers.3.mlp.gate_proj.weight" in stored
+    assert not any(n.startswith("model.layers.3.mlp.experts") for n in stored)
+    np.testing.assert_array_equal(layers["experts"]["down_proj"][1, 7],
+                                  stored["model.layers.5.mlp.experts.7.down_proj.weight"].T)
+    np.testing.assert_array_equal(layers["router"]["kernel"][0], stored["model.layers.1.mlp.gate.weight"].T)
+    np.testing.assert_array_equal(layers["gate_proj"]["kernel"][3], stored["model.layers.4.mlp.gate_proj.weight"].T)
+    np.testing.assert_array_equal(layers["down_proj"]["kernel"][1], stored["model.layers.2.mlp.down_proj.weight"].T)
+    np.testing.assert_array_equal(layers["q_proj"]["kernel"][4], stored["model.layers.4.self_attn.q_proj.weight"].T)
+    entry = manifest(MIXED)
+    assert entry["min_topk_router_logit_margin"] > 1e-3 and entry["tolerance"] == TOLERANCE
+
+
+def test_mixed_save_round_trip(loaded, tmp_path):
+    """Dew writes the sparse layers' experts and the dense layers' MLP under transformers' names
+    with the checkpoint's own config, and reads it back exactly; a model built in Dew gets its
+    dense layers listed in mlp_only_layers (decoder_sparse_step 1), which reads as the same model."""
+    pretrained, variables = loaded[MIXED]
+    out = pretrained.save(variables, tmp_path / MIXED, dtype=jnp.float32)
+    written = stored_tensors(out)
+    assert set(written) == set(stored_tensors(FIXTURES / MIXED))
+    for name, value in stored_tensors(FIXTURES / MIXED).items():
+        np.testing.assert_array_equal(written[name], value, err_msg=name)
+    config = json.loads((out / "config.json").read_text())
+    assert config["mlp_only_layers"] == [3] and config["decoder_sparse_step"] == 2
+    built = Pretrained.from_model(pretrained.model, architecture="Qwen2MoeForCausalLM").config
+    assert built["mlp_only_layers"] == [0, 2, 3, 4] and built["decoder_sparse_step"] == 1
+    assert Pretrained(pretrained.model, built).model == pretrained.model  # the config check passes
+    again, reread = load_pretrained(out)
+    assert again.model == pretrained.model
+    ref = reference(MIXED)
+    for case, value in logits(again.model, reread, ref).items():
+        np.testing.assert_array_equal(value, logits(pretrained.model, variables, ref)[case])
+
+
+def test_mixed_scan_and_loop_and_decode_agree(loaded):
+    """The looped layout and a decode step compute what the scanned runs do."""
+    pretrained, variables = loaded[MIXED]
+    model = pretrained.model
+    ref = reference(MIXED)
+    ids = jnp.asarray(ref["plain_ids"])
+    scanned = np.asarray(model.apply(variables, ids))
+    looped = model.clone(scan_layers=False)
+    np.testing.assert_allclose(np.asarray(looped.apply(variables, ids)), scanned, rtol=0, atol=1e-5)
+    cache = model.apply(variables, ids.shape[0], 8, method=model.empty_cache)
+    step, _, routes = model.apply(variables, ids[:, 0], cache, jnp.ones((ids.shape[0],), bool),
+                                  split_layers(variables), method=model.decode, return_routes=True)
+    np.testing.assert_allclose(np.asarray(step), scanned[:, 0], rtol=0, atol=1e-5)
+    assert routes.shape == (ids.shape[0], 2, 2)
+    np.testing.assert_array_equal(np.asarray(routes), np.moveaxis(ref["experts_plain"], 0, 2)[:, 0])
+
+
+def test_plan_counts_the_mixed_models_parameters(loaded):
+    """`dew plan`'s count from config.json alone equals the loaded model's parameters, by part."""
+    from dew_lib.train.plan_moe import count_parameters
+
+    pretrained, variables = loaded[MIXED]
+    counted = count_parameters(json.loads((FIXTURES / MIXED / "config.json").read_text()))
+    layers = variables["params"]["layers"]
+
+    def size(tree):
+        return sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree))
+
+    assert counted.sparse_layers == pretrained.model.moe_layers
+    assert counted.total == size(variables["params"])
+    assert counted.dense_mlp == size([layers[n] for n in ("gate_proj", "up_proj", "down_proj")])
+    assert counted.experts == size(layers["experts"]) and counted.router == size(layers["router"])
+    assert counted.shared == size([layers["shared_expert"], layers["shared_expert_gate"]])

@@ -219,3 +219,108 @@ def test_adapters_on_a_mixture_of_experts_model_train_its_attention_and_quantizi
         lora.attach(model, variables, lora.LoRA(rank=2, targets="all-linear"), jax.random.key(1))
     with pytest.raises(ValueError, match="mixtures of experts"):
         quantize.quantize_base(adapted, with_adapters)
+
+
+# -- dense and sparse layers mixed (dense_layers) -----------------------------------------------
+
+
+def test_a_dense_layer_is_a_sparse_layer_whose_experts_all_equal_its_mlp():
+    """With every expert a copy of one MLP and the k weights renormalised, a sparse layer computes
+    that MLP: so a model whose layer 1 of 4 is dense equals an all-sparse one built that way,
+    which checks that each layer reads its own rows of the stacked leaves."""
+    mixed = moe_model(num_layers=4, dense_layers=(1,), mlp_features=24)
+    sparse = moe_model(num_layers=4)
+    variables, reference = init(mixed), init(sparse)
+    layers, other = variables["params"]["layers"], dict(reference["params"]["layers"])
+    assert layers["gate_proj"]["kernel"].shape == (1, 16, 24) and layers["router"]["kernel"].shape == (3, 16, 4)
+    assert mixed.moe_layers == (0, 2, 3)
+    # the same seed draws the same attention weights, and the sparse layers' experts, per layer
+    np.testing.assert_array_equal(layers["q_proj"]["kernel"], other["q_proj"]["kernel"])
+    np.testing.assert_array_equal(layers["experts"]["up_proj"], other["experts"]["up_proj"][jnp.asarray([0, 2, 3])])
+    experts = dict(other["experts"])
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        dense = layers[name]["kernel"][0]
+        experts[name] = experts[name].at[1].set(jnp.broadcast_to(dense, (EXPERTS, *dense.shape)))
+    other["experts"] = experts
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "input_layernorm", "post_attention_layernorm",
+                 "q_norm", "k_norm"):
+        other[name] = layers[name]
+    for name in ("router", "experts"):
+        other[name] = jax.tree.map(lambda full, own: full.at[jnp.asarray([0, 2, 3])].set(own), other[name],
+                                   layers[name])
+    built = {"params": {**variables["params"], "layers": other}}
+    ids = jnp.asarray(np.random.default_rng(5).integers(1, 32, size=(2, 8)))
+    np.testing.assert_allclose(mixed.apply(variables, ids), sparse.apply(built, ids), rtol=1e-5, atol=1e-5)
+    _, routing = mixed.apply(variables, ids, method=mixed.hidden, return_routing=True)
+    _, full = sparse.apply(built, ids, method=sparse.hidden, return_routing=True)
+    assert routing.experts.shape == (2, 8, 3, TOP_K)  # the sparse layers only, in order
+    np.testing.assert_array_equal(routing.experts, full.experts[:, :, jnp.asarray([0, 2, 3])])
+
+
+@pytest.mark.parametrize("dense_layers", [(0, 2), (1, 2)])
+def test_mixed_layers_scan_loop_remat_decode_and_replay_agree(dense_layers):
+    ids = jnp.asarray(np.random.default_rng(6).integers(1, 32, size=(2, 6)))
+    model = moe_model(num_layers=4, dense_layers=dense_layers)
+    variables = init(model)
+
+    def grads(model):
+        return jax.grad(lambda p: (model.apply(p, ids) ** 2).mean())(variables)
+
+    scanned = grads(model)
+    for other in (moe_model(num_layers=4, dense_layers=dense_layers, scan_layers=False),
+                  moe_model(num_layers=4, dense_layers=dense_layers, remat=True)):
+        for a, b in zip(jax.tree.leaves(grads(other)), jax.tree.leaves(scanned), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    logits = model.apply(variables, ids)
+    hidden, routing = model.apply(variables, ids, method=model.hidden, return_routing=True)
+    assert routing.experts.shape == (2, 6, 2, TOP_K) and routing.load.shape == (2, EXPERTS)
+    step, _, routes = model.apply(variables, ids[:, 0], model.empty_cache(2, 8), jnp.ones((2,), bool),
+                                  method=model.decode, return_routes=True)
+    np.testing.assert_allclose(step, logits[:, 0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(routes, routing.experts[:, 0])
+    other = (routing.experts + 1) % EXPERTS
+    _, replayed = model.apply(variables, ids, method=model.hidden, routes=other, routed=jnp.ones(ids.shape, bool),
+                              return_routing=True)
+    np.testing.assert_array_equal(replayed.experts, other)
+    with pytest.raises(ValueError, match=r"\(2, 6, 2, 2\)"):  # routes over all 4 layers are refused
+        model.apply(variables, ids, method=model.hidden, routes=jnp.zeros((2, 6, 4, 2), jnp.int32),
+                    routed=jnp.ones(ids.shape, bool))
+
+
+def test_adapters_attach_to_every_layer_of_a_mixed_model():
+    from dew_lib.models import lora
+
+    model = moe_model(num_layers=3, dense_layers=(1,))
+    variables = init(model)
+    adapted, with_adapters = lora.attach(model, variables, lora.LoRA(rank=2, targets=("q_proj", "v_proj")),
+                                         jax.random.key(1))
+    assert with_adapters["params"]["layers"]["q_proj"]["lora_a"].shape == (3, 16, 2)
+    ids = jnp.arange(1, 9)[None]
+    np.testing.assert_allclose(adapted.apply(with_adapters, ids), model.apply(variables, ids), atol=1e-6)
+    merged_model, merged = lora.merged(adapted, with_adapters)
+    np.testing.assert_allclose(merged_model.apply(merged, ids), model.apply(variables, ids), atol=1e-6)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(experts=0, dense_layers=(0,)), "experts=0"),
+    (dict(dense_layers=(1, 0)), "sorted distinct"),
+    (dict(dense_layers=(2,)), "sorted distinct"),
+    (dict(dense_layers=(0, 1)), "every layer dense"),
+])
+def test_dense_layers_refusals(options, message):
+    with pytest.raises(ValueError, match=message):
+        init(moe_model(**options))
+
+
+def test_the_legacy_per_layer_conversion_leaves_a_mixed_stack_alone():
+    """Checkpoint restore falls back to the per-layer layout written before stacking; no mixed
+    model was ever written that way, so its stack is not cut into layers_i subtrees."""
+    from dew_lib.models.decoder import stack_layers, unstack_layers
+
+    mixed = init(moe_model(num_layers=3, dense_layers=(1,)))
+    assert jax.tree.structure(unstack_layers(mixed)) == jax.tree.structure(mixed)
+    homogeneous = init(moe_model())
+    per_layer = unstack_layers(homogeneous)
+    assert set(per_layer["params"]) >= {"layers_0", "layers_1"}
+    for a, b in zip(jax.tree.leaves(stack_layers(per_layer)), jax.tree.leaves(homogeneous), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -14,26 +14,32 @@ from dew_lib.sampling import Sampling, generate
 LAYERS, TOP_K = 2, 2
 MODEL = tiny_model(num_layers=LAYERS, experts=4, experts_per_token=TOP_K, expert_features=16, max_seq_len=48)
 VARIABLES = MODEL.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+# Three layers, the middle one dense: routes hold the two sparse layers only, as the engines report.
+MIXED = tiny_model(num_layers=3, dense_layers=(1,), experts=4, experts_per_token=TOP_K, expert_features=16,
+                   max_seq_len=48)
+POLICIES = {"sparse": (MODEL, VARIABLES), "mixed": (MIXED, MIXED.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))}
 SAMPLING = Sampling(temperature=0.9, eos_id=3)
 PROMPTS = [np.array(p, np.int32) for p in ([5, 6, 7, 8, 9, 10], [11], [12, 13, 14], list(range(4, 22)))]
 
 
-def forward_routes(ids):
-    """The experts a whole-sequence forward routes `ids` to, `[len(ids), layers, k]`."""
-    _, routing = MODEL.apply(VARIABLES, jnp.asarray(ids)[None], method=MODEL.hidden, return_routing=True)
+def forward_routes(ids, model=MODEL, variables=VARIABLES):
+    """The experts a whole-sequence forward routes `ids` to, `[len(ids), sparse layers, k]`."""
+    _, routing = model.apply(variables, jnp.asarray(ids)[None], method=model.hidden, return_routing=True)
     return np.asarray(routing.experts[0])
 
 
-def check(routes, prompt, ids):
+def check(routes, prompt, ids, model=MODEL, variables=VARIABLES):
     """`routes` covers the prompt and every sampled id; the last sampled id, never fed, has zeros."""
     sequence = np.concatenate([prompt, ids])
     assert routes.shape == (sequence.size, LAYERS, TOP_K) and routes.dtype == np.int32
-    np.testing.assert_array_equal(routes[:-1], forward_routes(sequence[:-1]))
+    np.testing.assert_array_equal(routes[:-1], forward_routes(sequence[:-1], model, variables))
     assert not routes[-1].any()
 
 
-def test_the_server_reports_each_draw_s_routes_as_a_forward_pass_routes_them():
-    server = Server.from_task(ServeTask(model=MODEL, variables=VARIABLES, sampling=SAMPLING),
+@pytest.mark.parametrize("kind", sorted(POLICIES))
+def test_the_server_reports_each_draw_s_routes_as_a_forward_pass_routes_them(kind):
+    model, variables = POLICIES[kind]
+    server = Server.from_task(ServeTask(model=model, variables=variables, sampling=SAMPLING),
                               slots=2, capacity=40, steps=3, routing=True)
     waiting, draws = list(range(len(PROMPTS))), {}
     while waiting or server.busy:  # the later requests take the slots the first ones free
@@ -43,20 +49,23 @@ def test_the_server_reports_each_draw_s_routes_as_a_forward_pass_routes_them():
         draws.update(server.step())
     assert sorted(draws) == [0, 1, 2, 3]
     for name, prompt in enumerate(PROMPTS):
-        check(draws[name].routed_experts, prompt, draws[name].ids)
+        check(draws[name].routed_experts, prompt, draws[name].ids, model, variables)
 
 
-def test_generate_reports_the_routes_of_each_left_padded_row():
+@pytest.mark.parametrize("kind", sorted(POLICIES))
+def test_generate_reports_the_routes_of_each_left_padded_row(kind):
+    model, variables = POLICIES[kind]
     width = 18
     prompt = np.zeros((len(PROMPTS), width), np.int32)
     for row, ids in enumerate(PROMPTS):
         prompt[row, width - ids.size:] = ids
-    drawn = generate(MODEL, VARIABLES, prompt, [p.size for p in PROMPTS], key=jax.random.key(1),
+    drawn = generate(model, variables, prompt, [p.size for p in PROMPTS], key=jax.random.key(1),
                      max_new_tokens=8, sampling=SAMPLING, return_routes=True)
     assert drawn.routes.shape == (len(PROMPTS), width + 8, LAYERS, TOP_K)
     for row, ids in enumerate(PROMPTS):
         count = int(drawn.lengths[row])
-        check(np.asarray(drawn.routes[row, :ids.size + count]), ids, np.asarray(drawn.tokens[row, :count]))
+        check(np.asarray(drawn.routes[row, :ids.size + count]), ids, np.asarray(drawn.tokens[row, :count]),
+              model, variables)
         assert not np.asarray(drawn.routes[row, ids.size + count:]).any()
 
 

@@ -53,23 +53,27 @@ def test_a_mixed_config_counted_by_hand():
     assert counted.active == by_hand - 2 * 2 * 3 * 16 * 12 == 11_056  # 2 of the 4 experts idle per sparse layer
     assert (counted.dense_mlp, counted.shared, counted.router) == (2 * dense_mlp, 2 * 976, 2 * 64)
     assert "2 sparse layers and 2 dense" in counted.describe()
-    # the decoder makes every layer sparse, so the planner (which compiles it) refuses this config
-    with pytest.raises(ValueError, match="decoder_sparse_step=2"):
-        decoder_options(MIXED)
+    # the decoder builds the same layers: layers 1 and 3 sparse, 0 and 2 dense
+    _, options = decoder_options(MIXED)
+    model = models.build("causal_transformer", **options)
+    assert model.moe_layers == counted.sparse_layers
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 8), jnp.int32))
+    assert sum(leaf.size for leaf in jax.tree.leaves(shapes["params"])) == 13_360
 
 
-def test_dew_plan_counts_a_config_it_cannot_plan(tmp_path):
+def test_dew_plan_plans_a_config_that_mixes_dense_and_sparse_layers(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(MIXED))
     done = subprocess.run([sys.executable, "-m", "dew_lib.cli", "plan", "--model", str(path), "--stage", "sft",
                            "--seq-len", "8", "--batch", "1"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1 and "decoder_sparse_step=2: layers that alternate dense and sparse" in done.stderr
-    assert "the config counts 13,360 parameters, 11,056 active a token (4 experts, 2 a token, in 2 sparse " \
-           "layers and 2 dense" in done.stderr
+    assert done.returncode == 0, done.stderr
+    assert "model: 13,360 parameters, 11,056 active a token (4 experts, 2 a token, in 2 sparse " \
+           "layers and 2 dense" in done.stdout
 
 
 @pytest.mark.parametrize("config", ["tests/fixtures/hf/qwen3_moe", "tests/fixtures/hf/qwen2_moe",
-                                    "tests/fixtures/hf/mixtral", "tests/fixtures/hf/qwen3", "qwen3-30b-a3b"])
+                                    "tests/fixtures/hf/qwen2_moe_mixed", "tests/fixtures/hf/mixtral",
+                                    "tests/fixtures/hf/qwen3", "qwen3-30b-a3b"])
 def test_the_count_is_the_decoders_own_tree(config):
     from dew_lib.train.plan import model_config
 

@@ -8,13 +8,12 @@ import time
 
 import numpy as np
 import pytest
-from conftest import PLAIN_COMPILE
 
 WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
 
 
 def run_worker(out, *args, devices=1, check=True):
-    env = dict(os.environ, **PLAIN_COMPILE, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
     if devices > 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     return subprocess.run([sys.executable, WORKER, str(out), *map(str, args)], env=env,
@@ -37,7 +36,7 @@ def test_sigkilled_run_resumes_bit_identical(tmp_path):
     process = subprocess.Popen(
         [sys.executable, WORKER, str(tmp_path / "never.npz"), "--directory", str(directory),
          "--steps", "12", "--pause", "0.4"],
-        env=dict(os.environ, **PLAIN_COMPILE, JAX_PLATFORMS="cpu"), stdout=subprocess.DEVNULL,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 240

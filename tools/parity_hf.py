@@ -10,17 +10,18 @@ The script makes its own venv at tools/.venv-hf with the CPU build of torch and 
 transformers version as the project's venv, and re-runs itself there. That side builds tiny random
 Qwen3 (tied, tokenizer, single file), Qwen2 (q/k/v biases, sharded, legacy top-level rope_theta),
 Llama (llama3 rope scaling, bfloat16 weights), Qwen3-MoE (qk-norm, top-2 of 8 renormalized),
-Qwen2-MoE (biases, gated shared expert, top-2 of 8 not renormalized, sharded) and Mixtral (its own
-names; also in transformers 5's fused layout as mixtral_fused) models, saves them with
-transformers, and records its float32 logits on a plain batch, a padded batch (attention_mask,
-left and right padding) and packed rows (position_ids restarting per document; transformers 5
-turns restarts into a block-diagonal mask, checked against running each document alone). For MoE
-models also its `aux_loss` (`output_router_logits=True`, masked on the padded batch), each layer's
-experts, and the smallest gap between the k-th and (k+1)-th router logit on the inputs (routers
-are scaled up so both sides pick the same experts). The Dew side (project venv, no torch) loads
-each fixture, compares logits (and aux loss), and saves float32 and bfloat16 copies, which
-transformers loads back and must match. Exit status 1 past a tolerance (dense 1e-4, MoE 1e-5).
-`--only` rebuilds some fixtures and keeps the others and their manifest entries as they are.
+Qwen2-MoE (biases, gated shared expert, top-2 of 8 not renormalized, sharded; as qwen2_moe_mixed
+also with dense layers among sparse ones) and Mixtral (its own names; also in transformers 5's fused
+layout as mixtral_fused) models, saves them with transformers, and records its float32 logits on a
+plain batch, a padded batch (attention_mask, left and right padding) and packed rows (position_ids
+restarting per document; transformers 5 turns restarts into a block-diagonal mask, checked against
+running each document alone). For MoE models also its `aux_loss` (`output_router_logits=True`,
+masked on the padded batch), each layer's experts, and the smallest gap between the k-th and
+(k+1)-th router logit on the inputs (routers are scaled up so both sides pick the same experts). The
+Dew side (project venv, no torch) loads each fixture, compares logits (and aux loss), and saves
+float32 and bfloat16 copies, which transformers loads back and must match. Exit status 1 past a
+tolerance (dense 1e-4, MoE 1e-5). `--only` rebuilds some fixtures and keeps the others and their
+manifest entries as they are.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ TORCH = "torch==2.13.0+cpu"  # the CPU wheel; a plain "torch==2.13.0" could reso
 TOLERANCE = 1e-4  # absolute, float32 logits of the dense fixtures
 MOE_TOLERANCE = 1e-5  # the MoE fixtures' logits and aux losses (issue 44)
 SEED = 20260517
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen2_moe_mixed")
 FAMILIES = ("qwen3", "qwen2", "llama", *MOE)
 ROUTER_SCALE = 4.0  # router weights this much larger than other linear weights: no near-ties
 MIN_MARGIN = 1e-3  # smallest accepted gap between the k-th and (k+1)-th router logit
@@ -67,9 +68,7 @@ def _ensure_venv() -> Path:
         subprocess.run([sys._base_executable, "-m", "venv", str(VENV)], check=True)
     probe = subprocess.run(
         [str(python), "-c", "import torch, transformers; print(torch.__version__, "
-         "torch.version.cuda, transformers.__version__)"],
-        capture_output=True, text=True,
-    )
+         "torch.version.cuda, transformers.__version__)"], capture_output=True, text=True)
     if probe.returncode != 0 or probe.stdout.split() != ["2.13.0+cpu", "None", wanted]:
         wheels = glob.glob("/opt/wheels/torch-2.13.0+cpu-*.whl")
         torch = wheels[0] if wheels else TORCH
@@ -85,10 +84,10 @@ def _ensure_venv() -> Path:
 
 
 def _specs():
-    """The three tiny models: config options, how they are saved, and their quirks."""
+    """The tiny models: config options, how they are saved, and their quirks."""
     common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   rms_norm_eps=1e-6, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
-    return {
+    specs = {
         "qwen3": dict(
             cls="Qwen3ForCausalLM", config="Qwen3Config",
             options=dict(common, intermediate_size=128, num_key_value_heads=2, head_dim=32,
@@ -140,6 +139,9 @@ def _specs():
             shard=None, dtype="float32", tokenizer=False, legacy_rope=False, fused_copy=True,
         ),
     }
+    mixed = dict(num_hidden_layers=6, norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[3])  # sparse: 1, 5
+    specs["qwen2_moe_mixed"] = dict(specs["qwen2_moe"], shard=None, options={**specs["qwen2_moe"]["options"], **mixed})
+    return specs
 
 
 def _inputs():
@@ -478,7 +480,7 @@ def main() -> int:
         loaded = json.loads(dew.stdout.strip().splitlines()[-1])
         reloaded = check_round_trip(work)
     failed = False
-    print(f"{'family':10} {'dew vs hf: plain':>17} {'padded':>10} {'packed':>10} "
+    print(f"{'family':16} {'dew vs hf: plain':>17} {'padded':>10} {'packed':>10} "
           f"{'hf reload f32':>14} {'hf reload bf16':>15}   aux loss |dew - hf| plain/padded/packed")
     for name in FAMILIES:
         row = {**loaded[name], **reloaded[name]}
@@ -486,7 +488,7 @@ def main() -> int:
         aux = "/".join(f"{row[f'aux_{c}']:.1e}" for c in ("plain", "padded", "packed")
                        if f"aux_{c}" in row)
         fused = f"   fused layout: {row['fused_load']:.1e}" if "fused_load" in row else ""
-        print(f"{name:10} {row['plain']:17.2e} {row['padded']:10.2e} {row['packed']:10.2e} "
+        print(f"{name:16} {row['plain']:17.2e} {row['padded']:10.2e} {row['packed']:10.2e} "
               f"{row['hf_reload_f32']:14.2e} {row['hf_reload_bf16']:15.2e}   {aux}{fused}")
     print("FAILED" if failed else
           f"all within tolerance (dense {TOLERANCE}, MoE {MOE_TOLERANCE} absolute)")

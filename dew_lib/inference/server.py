@@ -159,7 +159,7 @@ class Server:
         if self.routing and not getattr(model, "sparse", False):
             raise ValueError("Server.routing records each token's experts, and the model has none "
                              "(experts=0); leave routing off for a dense model")
-        routes = (jnp.zeros((slots, capacity, model.num_layers * model.experts_per_token), jnp.int32)
+        routes = (jnp.zeros((slots, capacity, len(model.moe_layers) * model.experts_per_token), jnp.int32)
                   if self.routing else None)
         self._state = SlotState(
             model.empty_cache(slots, capacity), zeros(),
@@ -355,7 +355,7 @@ class Server:
         if self._state.routes is None:
             return None
         fed = request.prompt + len(request.ids) - 1
-        routes = np.zeros((fed + 1, self.model.num_layers, self.model.experts_per_token), np.int32)
+        routes = np.zeros((fed + 1, len(self.model.moe_layers), self.model.experts_per_token), np.int32)
         routes[:fed] = np.asarray(self._state.routes[request.slot, :fed]).reshape(fed, *routes.shape[1:])
         return routes
 

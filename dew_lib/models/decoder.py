@@ -6,7 +6,8 @@ the Hugging Face module names so checkpoint import is a rename and a transpose. 
 parameters are one `layers` subtree whose leaves are stacked on a leading `[num_layers]` axis
 (`params["layers"]["q_proj"]["kernel"]` is `[L, E, H * D]`; Hugging Face's `model.layers.{i}`
 tensors are index i): a training step runs the layers as one `lax.scan` over that axis, so its
-compiled program does not grow with depth.
+compiled program does not grow with depth. (With `dense_layers`, each kind of MLP is stacked
+over its own layers: models/decoder_stack.py.)
 
 Inputs may be packed: `segment_ids` keep attention inside each document (0 marks padding) and
 `positions` restart the rotary clock per document. Generation uses an explicit `KVCache` pytree
@@ -16,29 +17,28 @@ Adapter dropout (models/lora.py) runs when a call is given a `dropout` rng (`rng
 key}`), each layer with its own key (the layer index folded in). With `quantized` the layers'
 projection kernels are int8 (models/quantize.py), read one layer at a time.
 
-With `experts > 0` every layer's MLP is a mixture of experts (models/moe.py): `hidden` can replay
-recorded routes and return what the routers did (`moe.Routing`), and `prefill`/`decode` the
-experts each token used.
+With `experts > 0` every layer's MLP is a mixture of experts (models/moe.py), except the
+`dense_layers`, which keep the dense MLP (models/decoder_stack.py: how the stack holds and runs
+both kinds): `hidden` can replay recorded routes and return what the routers did
+(`moe.Routing`), and `prefill`/`decode` the experts each token used, over the sparse layers.
 
 Not here: one layer and its parts (`decoder_layer`), the attention functions
-(`decoder_attention`), sliding-window attention, dense and sparse layers mixed in one model,
-dropout outside the adapters.
+(`decoder_attention`), sliding-window attention, dropout outside the adapters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax.core.scope import LazyRng
 
-from dew_lib.models import head, moe, partitioning, rotary
+from dew_lib.models import decoder_stack, head, moe, partitioning, rotary
 from dew_lib.models.decoder_attention import ATTENTION_KERNELS, attend_cached
 from dew_lib.models.decoder_layer import _INIT, Block, RMSNorm, _dense
+from dew_lib.models.decoder_stack import stack_layers, unstack_layers  # noqa: F401  (re-exported)
 from dew_lib.models.lora import check_expert_targets
 from dew_lib.options import choice
 
@@ -105,68 +105,11 @@ class KVCache(NamedTuple):
 def split_layers(variables) -> tuple[Any, ...]:
     """Each layer's parameters as a subtree of its own, sliced from the stacked `layers` of
     `variables` (or of a bare params mapping). What `CausalTransformer.decode` takes as `layers`.
+    With `dense_layers`, element i holds row i of every stacked part that has one
+    (`decoder_stack.split`), and decode picks each layer's MLP from its kind's row.
     """
     params = variables["params"] if "params" in variables else variables
-    stacked = params["layers"]
-    count = jax.tree.leaves(stacked)[0].shape[0]
-    return tuple(jax.tree.map(lambda p, i=i: p[i], stacked) for i in range(count))
-
-
-def _is_per_layer(node) -> bool:
-    return isinstance(node, Mapping) and "layers_0" in node and "layers" not in node
-
-
-def _is_stacked(node) -> bool:
-    return isinstance(node, Mapping) and isinstance(node.get("layers"), Mapping)
-
-
-def stack_layers(tree):
-    """Convert the per-layer layout (`layers_0`, `layers_1`, ... subtrees, what the decoder
-    kept before its parameters were stacked) to one `layers` subtree stacked on a leading axis.
-
-    Works on variables, bare params and anything holding params-shaped dicts (a train state
-    with its optimizer moments); other nodes pass through. NumPy leaves stay NumPy.
-    """
-    def convert(node):
-        if not _is_per_layer(node):
-            return node
-        count = sum(1 for key in node if key.startswith("layers_"))
-        names = [f"layers_{i}" for i in range(count)]
-        if any(name not in node for name in names):
-            raise ValueError(f"per-layer subtrees are not numbered 0..{count - 1}: "
-                             f"{sorted(k for k in node if k.startswith('layers_'))}")
-        rest = {key: value for key, value in node.items() if not key.startswith("layers_")}
-
-        def stack(*leaves):
-            if all(isinstance(leaf, np.ndarray) for leaf in leaves):
-                return np.stack(leaves)
-            return jnp.stack(leaves)
-
-        return {**rest, "layers": jax.tree.map(stack, *[node[name] for name in names])}
-
-    return jax.tree.map(convert, tree, is_leaf=_is_per_layer)
-
-
-def unstack_layers(tree):
-    """The inverse of `stack_layers`: one `layers_i` subtree per index of the stacked axis.
-
-    Leaves may be arrays or `jax.ShapeDtypeStruct`s (an abstract state to restore into).
-    """
-    def cut(leaf, i):
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=leaf.sharding)
-        return leaf[i]
-
-    def convert(node):
-        if not _is_stacked(node):
-            return node
-        stacked = node["layers"]
-        count = jax.tree.leaves(stacked)[0].shape[0]
-        rest = {key: value for key, value in node.items() if key != "layers"}
-        return {**rest, **{f"layers_{i}": jax.tree.map(lambda p, i=i: cut(p, i), stacked)
-                           for i in range(count)}}
-
-    return jax.tree.map(convert, tree, is_leaf=_is_stacked)
+    return decoder_stack.split(params["layers"])
 
 
 class CausalTransformer(nn.Module):
@@ -208,6 +151,9 @@ class CausalTransformer(nn.Module):
     shared_expert_features: int = 0
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
+    # an MoE model's layers that keep the dense MLP of width mlp_features (Hugging Face's
+    # mlp_only_layers and decoder_sparse_step, resolved); (): every layer sparse
+    dense_layers: tuple[int, ...] = ()
 
     @property
     def kv_heads(self) -> int:
@@ -225,10 +171,16 @@ class CausalTransformer(nn.Module):
         return moe.Sparse(self.experts, self.experts_per_token, self.expert_features or self.mlp_features,
                           self.norm_topk_prob, self.shared_expert_features)
 
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The indices of the sparse layers, in order: the layer axis of routes and `Routing`."""
+        return decoder_stack.sparse_layers(self.num_layers, self.experts, self.dense_layers)
+
     def setup(self):
         if self.experts < 0 or (self.experts and not 1 <= self.experts_per_token <= self.experts):
             raise ValueError(f"experts={self.experts} with experts_per_token={self.experts_per_token}: a "
                              "mixture of experts routes each token to 1..experts of them (experts=0: dense)")
+        decoder_stack.check_dense_layers(self.num_layers, self.experts, self.dense_layers)
         if self.lora is not None:
             check_expert_targets(self.experts, self.lora.targets)
         if self.attention_block < 1:
@@ -270,9 +222,16 @@ class CausalTransformer(nn.Module):
                     param_dtype=self.param_dtype, lora=self.lora, quantized=self.quantized,
                     sparse=self.sparse)
 
-    def _block(self) -> Block:
-        """The layer module, unbound: applied to one layer's slice of `self.layers`."""
-        return Block(**self._block_options(), parent=None)
+    def _block(self, sparse: bool = True) -> Block:
+        """The layer module, unbound: applied to one layer's slice of `self.layers`; with
+        `sparse` false, a dense layer of an MoE model."""
+        options = self._block_options()
+        if not sparse:
+            options["sparse"] = None
+        return Block(**options, parent=None)
+
+    def _is_sparse(self, i: int) -> bool:
+        return i in self.moe_layers
 
     def _init_layers(self, key):
         """Every layer's parameters, stacked on a leading layer axis.
@@ -285,17 +244,21 @@ class CausalTransformer(nn.Module):
         x = jnp.zeros((1, 1, self.emb_features), self.dtype)
         rope = rotary.table(jnp.zeros((1, 1), jnp.int32), self.inv_freq)
         segments = jnp.ones((1, 1), jnp.int32)
-        block = self._block()
         stream = self.scope.rngs.get("params")
         keys = ([LazyRng.create(stream, f"layers_{i}") for i in range(self.num_layers)]
                 if stream is not None else list(jax.random.split(key, self.num_layers)))
-        layers = [block.init({"params": k}, x, rope, segments, self.attention_block,
-                             self.attention_kernel)["params"] for k in keys]
-        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
+        layers = [self._block(self._is_sparse(i)).init({"params": k}, x, rope, segments, self.attention_block,
+                                                       self.attention_kernel)["params"] for i, k in enumerate(keys)]
+        return decoder_stack.stack(layers)
 
-    def _layer(self, i: int):
-        """Layer `i`'s parameters: a slice of the stacked `layers` subtree."""
-        return jax.tree.map(lambda p: p[i], self.layers)
+    def _layer(self, i: int, rows=None):
+        """Layer `i`'s parameters: a slice of the stacked `layers` subtree, or picked from
+        `split_layers`' `rows`."""
+        sparse = self._is_sparse(i)
+        local = decoder_stack.local_index(i, self.moe_layers) if self.dense_layers else i
+        if rows is not None:
+            return decoder_stack.pick(rows, i, local, sparse)
+        return decoder_stack.layer_params(self.layers, i, local, sparse)
 
     def _dropout_key(self):
         """The key of adapter dropout for this call, or None: only adapters with a nonzero rate
@@ -309,32 +272,45 @@ class CausalTransformer(nn.Module):
         a Python loop over static slices of them (one copy of the layer in the program per
         layer). Returns the output, each layer's `(keys, values)` `[B, S, KV, D]` if asked (else
         []), and for sparse layers their `moe.LayerRouting` stacked on a leading layer axis
-        (else None). `routes` `[B, S, L, k]`: the experts to replay where `routed` `[B, S]`.
-        Layer i's adapter dropout draws from the call's dropout key folded with i."""
-        block = self._block()
+        (else None). `routes` `[B, S, sparse layers, k]`: the experts to replay where `routed`
+        `[B, S]`. Layer i's adapter dropout draws from the call's dropout key folded with i.
+        Mixed dense and sparse layers run as consecutive runs of one kind (decoder_stack)."""
         dropout = self._dropout_key()
-        per_layer = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [L, B, S, k]
+        per_layer = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [sparse layers, B, S, k]
+        runs = decoder_stack.runs(self.num_layers, self.moe_layers)
+        kvs, routings = [], []
+        for run in runs:
+            block = self._block(run.sparse)
 
-        def body(x, layer):
-            params, index, layer_routes = layer
-            key = None if dropout is None else jax.random.fold_in(dropout, index)
-            x, kv, routing = block.apply({"params": params}, partitioning.constrain_rows(x), rope, segment_ids,
-                                         self.attention_block, self.attention_kernel, key, layer_routes, routed)
-            return partitioning.constrain_rows(x), (kv if return_kv else None, routing)
+            def body(x, layer, block=block):
+                params, index, layer_routes = layer
+                key = None if dropout is None else jax.random.fold_in(dropout, index)
+                x, kv, routing = block.apply({"params": params}, partitioning.constrain_rows(x), rope, segment_ids,
+                                             self.attention_block, self.attention_kernel, key, layer_routes, routed)
+                return partitioning.constrain_rows(x), (kv if return_kv else None, routing)
 
-        if self.remat:
-            body = jax.checkpoint(body)
-        if self.scan_layers:
-            x, (kvs, routing) = jax.lax.scan(body, x, (self.layers, jnp.arange(self.num_layers), per_layer))
-            return x, ([(kvs[0][i], kvs[1][i]) for i in range(self.num_layers)] if return_kv
-                       else []), routing
-        outs = []
-        for i in range(self.num_layers):
-            x, out = body(x, (self._layer(i), i, None if per_layer is None else per_layer[i]))
-            outs.append(out)
-        kvs = [kv for kv, _ in outs]
-        routing = None if self.sparse is None else jax.tree.map(lambda *a: jnp.stack(a), *[r for _, r in outs])
-        return x, (kvs if return_kv else []), routing
+            if self.remat:
+                body = jax.checkpoint(body)
+            whole = len(runs) == 1
+            run_routes = None
+            if per_layer is not None and run.sparse:
+                run_routes = per_layer if whole else per_layer[run.offset:run.offset + run.size]
+            if self.scan_layers:
+                params = decoder_stack.run_params(self.layers, run, run.sparse, whole)
+                index = jnp.arange(run.start, run.stop) if run.start else jnp.arange(run.stop)
+                x, (kv, routing) = jax.lax.scan(body, x, (params, index, run_routes))
+                kvs += [(kv[0][i], kv[1][i]) for i in range(run.size)] if return_kv else []
+            else:
+                outs = []
+                for j, i in enumerate(range(run.start, run.stop)):
+                    x, out = body(x, (self._layer(i), i, None if run_routes is None else run_routes[j]))
+                    outs.append(out)
+                kvs += [kv for kv, _ in outs] if return_kv else []
+                routing = jax.tree.map(lambda *a: jnp.stack(a), *[r for _, r in outs]) if run.sparse else None
+            if run.sparse:
+                routings.append(routing)
+        routing = decoder_stack.concat_routing(routings) if routings else None
+        return x, kvs, routing
 
     def logits(self, hidden):
         """Project final hidden states to float32 vocabulary logits."""
@@ -457,10 +433,10 @@ class CausalTransformer(nn.Module):
         visible = jnp.arange(slots)[None, :] <= cache.lengths[:, None]  # [B, T]
         x = self.embed_tokens(tokens[:, None])
         rope = rotary.table(positions, self.inv_freq)
-        block = self._block()
         keys, values, routes = [], [], []
         for i, (k_cache, v_cache) in enumerate(zip(cache.keys, cache.values, strict=True)):
-            params = {"params": self._layer(i) if layers is None else layers[i]}
+            block = self._block(self._is_sparse(i))
+            params = {"params": self._layer(i, layers)}
             # flax annotates apply's result as "output or (output, mutated variables)"; without
             # `mutable` it is the method's output, here (q, k, v)
             qkv: Any = block.apply(params, x, rope, method=Block.qkv)

@@ -68,6 +68,8 @@ class Sparse:
 class Routing(NamedTuple):
     """What the routers of a forward pass did, over its real tokens (segment id > 0).
 
+    `layers` are the sparse layers only, in order (`CausalTransformer.moe_layers`; all of them
+    unless the model has `dense_layers`), as vLLM and SGLang report routes.
     experts: `[B, S, layers, k]` the experts each token used. load: `[layers, experts]` each
     expert's share of the layer's token slots. aux_loss: transformers' load-balancing loss over
     all layers (without its coefficient). z_loss: the mean squared log-sum-exp of the router
@@ -287,13 +289,14 @@ def combine(layers: LayerRouting) -> Routing:
 
 def check_routes(model: Any, shape: tuple[int, ...], routes: Any, routed: Any, return_routing: bool) -> None:
     """Refuse replay or routing on a dense `model`, and routes that are not
-    `[B, S, layers, experts_per_token]` with `routed` `[B, S]` (`shape`), or name no expert."""
+    `[B, S, layers, experts_per_token]` with `routed` `[B, S]` (`shape`), or name no expert.
+    `layers` counts the sparse layers only (`model.moe_layers`): dense layers have no routes."""
     if not model.experts and (routes is not None or return_routing):
         raise ValueError("this model has no experts (experts=0): there are no routes to replay or "
                          "return; build it with experts > 0 for a mixture of experts")
     if routes is None:
         return
-    expected = (*shape, model.num_layers, model.experts_per_token)
+    expected = (*shape, len(model.moe_layers), model.experts_per_token)
     got = None if routed is None else tuple(routed.shape)
     if tuple(routes.shape) != expected or got != tuple(shape):
         raise ValueError(f"routes of shape {tuple(routes.shape)} with routed {got}: replay needs routes "

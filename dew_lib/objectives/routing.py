@@ -54,11 +54,11 @@ def check_routes(owner: str, model: Any, routing_replay: str, batch: Mapping[str
             "Server(routing=True) or generate(return_routes=True), or run vLLM or SGLang with "
             "--enable-return-routed-experts (RemoteEngine.routing); or set routing_replay='none'")
     shape, rows = np.shape(batch["routed_experts"]), np.shape(batch["input_ids"])
-    expected = (*rows, model.num_layers, model.experts_per_token)
+    expected = (*rows, len(model.moe_layers), model.experts_per_token)
     if tuple(shape) != expected:
         raise ValueError(
             f"batch field 'routed_experts' has shape {tuple(shape)}; this model routes "
-            f"[rows, width, layers, top_k] = {expected} (num_layers={model.num_layers}, "
+            f"[rows, width, sparse layers, top_k] = {expected} (sparse layers {list(model.moe_layers)}, "
             f"experts_per_token={model.experts_per_token}): the routes come from another model")
     if np.shape(batch["routed"]) != rows:
         raise ValueError(f"batch field 'routed' has shape {np.shape(batch['routed'])}; expected the "

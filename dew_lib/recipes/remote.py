@@ -116,7 +116,7 @@ def routing_shape(engine: RemoteEngine, model: Any) -> tuple[int, int] | None:
     if not getattr(model, "experts", 0):
         raise ValueError("RemoteEngine.routing reads each token's experts, and the policy has none "
                          "(experts=0); turn routing off for a dense model")
-    return model.num_layers, model.experts_per_token
+    return len(model.moe_layers), model.experts_per_token  # the sparse layers, as the engines report
 
 
 def pushes(engine: RemoteEngine, pretrained: Pretrained) -> AdapterReload | SafetensorsReload:

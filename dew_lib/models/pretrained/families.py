@@ -4,7 +4,7 @@ Each supported architecture (Qwen3, Qwen2/Qwen2.5, Llama 2/3.x, and the mixture-
 Qwen3-MoE, Qwen2-MoE and Mixtral) is one `Family` row. Reading a config maps its fields onto
 `CausalTransformer` options and refuses every setting that would change the math in a way the
 decoder does not reproduce (sliding windows, unknown rope types, expert fields on a dense family,
-layers that alternate dense and sparse, output-projection biases, quantized weights, ...), so an
+output-projection biases, quantized weights, ...), so an
 unsupported checkpoint fails at load time instead of producing a plausible but wrong model.
 
 Not here: tensors (see `layout`) and files (see `files`).
@@ -35,7 +35,7 @@ class Family:
     bias_option: bool
     default_rope_theta: float = DEFAULT_ROPE_THETA
     default_norm_eps: float = 1e-6
-    # Mixture of experts (every layer sparse): the config field that counts the routed experts
+    # Mixture of experts: the config field that counts the routed experts
     # (None: a dense family), the expert-width field, and what the family fixes.
     experts_field: str | None = None
     expert_width_field: str = "moe_intermediate_size"
@@ -274,19 +274,7 @@ def _moe_options(config: Mapping[str, Any], family: Family, layers: int) -> dict
             f"{family.experts_field}={experts} in a {family.architecture} config: Dew loads it "
             "as a mixture of experts only; a dense model is one of the dense architectures"
         )
-    step = config.get("decoder_sparse_step", 1)
-    if step != 1:
-        raise UnsupportedCheckpoint(
-            f"config field decoder_sparse_step={step!r}: layers that alternate dense and sparse "
-            "are not supported; Dew's MoE decoder makes every layer sparse "
-            "(decoder_sparse_step=1)"
-        )
-    dense = config.get("mlp_only_layers") or []
-    if dense:
-        raise UnsupportedCheckpoint(
-            f"config field mlp_only_layers={list(dense)!r}: dense layers among sparse ones are "
-            "not supported; Dew's MoE decoder makes every layer sparse"
-        )
+    dense = _dense_layers(config, family, layers)
     if config.get("sliding_window") is not None and family.model_type == "mixtral":
         raise UnsupportedCheckpoint(
             f"config field sliding_window={config['sliding_window']!r}: Mixtral's sliding-window "
@@ -319,6 +307,7 @@ def _moe_options(config: Mapping[str, Any], family: Family, layers: int) -> dict
         norm_topk = bool(config.get("norm_topk_prob", family.default_norm_topk))
     coefficient = config.get("router_aux_loss_coef")
     return dict(
+        dense_layers=dense,
         experts=experts,
         experts_per_token=top_k,
         expert_features=int(config[family.expert_width_field]),
@@ -328,6 +317,33 @@ def _moe_options(config: Mapping[str, Any], family: Family, layers: int) -> dict
         router_aux_loss_coef=float(DEFAULT_ROUTER_AUX_LOSS_COEF if coefficient is None
                                    else coefficient),
     )
+
+
+def _dense_layers(config: Mapping[str, Any], family: Family, layers: int) -> tuple[int, ...]:
+    """The layers that keep the dense MLP, by transformers' rule for Qwen2-MoE and Qwen3-MoE:
+    layer i is sparse when it is not in `mlp_only_layers` and `(i + 1) % decoder_sparse_step
+    == 0`. Mixtral's config has neither field (every layer sparse); one that names them is
+    refused rather than guessed at."""
+    step = config.get("decoder_sparse_step")
+    step = 1 if step is None else step
+    listed = config.get("mlp_only_layers") or []
+    if family.model_type == "mixtral":
+        if step != 1 or listed:
+            raise UnsupportedCheckpoint(
+                f"config fields decoder_sparse_step={step!r}, mlp_only_layers={list(listed)!r} in a "
+                "Mixtral config: Mixtral makes every layer sparse and has no dense layers to place")
+        return ()
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise UnsupportedCheckpoint(f"config field decoder_sparse_step={step!r}: must be an integer >= 1")
+    if not all(isinstance(i, int) and 0 <= i < layers for i in listed):
+        raise UnsupportedCheckpoint(
+            f"config field mlp_only_layers={list(listed)!r}: must be layer indices in 0..{layers - 1}")
+    dense = tuple(i for i in range(layers) if i in set(listed) or (i + 1) % step)
+    if len(dense) == layers:
+        raise UnsupportedCheckpoint(
+            f"config fields decoder_sparse_step={step!r}, mlp_only_layers={list(listed)!r} leave no "
+            "sparse layer; Dew loads such a model as a mixture of experts only (it is a dense model)")
+    return dense
 
 
 def _experts(config: Mapping[str, Any], family: Family) -> int:
@@ -372,6 +388,10 @@ def _fits(family: Family, model: Any) -> str | None:
     if family.moe and family.shared_expert != (shared > 0):
         return (f"{family.architecture} {'has' if family.shared_expert else 'has no'} shared "
                 f"expert, but the model has shared_expert_features={shared}")
+    dense = tuple(getattr(model, "dense_layers", ()) or ())
+    if dense and family.model_type == "mixtral":
+        return (f"{family.architecture} makes every layer sparse, but the model has dense_layers="
+                f"{dense}")
     if family.fixed_norm_topk is not None and family.fixed_norm_topk != model.norm_topk_prob:
         return (f"{family.architecture} always renormalizes the top-k router weights, but the "
                 f"model has norm_topk_prob={model.norm_topk_prob}")
@@ -463,7 +483,9 @@ def _moe_config(model: Any, family: Family) -> dict[str, Any]:
     if family.model_type == "mixtral":
         config.update(sliding_window=None, router_jitter_noise=0.0)
     else:
-        config.update(decoder_sparse_step=1, mlp_only_layers=[],
+        # the dense layers listed one by one; a checkpoint's decoder_sparse_step comes back as 1
+        # with the same layers in mlp_only_layers, which transformers reads as the same model
+        config.update(decoder_sparse_step=1, mlp_only_layers=list(getattr(model, "dense_layers", ()) or ()),
                       norm_topk_prob=bool(model.norm_topk_prob))
     if family.shared_expert:
         config.update(shared_expert_intermediate_size=int(model.shared_expert_features),

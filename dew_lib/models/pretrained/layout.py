@@ -7,6 +7,10 @@ The decoder stacks its layers: `model.layers.{i}.…` is index i on the leading 
 under `params["layers"]`. The list is in the order transformers writes its state dict, which is
 also the order Dew saves in.
 
+With dense layers among sparse ones (`dense_layers`), an MLP's leaves are stacked over the layers
+of its kind only (models/decoder_stack.py): layer i's tensors go to its row among the sparse or
+among the dense layers, its attention and norms to row i.
+
 A mixture-of-experts layer keeps its routed experts stacked too: the Hub's per-expert tensors
 `model.layers.{i}.mlp.experts.{j}.gate_proj.weight` (Mixtral: `block_sparse_moe.experts.{j}.w1`)
 are index `[i, j]` of `params["layers"]["experts"]["gate_proj"]` `[L, E, X, M]`. That per-expert
@@ -103,8 +107,13 @@ def tensors(model: Any, family: Any = None, *, fused: bool = False) -> list[Tens
         raise ValueError(f"a model with experts={experts} needs its MoE family to name its tensors")
     out = [Tensor("model.embed_tokens.weight", ("embed_tokens", "embedding"),
                   (model.vocab_size, e), False)]
+    dense = set(getattr(model, "dense_layers", ()) or ())
+    seen = {True: 0, False: 0}  # layers of each kind so far: a layer's row in its MLP's leaves
     for i in range(model.num_layers):
         at = (f"model.layers.{i}", i)
+        sparse = bool(experts) and i not in dense
+        mlp = (at[0], seen[sparse])
+        seen[sparse] += 1
         out += _linear(*at, "self_attn.q_proj", "q_proj", h * d, e, bias)
         out += _linear(*at, "self_attn.k_proj", "k_proj", kv * d, e, bias)
         out += _linear(*at, "self_attn.v_proj", "v_proj", kv * d, e, bias)
@@ -112,12 +121,12 @@ def tensors(model: Any, family: Any = None, *, fused: bool = False) -> list[Tens
         if model.qk_norm:
             out += _norm(*at, "self_attn.q_norm", "q_norm", d)
             out += _norm(*at, "self_attn.k_norm", "k_norm", d)
-        if experts:
-            out += _sparse(*at, model, family, fused)
+        if sparse:
+            out += _sparse(*mlp, model, family, fused)
         else:
-            out += _linear(*at, "mlp.gate_proj", "gate_proj", m, e)
-            out += _linear(*at, "mlp.up_proj", "up_proj", m, e)
-            out += _linear(*at, "mlp.down_proj", "down_proj", e, m)
+            out += _linear(*mlp, "mlp.gate_proj", "gate_proj", m, e)
+            out += _linear(*mlp, "mlp.up_proj", "up_proj", m, e)
+            out += _linear(*mlp, "mlp.down_proj", "down_proj", e, m)
         out += _norm(*at, "input_layernorm", "input_layernorm", e)
         out += _norm(*at, "post_attention_layernorm", "post_attention_layernorm", e)
     out.append(Tensor("model.norm.weight", ("norm", "weight"), (e,), False))

@@ -83,7 +83,7 @@ class Pretrained:
         # coefficient (a training option: the forward pass and the tensors do not depend on it)
         # and, when every layer is sparse, the unused dense MLP width.
         skipped = {"rope_theta", "rope_scaling", "router_aux_loss_coef"}
-        if options.get("experts"):
+        if options.get("experts") and not options.get("dense_layers"):
             skipped.add("mlp_features")
         actual = {key: getattr(self.model, key, None) for key in options if key not in skipped}
         actual["num_kv_heads"] = self.model.kv_heads
