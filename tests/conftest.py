@@ -31,22 +31,25 @@ import jax  # noqa: E402
 # code is plainer; the tiny pipelines of the Prefect tests gain as much. A module that runs big
 # arrays (a test marked `optimized`, such as the GSM8K pipeline's 151,669-id head, which took 2.2x
 # the CPU time compiled plainly) keeps them.
-# DEW_TEST_PLAIN_COMPILE=0 compiles everything fully, to compare.
+# The module's choice holds in every process its tests start (the environment variable), save those
+# started with an environment of their own. DEW_TEST_PLAIN_COMPILE=0 compiles everything fully.
 PLAIN = os.environ.get("DEW_TEST_PLAIN_COMPILE", "1") != "0"
-PLAIN_COMPILE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"} if PLAIN else {}  # for the tiny jobs tests launch
 _OPTIMIZED_MODULES: set[str] = set()
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _compiled_code_freed_after_each_module(request):
+def _compilation_per_module(request):
     """Compile with the effort the module needs (above), and drop every compiled executable once
     the module is done. A worker runs hundreds of modules, and JAX keeps what each compiled for
     the life of the process: without this a worker's memory grows with every module it has run."""
-    jax.config.update("jax_disable_most_optimizations", PLAIN and request.module.__name__ not in _OPTIMIZED_MODULES)
+    plain = PLAIN and request.module.__name__ not in _OPTIMIZED_MODULES
+    jax.config.update("jax_disable_most_optimizations", plain)
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1" if plain else "0"  # and every process it starts
     yield
     import gc
 
     jax.config.update("jax_disable_most_optimizations", False)
+    os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
     jax.clear_caches()
     gc.collect()
 
@@ -173,7 +176,7 @@ def run_on_host_devices(script: str, devices: int = 2, timeout: float = 120) -> 
     """Run a Python `script` in a fresh process whose CPU is split into `devices` XLA devices
     (the count is fixed when JAX starts, so it cannot change inside this process); returns its
     stdout. The tests' directory is importable, so the script can use `conftest`."""
-    env = dict(os.environ, **PLAIN_COMPILE, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,
@@ -191,7 +194,7 @@ def worker_job(processes, local_devices, recipes, out, *extra, check=True, env=N
     command = [sys.executable, "-m", "dew_lib.cli", "launch", "--processes", str(processes),
                "--local-devices", str(local_devices), "--", sys.executable, WORKER, recipes, str(out), *extra]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **PLAIN_COMPILE, **(env or {})})
+                          env={**os.environ, **(env or {})})
     if check:
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     return done
