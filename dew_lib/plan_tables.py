@@ -60,4 +60,4 @@ MOE_MODELS: Mapping[str, Mapping[str, Any]] = {
                      "router_aux_loss_coef": 0.02},
 }
 MODELS = {**MODELS, **MOE_MODELS}
-STAGES = ("sft", "dpo", "grpo", "ppo")
+STAGES = ("sft", "dpo", "grpo", "ppo", "distill")

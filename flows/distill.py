@@ -1,9 +1,12 @@
-"""distill: on-policy distillation of a saved policy (the student) from a teacher checkpoint.
+"""distill: on-policy distillation of a saved policy (the student) from a frozen teacher.
 
-The student samples a completion for each GRPO prompt, the frozen teacher (`params.teacher`, a
-Hugging Face checkpoint with the student's tokenizer) scores every sampled token, and the student
-moves towards the teacher's next-token distributions (dew_lib/objectives/distill.py,
-docs/distill.md). Every sampled session is recorded with reward = its negative mean per-token KL.
+The student samples a completion for each GRPO prompt, the teacher scores every sampled token,
+and the student moves towards the teacher's next-token distributions (dew_lib/objectives/distill.py,
+docs/distill.md). The teacher is `params.teacher`, a Hugging Face checkpoint with the student's
+tokenizer loaded in the stage's process, or `params.teacher_url` with `params.teacher_model`, an
+engine (vLLM, `dew serve`) that reports its log-prob of each sampled id (loss 'reverse_kl' only).
+Every sampled session is recorded with reward = its negative mean per-token KL. The stage's key
+reads the teacher checkpoint's files, or the served teacher's URL and model name.
 """
 
 from __future__ import annotations

@@ -283,7 +283,8 @@ class GRPOParams(GRPOOptions, TextStageParams):
 
 class DistillParams(DistillOptions, TextStageParams):
     """On-policy distillation of the policy (the student) from the teacher checkpoint `teacher`,
-    on the GRPO stage's prompts (docs/distill.md, The pipeline stage)."""
+    or the teacher an engine serves at `teacher_url` as `teacher_model`, on the GRPO stage's
+    prompts (docs/distill.md, The pipeline stage)."""
 
     max_prompt_len: int = Field(24, ge=2, description="prompt ids kept (left-padded)")
 
@@ -366,7 +367,8 @@ class PipelineParams(Params):
     distill: DistillParams = DistillParams()
     stages: tuple[Literal["sft", "dpo", "grpo", "distill"], ...] = Field(
         ("sft", "dpo", "grpo"), description="stages to run, in order; 'grpo' is the RL stage, trained "
-        "with the algorithm `rl` names; 'distill' distils distill.teacher into the policy on the GRPO prompts")
+        "with the algorithm `rl` names; 'distill' distils distill.teacher (or the teacher served at "
+        "distill.teacher_url) into the policy on the GRPO prompts")
     tracking: TrackerOptions = Field(default_factory=TrackerOptions, description="TensorBoard, MLflow and "
                                      "W&B runs of every training stage, beside the run store (docs/trackers.md)")
 
@@ -383,10 +385,11 @@ class PipelineParams(Params):
 
     @model_validator(mode="after")
     def _teacher_given(self) -> PipelineParams:
-        if "distill" in self.stages and self.distill.teacher is None:
-            raise ValueError("stages has 'distill' and distill.teacher is empty: give the teacher's Hugging Face "
-                             "checkpoint directory, with the student's tokenizer (e.g. the policy an SFT "
-                             "stage of a larger model wrote)")
+        if "distill" in self.stages and self.distill.teacher is None and self.distill.teacher_url is None:
+            raise ValueError("stages has 'distill' and both distill.teacher and distill.teacher_url are empty: give "
+                             "the teacher's Hugging Face checkpoint directory in distill.teacher, with the student's "
+                             "tokenizer (e.g. the policy an SFT stage of a larger model wrote), or the base URL of "
+                             "an engine serving it in distill.teacher_url (with distill.teacher_model)")
         return self
 
     @model_validator(mode="after")

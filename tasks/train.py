@@ -8,8 +8,8 @@ the run store, the UI and the two kinds of resume.
 
 A stage works in the directory of its inputs, `runs/<name>/<stage>/<key[:12]>/` (key: the
 fingerprint of its parameters, data, starting policy, seed and, for GRPO, reward parameters, for
-distill, the teacher checkpoint; tasks/storage.py `stage_directory`), so two kinds of resume meet
-here and neither crosses inputs:
+distill, the teacher checkpoint or served teacher; tasks/storage.py `stage_directory`), so two
+kinds of resume meet here and neither crosses inputs:
   * a retry (an exception, or the process killed and the flow run again with the same inputs)
     continues from the last checkpoint in that directory: `Trainer.fit` restores it, and the
     store drops what earlier attempts recorded after that checkpoint;
@@ -170,18 +170,20 @@ def _build(kind: str, params: StageParams, pretrained, variables, data: DataMani
 
 def _build_distill(params: DistillParams, pretrained, variables, data: DataManifest, tokenizer_dir: str,
                    seed: int, writer) -> Built:
-    """Distillation of the policy from `params.teacher` on the GRPO prompts; a teacher that
-    cannot teach this student (another vocabulary) refuses the run."""
+    """Distillation of the policy from `params.teacher`, or from the teacher served at
+    `params.teacher_url`, on the GRPO prompts; a teacher that cannot teach this student (another
+    vocabulary; a served one whose context is too short for the rows) refuses the run. A served
+    teacher's vocabulary cannot be checked: its engine reports no tokenizer."""
     model, tokenizer = pretrained.model, pretrained.tokenizer
     spec = Prompts(path=_needs(data.prompts_path, "distill", "prompts (prompts_path)"),
                    max_prompt_len=params.max_prompt_len, tokenizer=tokenizer_dir,
                    pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
     try:
-        teacher = load_teacher(params, model, tokenizer=load_tokenizer(tokenizer_dir))
-    except ValueError as error:
+        teacher = None if params.remote else load_teacher(params, model, tokenizer=load_tokenizer(tokenizer_dir))
+        return build_distill(model, variables, spec, params, eos_id=tokenizer.eos_token_id,
+                             decode=completion_text(tokenizer), teacher=teacher, writer=writer)
+    except ValueError as error:  # an engine that fails to answer raises EngineError, which a retry may pass
         raise RunRefused(f"distill: {error}") from None
-    return build_distill(model, variables, spec, params, eos_id=tokenizer.eos_token_id,
-                         decode=completion_text(tokenizer), teacher=teacher, writer=writer)
 
 
 def _server(params: GRPOParams, pretrained):
@@ -200,7 +202,7 @@ def _labels(stage: str) -> dict[str, str]:
     """How the log names each group of a stage's inputs when they changed."""
     return {"params": f"{stage} parameters", "data": "the data", "start": "the starting policy",
             "seed": "seed", "reward": "reward parameters", "tools": "tool parameters",
-            "ppo": "PPO parameters", "teacher": "the teacher checkpoint"}
+            "ppo": "PPO parameters", "teacher": "the teacher"}
 
 
 def stage_inputs(kind: str, params: StageParams, data: DataManifest, start: PolicyRef, seed: int,
@@ -208,7 +210,8 @@ def stage_inputs(kind: str, params: StageParams, data: DataManifest, start: Poli
                  ppo: PPOParams | None = None) -> tuple[str, dict]:
     """The stage's fingerprint and the inputs it is computed from (inputs.json): its parameters
     (`keyed`) but `log_every` and `max_minutes`, the data, the starting policy, the seed and, for
-    the RL stage, the reward, tool and PPO parameters; for distillation, the teacher checkpoint's."""
+    the RL stage, the reward, tool and PPO parameters; for distillation, the teacher checkpoint's
+    files, or a served teacher's URL and model name (what it serves cannot be fingerprinted)."""
     relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
     if isinstance(relevant, GRPOParams) and relevant.rollout.remote:
         # Native or remote, the wire format and the log-probabilities decide the rollouts; where
@@ -228,6 +231,9 @@ def stage_inputs(kind: str, params: StageParams, data: DataManifest, start: Poli
     extra = {name: keyed(group) for name, group in groups.items()}
     if isinstance(params, DistillParams) and params.teacher is not None:
         extra["teacher"] = checkpoint_fingerprint(params.teacher)  # a new teacher at the same path too
+        keys.append(extra["teacher"])
+    elif isinstance(params, DistillParams) and params.remote:
+        extra["teacher"] = {"url": params.teacher_url, "model": params.teacher_model}
         keys.append(extra["teacher"])
     key = fingerprint(kind, dumped, data.fingerprint, start.fingerprint, seed, *keys)
     inputs = {"params": dumped, "data": data.fingerprint, "start": start.fingerprint, "seed": seed, **extra}

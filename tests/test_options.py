@@ -104,7 +104,7 @@ def test_no_option_of_the_library_is_declared_again_by_the_pipeline():
         if (not isinstance(cls, type) or not issubclass(cls, Options)
                 or not cls.__module__.startswith("tasks.params")):
             continue
-        library = {name for base in cls.__mro__ if base.__module__ == "dew_lib.recipes.options"
+        library = {name for base in cls.__mro__ if base.__module__.startswith("dew_lib.recipes.options")
                    for name in getattr(base, "model_fields", {})}
         restated = library & set(vars(cls).get("__annotations__", {}))
         assert not restated, f"{cls.__name__} declares {restated} again"

@@ -1,8 +1,10 @@
-"""The pipeline's `distill` stage: a student checkpoint distilled from a teacher checkpoint through
-the Prefect flow, its sessions and metrics checked through the run store; and its options'
-refusals, which need no flow."""
+"""The pipeline's `distill` stage: a student checkpoint distilled through the Prefect flow from a
+teacher checkpoint, and from the same teacher served by `dew serve` on 127.0.0.1, its sessions and
+metrics checked through the run store; and its options' refusals and keys, which need no flow."""
 
+import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -37,11 +39,39 @@ def save_decoder(directory, vocab_size: int, emb_features: int, num_layers: int,
 # ----- the options' refusals (fast) --------------------------------------------------------------
 
 def test_the_distill_stage_needs_a_teacher_and_names_the_field(tmp_path):
-    with pytest.raises(ValidationError, match="distill.teacher is empty"):
+    with pytest.raises(ValidationError, match="both distill.teacher and distill.teacher_url are empty"):
         PipelineParams(root=str(tmp_path), stages=["distill"])
     with pytest.raises(ValidationError, match="distill.teacher=.*not a Hugging Face checkpoint"):
         DistillParams(teacher=str(tmp_path))
     PipelineParams(root=str(tmp_path), stages=["sft", "grpo"])  # no distill stage, no teacher needed
+
+
+URL = "http://127.0.0.1:8000/v1"
+
+
+def test_a_teacher_is_a_checkpoint_or_an_engine_never_both(tmp_path):
+    teacher = save_decoder(tmp_path / "teacher", vocab_size=40, emb_features=16, num_layers=1)
+    served = dict(teacher_url=URL, teacher_model="teacher", loss="reverse_kl")
+    with pytest.raises(ValidationError, match=r"teacher=.* and teacher_url=.* are both set.*clear one of teacher "
+                                              "and teacher_url"):
+        DistillParams(teacher=teacher, **served)
+    with pytest.raises(ValidationError, match="teacher_url is set and teacher_model is empty"):
+        DistillOptions(teacher_url=URL, loss="reverse_kl")
+    with pytest.raises(ValidationError, match="teacher_model is set and teacher_url is empty"):
+        DistillOptions(teacher_model="teacher")
+    with pytest.raises(ValidationError, match="teacher_url='127.0.0.1:8000' is not an http"):
+        DistillOptions(teacher_url="127.0.0.1:8000", teacher_model="teacher", loss="reverse_kl")
+    # The engine reports the log-prob of each sampled id only: the JSD, and a loss temperature, are refused.
+    with pytest.raises(ValidationError, match="teacher_url serves the teacher.*loss='jsd'.*set loss='reverse_kl'"):
+        DistillParams(teacher_url=URL, teacher_model="teacher")
+    with pytest.raises(ValidationError, match="teacher_url serves .* temperature=0.5 .* set temperature=1.0"):
+        DistillParams(temperature=0.5, **served)
+    options = DistillParams(teacher_url=URL + "/", teacher_model="teacher", loss="reverse_kl", sampling_temperature=0.7)
+    assert options.remote and options.teacher_url == URL and not DistillOptions(teacher=teacher).remote
+    PipelineParams(root=str(tmp_path), stages=["distill"], distill=served)  # a served teacher is a teacher
+    # The library's builder asks for a served teacher by name; load_teacher has no checkpoint to load.
+    with pytest.raises(ValueError, match=f"teacher_url='{URL}' is served: build it with remote_teacher"):
+        load_teacher(DistillOptions(**served), None)
 
 
 def test_reverse_kl_and_the_pipeline_train_on_the_student_s_own_samples_only(tmp_path):
@@ -93,8 +123,19 @@ def test_the_stage_s_key_reads_the_teacher_checkpoint(tmp_path):
     params = DistillParams(teacher=teacher)
     key, inputs = stage_inputs("distill", params, data, start, 0)
     assert set(inputs) == {"params", "data", "start", "seed", "teacher"}
+    # The served teacher's fields, while empty, are not in a checkpoint teacher's key (earlier keys hold).
+    assert not {"teacher_url", "teacher_model"} & set(inputs["params"])
     os.utime(os.path.join(teacher, "model.safetensors"), (1, 1))  # the teacher rewritten in place
     assert stage_inputs("distill", params, data, start, 0)[0] != key
+    # A served teacher is keyed by where it is served and under which name.
+    served = DistillParams(teacher_url=URL, teacher_model="teacher", loss="reverse_kl")
+    key, inputs = stage_inputs("distill", served, data, start, 0)
+    assert inputs["teacher"] == {"url": URL, "model": "teacher"}
+    other_model = served.model_copy(update={"teacher_model": "bigger"})
+    other_url = served.model_copy(update={"teacher_url": "http://127.0.0.1:8001/v1"})
+    keys = {key, stage_inputs("distill", other_model, data, start, 0)[0],
+            stage_inputs("distill", other_url, data, start, 0)[0]}
+    assert len(keys) == 3
 
 
 # ----- the stage in the pipeline (slow) ----------------------------------------------------------
@@ -104,17 +145,40 @@ def harness(prefect_harness):
     yield
 
 
-@pytest.mark.slow
-def test_the_pipeline_distils_a_teacher_into_a_student_and_records_it(harness, tmp_path):
+@pytest.fixture(scope="module")
+def taught(harness, tmp_path_factory):
+    """The teacher: the pipeline's SFT stage on a decoder twice the student's width and depth."""
     from flows.pipeline import pipeline
 
-    # The teacher: the pipeline's SFT stage on a decoder twice the student's width and depth.
     bigger = dict(TINY["model"], emb_features=64, num_layers=2, mlp_features=128)
-    taught = pipeline(tiny(tmp_path, name="teacher", model=bigger, stages=["sft"],
-                           sft=dict(TINY["sft"], steps=12, batch=8, learning_rate=1e-2, log_every=4,
-                                    checkpoint_every=12),
-                           evaluation=dict(TINY["evaluation"], samples=0)))
-    teacher = taught["policy"]
+    return pipeline(tiny(tmp_path_factory.mktemp("teacher"), name="teacher", model=bigger, stages=["sft"],
+                         sft=dict(TINY["sft"], steps=12, batch=8, learning_rate=1e-2, log_every=4,
+                                  checkpoint_every=12),
+                         evaluation=dict(TINY["evaluation"], samples=0)))["policy"]
+
+
+def check_sessions(root, run: str, steps: int, batch: int) -> dict[int, float]:
+    """Every sampled session landed, with reward = its negative mean per-token KL: weighted by
+    length, each update's rewards give back the step's logged kl. Returns the kl by step."""
+    sessions = query(root, f"SELECT s.update, s.reward, len(c.sampled_ids) FROM sessions s JOIN calls c "
+                           f"ON c.run = s.run AND c.session_uid = s.session_uid "
+                           f"WHERE s.run = '{run}' AND s.stage = 'distill'")
+    assert len(sessions) == steps * batch and all(n > 0 for _, _, n in sessions)
+    kl = dict(query(root, f"SELECT step, value FROM metrics WHERE run = '{run}' AND stage = 'distill' "
+                          "AND name = 'kl' ORDER BY step"))
+    assert sorted(kl) == list(range(1, steps + 1))
+    for update in range(steps):
+        rows = [(reward, n) for u, reward, n in sessions if u == update]
+        weighted = -sum(reward * n for reward, n in rows) / sum(n for _, n in rows)
+        assert weighted == pytest.approx(kl[update + 1], rel=1e-3, abs=1e-4)
+    return kl
+
+
+@pytest.mark.slow
+def test_the_pipeline_distils_a_teacher_into_a_student_and_records_it(taught, tmp_path):
+    from flows.pipeline import pipeline
+
+    teacher = taught
     # The student: a fresh tiny decoder with the teacher's tokenizer, saved as a checkpoint.
     tokenizer = load_pretrained(teacher).tokenizer
     student = save_decoder(tmp_path / "student", vocab_size=len(tokenizer), emb_features=32, num_layers=1,
@@ -130,19 +194,7 @@ def test_the_pipeline_distils_a_teacher_into_a_student_and_records_it(harness, t
     assert list(outcome["accuracy"]) == ["start", "distill"]
     stages = dict(query(tmp_path, f"SELECT stage, kind || ':' || status FROM stages WHERE run = '{run}'"))
     assert stages["distill"] == "distill:completed" and stages["eval-distill"].endswith(":completed")
-    # Every sampled session landed, with reward = its negative mean per-token KL: weighted by
-    # length, each update's rewards give back the step's logged kl.
-    sessions = query(tmp_path, f"SELECT s.update, s.reward, len(c.sampled_ids) FROM sessions s JOIN calls c "
-                               f"ON c.run = s.run AND c.session_uid = s.session_uid "
-                               f"WHERE s.run = '{run}' AND s.stage = 'distill'")
-    assert len(sessions) == steps * batch and all(n > 0 for _, _, n in sessions)
-    kl = dict(query(tmp_path, f"SELECT step, value FROM metrics WHERE run = '{run}' AND stage = 'distill' "
-                              "AND name = 'kl' ORDER BY step"))
-    assert sorted(kl) == list(range(1, steps + 1))
-    for update in range(steps):
-        rows = [(reward, n) for u, reward, n in sessions if u == update]
-        weighted = -sum(reward * n for reward, n in rows) / sum(n for _, n in rows)
-        assert weighted == pytest.approx(kl[update + 1], rel=1e-3, abs=1e-4)
+    kl = check_sessions(tmp_path, run, steps, batch)
     # The student moved towards the teacher: its KL on its own samples fell.
     values = [kl[step] for step in sorted(kl)]
     assert np.mean(values[-3:]) < 0.7 * np.mean(values[:2]), values
@@ -157,3 +209,46 @@ def test_the_pipeline_distils_a_teacher_into_a_student_and_records_it(harness, t
     again = pipeline(params)
     assert again["run"] == run and again["reused"]["distill"]
     assert again["accuracy"] == outcome["accuracy"]
+
+
+@pytest.mark.slow
+def test_the_pipeline_distils_a_teacher_served_by_dew_serve(taught, tmp_path):
+    from dew_lib.serve import ServedPolicy, create_app, running
+    from flows.pipeline import pipeline
+
+    tokenizer = load_pretrained(taught).tokenizer
+    student = save_decoder(tmp_path / "student", vocab_size=len(tokenizer), emb_features=32, num_layers=1,
+                           tokenizer=tokenizer, seed=1)
+    steps, batch, budget = 4, 4, 8
+    # What `dew serve <teacher> --capacity 64 --served-model-name teacher` serves, in a thread.
+    policy = ServedPolicy.load(taught, slots=4, capacity=64, steps=4, served_model_name="teacher")
+    try:
+        with running(create_app(policy)) as url:
+            served = dict(teacher_url=f"{url}/v1", teacher_model="teacher", loss="reverse_kl")
+            params = tiny(tmp_path, name="served", model=dict(pretrained=student), stages=["distill"],
+                          distill=dict(served, steps=steps, batch=batch, max_new_tokens=budget, learning_rate=1e-2,
+                                       log_every=1, checkpoint_every=steps, device_memory="h200"),
+                          evaluation=dict(TINY["evaluation"], samples=0))
+            with run_log() as lines:
+                outcome = pipeline(params)
+    finally:
+        policy.close()
+    run = outcome["run"]
+    stages = dict(query(tmp_path, f"SELECT stage, kind || ':' || status FROM stages WHERE run = '{run}'"))
+    assert stages["distill"] == "distill:completed" and stages["eval-distill"].endswith(":completed")
+    kl = check_sessions(tmp_path, run, steps, batch)
+    assert all(np.isfinite(value) for value in kl.values())
+    names = {name for (name,) in query(tmp_path, f"SELECT DISTINCT name FROM metrics WHERE run = '{run}' "
+                                                 "AND stage = 'distill'")}
+    assert {"loss", "kl", "on_policy"} <= names and "entropy" not in names  # reverse_kl reports no entropy
+    # Which teacher: the stage's inputs (its key) and its row in the store name the engine and the model.
+    inputs = json.loads(open(os.path.join(os.path.dirname(outcome["policy"]), "inputs.json")).read())["inputs"]
+    assert inputs["teacher"] == {"url": f"{url}/v1", "model": "teacher"}
+    assert inputs["params"]["teacher_url"] == f"{url}/v1" and inputs["params"]["teacher"] is None
+    (recorded,) = query(tmp_path, f"SELECT params FROM stages WHERE run = '{run}' AND stage = 'distill'")[0]
+    recorded = json.loads(recorded)
+    assert (recorded["teacher_url"], recorded["teacher_model"], recorded["teacher"]) == (f"{url}/v1", "teacher", None)
+    assert load_pretrained(outcome["policy"]).model.emb_features == 32  # the student, trained
+    # Planned before it trained, with the engine's log-probs in the batch and no teacher held in process.
+    plan = next(line for line in lines if line.startswith("distill fits: "))
+    assert f"distill: {batch} rows of {24 + budget} ids a step" in plan and re.search(r"reference +0.00 GB", plan)

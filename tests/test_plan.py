@@ -77,3 +77,37 @@ def test_dew_plan_refuses_what_it_cannot_read():
     assert uneven.returncode == 1
     assert "3 rows a micro-step do not split over the mesh's data x fsdp = 2" in uneven.stderr
     assert DEVICE_BYTES["h200"] == 143_771 * 2**20
+
+
+def test_distill_plans_the_student_and_a_frozen_teacher_copy_as_a_real_step_holds_them():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from dew_lib import Trainer, models
+    from dew_lib.models.pretrained.families import decoder_options
+    from dew_lib.objectives import DistillObjective
+    from dew_lib.train.mesh import MeshSpec
+    from dew_lib.train.plan import _batch, plan
+
+    mesh = MeshSpec()
+    predicted = plan(SMALL, stage="distill", mesh=mesh, seq_len=33, batch=8, dtype="float32", device=10**9)
+    # The student and its optimizer, and the teacher (of the student's config) frozen beside them.
+    assert predicted.reference == predicted.parameters and predicted.fits is True
+    assert predicted.report().startswith("distill: 8 rows of 33 ids a step")
+    # A real distillation from a teacher of that config holds those bytes, and its step compiles to that peak.
+    model = models.build("causal_transformer", **decoder_options(SMALL)[1], attention_kernel="blockwise")
+    teacher = model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))
+    objective = DistillObjective(model, 32, teacher_model=model, teacher=teacher, loss="jsd")
+    trainer = Trainer(objective, optax.adamw(1e-6), key=jax.random.key(0), mesh=mesh)
+    state = trainer.initial_state()
+
+    def held(tree):
+        return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+    assert [held(state.params), held(state.opt_state), held(state.ema)] == [
+        predicted.parameters, predicted.optimizer, predicted.reference]
+    batch = jax.tree.map(lambda s: np.ones(s.shape, s.dtype), _batch("distill", 8, 33, objective))
+    real = trainer._steps[True].lower(state, trainer._shard(batch)).compile().memory_analysis().temp_size_in_bytes
+    assert abs(predicted.temporary - real) <= 0.1 * real, (predicted.temporary, real)

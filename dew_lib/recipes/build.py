@@ -12,7 +12,8 @@ options) both build every stage here, so the two cannot drift:
                                      ScheduledRollout: RolloutScheduler + PromptSource on a
                                      NativeRolloutServer (mode "async", scheduled.py)
     Prompts      + DistillOptions -> DistillObjective against the teacher checkpoint
-                                     options.teacher, with a DistillRollout (the student samples)
+                                     options.teacher, or the RemoteTeacher served at
+                                     options.teacher_url, with a DistillRollout (the student samples)
 
 A builder returns `Built(objective, dataset, rollout, eval_every)`; the caller picks the optimizer
 and key, makes the Trainer and fits it, then calls `Built.close()` (which stops an async stage's
@@ -39,10 +40,13 @@ import jax
 
 from dew_lib.data import ChatMessages, Dataset, PreferencePairs, Prompts, UnpairedExamples
 from dew_lib.data.chat import Role
+from dew_lib.inference.openai_engine import OpenAICompletion
+from dew_lib.inference.remote_teacher import RemoteTeacher
 from dew_lib.models import load_pretrained
 from dew_lib.objectives import DistillObjective, DPOObjective, KTOObjective, LMObjective
 from dew_lib.options import integer
-from dew_lib.recipes.options import DistillOptions, DPOOptions, GRPOOptions, SFTOptions
+from dew_lib.recipes.options import DPOOptions, GRPOOptions, SFTOptions
+from dew_lib.recipes.options_distill import DistillOptions
 from dew_lib.recipes.recorded import RecordedRollout, Verdicts, sampled_sessions
 from dew_lib.recipes.scheduled import ScheduledRollout
 from dew_lib.rollouts import DistillRollout, SampledRollout
@@ -58,12 +62,15 @@ class Built:
     rollout: Any = None
     eval_every: int | None = None
     model: Any = None  # the model trained: the one given, with adapters when the options' lora asks
+    teacher: Any = None  # a distill stage's RemoteTeacher, whose request threads close with the stage
 
     def close(self) -> None:
-        """Stop what the rollout runs (an async stage's scheduler, source and server)."""
-        close = getattr(self.rollout, "close", None)
-        if close is not None:
-            close()
+        """Stop what the rollout runs (an async stage's scheduler, source and server) and a remote
+        teacher's request threads."""
+        for part in (self.rollout, self.teacher):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
 
 
 ADAPTER_KEY = 0  # seeds the adapters' A when a builder is given no key
@@ -157,10 +164,13 @@ def load_teacher(options: DistillOptions, student, tokenizer=None) -> tuple[Any,
     """`(model, variables)` of the checkpoint `options.teacher`, refused with the field named when
     it is empty or its vocabulary is not the student's: another vocab_size, or, when both the
     teacher's directory and the caller (`tokenizer`, what the prompts are encoded with) have a
-    tokenizer, another token -> id map."""
+    tokenizer, another token -> id map. A served teacher (`options.teacher_url`) is not loaded:
+    see `remote_teacher`."""
     if options.teacher is None:
+        served = (f" (teacher_url={options.teacher_url!r} is served: build it with remote_teacher)"
+                  if options.remote else "")
         raise ValueError("DistillOptions.teacher is empty: give the teacher's Hugging Face checkpoint directory "
-                         "(e.g. the policy directory of an SFT stage of a larger model)")
+                         f"(e.g. the policy directory of an SFT stage of a larger model){served}")
     teacher = load_pretrained(options.teacher, tokenizer=tokenizer is not None)
     ours, theirs = getattr(student, "vocab_size", None), getattr(teacher.model, "vocab_size", None)
     if ours != theirs:
@@ -175,13 +185,31 @@ def load_teacher(options: DistillOptions, student, tokenizer=None) -> tuple[Any,
     return teacher.model, teacher.variables
 
 
+def remote_teacher(options: DistillOptions) -> RemoteTeacher:
+    """The `RemoteTeacher` served at `options.teacher_url` (an OpenAI-compatible base URL, /v1
+    included) under the name `options.teacher_model`, on an `openai` client made as a remote
+    rollout engine's is (recipes/remote.py; RemoteTeacher sets its timeouts and retries). Its
+    vocabulary cannot be compared with the student's: the engine reports log-probs of the ids it
+    is given, not its tokenizer, so a teacher with another tokenizer trains on wrong numbers."""
+    import openai
+
+    if options.teacher_url is None or options.teacher_model is None:
+        raise ValueError("DistillOptions.teacher_url and teacher_model are empty: give the served teacher's "
+                         "base URL and model name, or a checkpoint in DistillOptions.teacher")
+    client = openai.OpenAI(base_url=options.teacher_url, api_key="EMPTY")
+    return RemoteTeacher(OpenAICompletion(options.teacher_model, client))
+
+
 def build_distill(model, variables, data: Prompts, options: DistillOptions, *,
                   eos_id: int | Sequence[int] | None = None, decode: Callable[[Sequence[int]], str] | None = None,
-                  teacher: tuple[Any, Any] | None = None, writer=None, key: jax.Array | None = None) -> Built:
+                  teacher: tuple[Any, Any] | RemoteTeacher | None = None, writer=None,
+                  key: jax.Array | None = None) -> Built:
     """On-policy distillation of the student `(model, variables)` (variables None: a fresh init)
-    from the teacher `options.teacher` (or `teacher`, a `(model, variables)` already loaded), on
-    the prompts of `data`; the student samples every step. A Prompts spec carries no completion
-    ids, so `options.lmbda` below 1 (steps on the data's completions) is refused here.
+    from the teacher the options name: the checkpoint `options.teacher`, or the engine at
+    `options.teacher_url` (or `teacher`: a `(model, variables)` already loaded, or a RemoteTeacher),
+    on the prompts of `data`; the student samples every step. A Prompts spec carries no completion
+    ids, so `options.lmbda` below 1 (steps on the data's completions) is refused here. A remote
+    teacher is closed by `Built.close()`, and its engine's context is checked here.
     eos_id, decode, writer, key: as `build_grpo`'s (writer records each sampled session with reward
     = its negative mean per-token KL to the teacher)."""
     if options.lmbda < 1:
@@ -189,17 +217,30 @@ def build_distill(model, variables, data: Prompts, options: DistillOptions, *,
                          "and prompts (Prompts) carry none: set lmbda=1.0 (the student's own samples every "
                          "step), or train DistillObjective with DistillRollout on batches that hold "
                          "'completion' ids (docs/distill.md)")
-    teacher_model, teacher_variables = teacher if teacher is not None else load_teacher(options, model)
-    model, variables = adapted(model, variables, options, key)
-    objective = DistillObjective(model, data.max_prompt_len + options.max_new_tokens - 1, teacher_model=teacher_model,
-                                 teacher=teacher_variables, loss=options.loss, beta=options.beta,
-                                 temperature=options.temperature, pretrained=variables)
-    decoded = {} if decode is None else {"decode": decode}
-    rollout: Any = DistillRollout(objective, max_new_tokens=options.max_new_tokens, sampling=options.sampling(eos_id),
-                                  lmbda=options.lmbda, **decoded)
+    if teacher is None:
+        teacher = remote_teacher(options) if options.remote else load_teacher(options, model)
+    served = teacher if isinstance(teacher, RemoteTeacher) else None
+    try:
+        model, variables = adapted(model, variables, options, key)
+        width = data.max_prompt_len + options.max_new_tokens - 1
+        common = dict(loss=options.loss, beta=options.beta, temperature=options.temperature, pretrained=variables)
+        if isinstance(teacher, RemoteTeacher):
+            objective = DistillObjective(model, width, teacher=teacher, **common)
+        else:
+            teacher_model, teacher_variables = teacher
+            objective = DistillObjective(model, width, teacher_model=teacher_model, teacher=teacher_variables,
+                                         **common)
+        decoded = {} if decode is None else {"decode": decode}
+        rollout: Any = DistillRollout(objective, max_new_tokens=options.max_new_tokens,
+                                      sampling=options.sampling(eos_id), lmbda=options.lmbda, **decoded)
+        dataset = data.load(batch=options.batch)
+    except BaseException:
+        if served is not None:
+            served.close()  # its request threads are already running
+        raise
     if writer is not None:
         rollout = RecordedRollout(rollout, sampled_sessions(rollout, writer))
-    return Built(objective=objective, dataset=data.load(batch=options.batch), rollout=rollout, model=model)
+    return Built(objective=objective, dataset=dataset, rollout=rollout, model=model, teacher=served)
 
 
-__all__ = ["Built", "build_distill", "build_dpo", "build_grpo", "build_sft", "load_teacher"]
+__all__ = ["Built", "build_distill", "build_dpo", "build_grpo", "build_sft", "load_teacher", "remote_teacher"]

@@ -18,6 +18,8 @@ reused (tasks/train.py `stage_inputs`). `RENAMED` maps a field's earlier name to
 parameters file or deployment that still uses the earlier name is read with a warning, and a
 stage's key reads the field under its earlier name and value, so renaming it kept every key.
 
+The distill stage's options are declared in options_distill.py and exported here as well.
+
 Not here: data specs (the loaders' own lengths), the pipeline's own choices (tasks/params.py).
 """
 
@@ -111,7 +113,8 @@ class TrainOptions(Options):
     log_every: int = Field(10, ge=1, description="steps per logged metric window")
     checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints (a retry resumes there)")
 
-    LATER = frozenset({"weight_decay", "schedule", "max_grad_norm", "lora"})
+    # Annotated so that type checkers read it from options_distill.py, across the import cycle.
+    LATER: ClassVar[frozenset[str]] = frozenset({"weight_decay", "schedule", "max_grad_norm", "lora"})
 
 
 class LoRAOptions(Options):
@@ -353,41 +356,6 @@ class GRPOOptions(Adapted, TrainOptions):
                              "reset them, or train GRPO")
 
 
-class DistillOptions(Adapted, TrainOptions):
-    """On-policy distillation from a frozen teacher (DistillObjective, DistillRollout, docs/distill.md)."""
-
-    steps: int = Field(60, ge=1, description="optimizer steps")
-    learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate")
-    batch: int = Field(8, ge=1, description="prompts per step (one completion each)")
-    teacher: str | None = Field(None, description="the teacher: a Hugging Face checkpoint directory "
-                                "(dew_lib.models.load_pretrained) with the student's vocabulary; required")
-    loss: Literal["jsd", "reverse_kl"] = Field(
-        "jsd", description="'jsd': TRL GKD's generalized JSD over the vocabulary; 'reverse_kl': "
-        "prime-rl's per-token reverse KL on the sampled ids as a policy gradient (lmbda=1 only)")
-    beta: float = Field(0.5, ge=0, le=1, description="jsd: 0 the forward KL(teacher || student), 1 the "
-                        "reverse KL, between the generalized JSD (TRL's beta)")
-    temperature: float = Field(1.0, gt=0, description="both models' logits are divided by this before "
-                               "they are compared (the loss's temperature)")
-    sampling_temperature: float = Field(1.0, gt=0, description="temperature the student samples at "
-                                        "(TRL GKD's generation temperature)")
-    lmbda: float = Field(1.0, ge=0, le=1, description="share of steps trained on the student's own "
-                         "samples; the others train on the data's completions (TRL's lmbda)")
-    max_new_tokens: int = Field(16, ge=1, description="response budget per completion")
-
-    @model_validator(mode="after")
-    def _on_policy(self) -> DistillOptions:
-        if self.loss == "reverse_kl" and self.lmbda < 1:
-            raise ValueError(f"DistillOptions.lmbda={self.lmbda} trains some steps on the data's completions, "
-                             "but loss='reverse_kl' is a policy gradient on the student's own samples and is "
-                             "biased on tokens it did not draw; set lmbda=1.0, or loss='jsd' for the mix")
-        return self
-
-    def sampling(self, eos_id: int | Sequence[int] | None) -> Sampling:
-        """How the student draws: at `sampling_temperature`, ending at `eos_id`."""
-        ends = eos_id if eos_id is None or isinstance(eos_id, int) else tuple(eos_id)
-        return Sampling(temperature=self.sampling_temperature, eos_id=ends)
-
-
 # What PPO's objective trains; GRPO's options that PPO reads must keep these values.
 PPO_POLICY = {"policy_loss": "ppo", "aggregation": "token-mean", "advantage_estimator": "group",
               "sequence_mask": None, "geometric_mask": None, "proximal": "in_update"}
@@ -494,6 +462,9 @@ def optimizer(options: TrainOptions, critic_learning_rate: float | None = None) 
         return update
     return optax.chain(optax.clip_by_global_norm(options.max_grad_norm), update)
 
+
+# Declared in its own module (options_distill.py), which reads the bases above; exported here too.
+from dew_lib.recipes.options_distill import DistillOptions  # noqa: E402
 
 __all__ = ["DPOOptions", "DistillOptions", "EpisodeOptions", "FlowGRPOOptions", "FlowPretrainOptions", "GRPOOptions",
            "Options", "PPOOptions", "Renamed", "SFTOptions", "TrainOptions", "optimizer"]

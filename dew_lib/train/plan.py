@@ -119,8 +119,9 @@ def plan(config: Mapping[str, Any], *, stage: str, mesh: MeshSpec, seq_len: int,
          dtype: str = "bfloat16", remat: bool = False, accumulate: int = 1,
          device: int | None = None) -> MemoryPlan:
     """Compile `stage`'s update for a model of `config` on this process's devices arranged as
-    `mesh` and return what device 0 holds. seq_len: ids per row; batch: rows (SFT, GRPO, PPO:
-    packed rows; DPO: pairs) per step, split over `accumulate` micro-steps. device: its memory."""
+    `mesh` and return what device 0 holds. seq_len: ids per row; batch: rows (SFT, GRPO, PPO,
+    distill: packed rows; DPO: pairs) per step, split over `accumulate` micro-steps. device: its
+    memory. Distill plans a teacher of the model's own config held in process (`_distill`)."""
     import optax
 
     from dew_lib import models
@@ -256,7 +257,24 @@ def _objective(stage: str, model: Any, seq_len: int):
         return DPOObjective(model, seq_len=seq_len, beta=0.1)
     if stage == "grpo":
         return GRPOObjective(model, seq_len=seq_len, beta=0.01)
+    if stage == "distill":
+        return _distill(model, seq_len)
     return PPOObjective(model, seq_len=seq_len, critic=ValueHead(model), beta=0.01)
+
+
+def _distill(model: Any, seq_len: int):
+    """Distillation (the pipeline's default loss, 'jsd', which holds both models' logits) from a
+    teacher of the student's own config, frozen in TrainState.ema as the other stages' reference
+    is. A bigger teacher holds more, and a remote teacher (on an engine) holds nothing here:
+    neither is planned."""
+    from dew_lib.objectives import DistillObjective
+
+    class TeacherCopy(DistillObjective):
+        def reference_params(self, params):
+            return params  # the teacher's shapes and shardings are the student's: nothing is allocated
+
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 8), jnp.int32))
+    return TeacherCopy(model, seq_len, teacher_model=model, teacher=shapes, loss="jsd")
 
 
 def _batch(stage: str, rows: int, width: int, objective: Any) -> Any:
@@ -272,8 +290,9 @@ def _batch(stage: str, rows: int, width: int, objective: Any) -> Any:
         return {"input_ids": pair, "completion_mask": pair}
     if stage == "distill":  # DistillRollout's packed rows, with one on_policy flag per row
         packed_ids = ("input_ids", "text_segment_ids", "text_positions", "response_mask", "session_index")
+        served = {"teacher_log_probs": floats} if getattr(objective, "remote", False) else {}  # a remote teacher's
         return {**dict.fromkeys(packed_ids, ids), "session_weights": floats,
-                "on_policy": jax.ShapeDtypeStruct((rows,), np.int32)}
+                "on_policy": jax.ShapeDtypeStruct((rows,), np.int32), **served}
     packed = dict(input_ids=ids, text_segment_ids=ids, text_positions=ids, response_mask=ids,
                   behavior_log_probs=floats, advantages=floats, session_index=ids, versions=ids,
                   call_index=ids, rewards=floats, session_weights=floats, old_log_probs=floats)
