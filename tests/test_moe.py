@@ -51,8 +51,8 @@ def test_grouped_dispatch_equals_every_expert_masked_forward_and_gradients(skew)
     np.testing.assert_allclose(moe.grouped_mlp(*args, block=16), every_expert(*args), rtol=1e-5, atol=1e-5)
     ours = jax.grad(lambda *a: loss(lambda *b: moe.grouped_mlp(*b, block=16), *a), argnums=(0, 2, 3, 4, 5))(*args)
     reference = jax.grad(lambda *a: loss(every_expert, *a), argnums=(0, 2, 3, 4, 5))(*args)
-    for a, b in zip(ours, reference, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    for a, b in zip(ours, reference, strict=True):  # float32 sums of terms as large as the leaf's largest (~1e4)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * float(np.abs(b).max()))
 
 
 def test_routing_is_the_top_k_of_the_router_softmax_renormalised():
