@@ -161,6 +161,18 @@ def shared_data():
     return SHARED_DATA
 
 
+@pytest.fixture
+def chromium():
+    """The headless browser's executable (tests/browser.py drives it); the test skips without one."""
+    from browser import find_chromium
+
+    path = find_chromium()
+    if path is None:
+        pytest.skip("chromium is not installed (`make browser-tools` installs it as root on Debian; "
+                    "or apt-get install chromium)")
+    return path
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     """Prefect's test harness (a temporary API and database), started once per test process for

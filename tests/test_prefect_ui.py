@@ -15,7 +15,7 @@ import textwrap
 import urllib.request
 
 import pytest
-from browser import Browser, find_chromium
+from browser import Browser
 
 from tasks.lifetimes import bound_child, free_port, stop, wait_until_healthy
 
@@ -59,15 +59,6 @@ def api_json(api: str, path: str, body: dict) -> list:
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as reply:
         return json.loads(reply.read())
-
-
-@pytest.fixture
-def chromium():
-    path = find_chromium()
-    if path is None:
-        pytest.skip("chromium is not installed (`make browser-tools` installs it as root on Debian; "
-                    "or apt-get install chromium)")
-    return path
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from browser import Browser, find_chromium
+from browser import Browser
 from test_pipeline import TINY
 
 from tasks.lifetimes import bound_child, free_port, stop
@@ -35,6 +35,7 @@ RUN_PARAMS = dict(TINY, stages=STAGES, tracking=dict(trackers=["tensorboard"]),
                   grpo=dict(steps=6, batch=2, groups=4, log_every=1, checkpoint_every=6, max_new_tokens=8))
 # the dashboard drew a chart card per shown tag, each with its plot, and lists every stage's run
 DRAWN = """((runs) => {
+    if (!document.body) return false;  // the page is not there yet
     const cards = [...document.querySelectorAll('scalar-card')]
         .filter(card => card.querySelector('line-chart canvas, line-chart svg'));
     const text = document.body.innerText;
@@ -45,15 +46,6 @@ DRAWN = """((runs) => {
 def tensorboard_json(base: str, path: str, **query):
     with urllib.request.urlopen(f"{base}{path}?{urllib.parse.urlencode(query)}", timeout=30) as reply:
         return json.loads(reply.read())
-
-
-@pytest.fixture
-def chromium():
-    path = find_chromium()
-    if path is None:
-        pytest.skip("chromium is not installed (`make browser-tools` installs it as root on Debian; "
-                    "or apt-get install chromium)")
-    return path
 
 
 @pytest.mark.slow
