@@ -30,7 +30,7 @@ from dew_lib.train.launch import launch
 # machine, each job allowed 10): more room than the suite's 600 s per test.
 pytestmark = pytest.mark.timeout(900)
 
-ROUNDING = dict(rtol=1e-5, atol=1e-6)  # what the order of the cross-device sum moves
+ROUNDING = dict(rtol=1e-5, atol=1e-5)  # what the order of the cross-device sum moves (as test_sharding)
 RECIPES = ("sft", "dpo", "grpo", "flow", "async", "episodes", "ppo")
 
 

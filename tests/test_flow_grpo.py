@@ -124,7 +124,8 @@ def test_the_ratio_is_clipped_below_at_clip_range_and_above_at_clip_range_high()
         loss, aux = jax.jit(lambda p, b, obj=obj: obj.loss(p, b, 0, reference=p))(state.params, batch)
         # max(-A r, -A clip(r)): a positive advantage takes the bound, a negative one the ratio.
         expected = np.where(advantages > 0, -advantages * bounded, -advantages * 1.5).mean()
-        np.testing.assert_allclose(loss, expected, rtol=1e-4)
+        # the mean of terms near +-1.5 that cancel to about 0: float32 rounding of the terms' size
+        np.testing.assert_allclose(loss, expected, rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(aux["clipfrac"], clipfrac)
         np.testing.assert_allclose(aux["ratio"], 1.5, rtol=1e-4)
 

@@ -28,6 +28,9 @@ from dew_lib.models.pretrained import CheckpointError, UnsupportedCheckpoint
 FIXTURES = Path(__file__).parent / "fixtures" / "peft"
 FAMILIES = ("qwen3", "qwen2", "llama")
 TOLERANCE = 1e-5  # absolute, float32 logits
+# Logits against fixtures recorded from fully optimized programs, to 1e-5 of logits near 1.5: XLA's
+# plainer code for tests (conftest) rounds differently by about that much, so this module keeps it.
+pytestmark = pytest.mark.optimized
 REFERENCES = dict(np.load(FIXTURES / "references.npz"))
 IDS = jnp.asarray(REFERENCES["ids"])
 
