@@ -26,13 +26,12 @@ for variable in [name for name in os.environ if name.startswith(("JAX_COMPILATIO
 import jax  # noqa: E402
 
 # Most tests compile tiny programs and run them a few times, so XLA's optimizing passes cost more
-# than they save: with most of them off (jax_disable_most_optimizations: LLVM at -O0, no expensive
-# passes) such a module takes about a third less CPU time. The HLO is the same; only the machine
-# code is plainer; the tiny pipelines of the Prefect tests gain as much. A module that runs big
-# arrays (a test marked `optimized`, such as the GSM8K pipeline's 151,669-id head, which took 2.2x
-# the CPU time compiled plainly) keeps them.
-# The module's choice holds in every process its tests start (the environment variable), save those
-# started with an environment of their own. DEW_TEST_PLAIN_COMPILE=0 compiles everything fully.
+# than they save. With most of them off (jax_disable_most_optimizations: LLVM at -O0, no expensive
+# passes) a module takes about a third less CPU time, the tiny Prefect pipelines included; the HLO
+# is the same, only the machine code is plainer. A module with a test marked `optimized` keeps them:
+# big arrays (the GSM8K pipeline's 151,669-id head took 2.2x the CPU time compiled plainly), or
+# values compared with fixtures recorded from optimized programs. The choice also holds in every
+# process a test starts, through the environment. DEW_TEST_PLAIN_COMPILE=0 compiles all fully.
 PLAIN = os.environ.get("DEW_TEST_PLAIN_COMPILE", "1") != "0"
 _OPTIMIZED_MODULES: set[str] = set()
 
@@ -151,7 +150,8 @@ def pytest_collection_modifyitems(config, items):
     two-minute run while the other idles (longest first). xdist orders the work units by their
     size and keeps this order within one size, and every worker reorders alike."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-    _OPTIMIZED_MODULES.update(item.module.__name__ for item in items if item.get_closest_marker("optimized"))
+    _OPTIMIZED_MODULES.update(item.module.__name__ for item in items
+                              if getattr(item, "module", None) and item.get_closest_marker("optimized"))
 
 
 @pytest.fixture
@@ -205,8 +205,7 @@ def worker_job(processes, local_devices, recipes, out, *extra, check=True, env=N
     devices each train `recipes` and write their final states to OUT-<recipe>.npz."""
     command = [sys.executable, "-m", "dew_lib.cli", "launch", "--processes", str(processes),
                "--local-devices", str(local_devices), "--", sys.executable, WORKER, recipes, str(out), *extra]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})})
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     if check:
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     return done
