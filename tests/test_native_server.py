@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import run_on_host_devices, tiny_model
 
 from dew_lib.inference import Draw, NativeRolloutServer, RolloutServer, Server, ServerClosed, ServeTask
 from dew_lib.objectives.lm import token_log_probs
@@ -276,6 +276,35 @@ def test_the_server_keeps_its_own_copy_of_the_task_weights():
         leaf.delete()  # as a trainer's donated update would
     engine.add(0, PROMPTS[0], 12)
     np.testing.assert_array_equal(run(engine)[0].ids, reference(PROMPTS[0], 12, 0, GREEDY)[0])
+
+
+REPLICATED_LOAD = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from conftest import run_on_host_devices, tiny_model
+from dew_lib.inference import NativeRolloutServer, Server, ServeTask
+from dew_lib.sampling import Sampling
+
+model = tiny_model(max_seq_len=48)
+variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+engine = Server.from_task(ServeTask(model=model, variables=variables, sampling=Sampling(temperature=0.0)),
+                          slots=2, capacity=40, steps=4)
+# A trainer's parameters: replicated over both devices, and donated by every update.
+replicated = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec())
+params = jax.device_put(jax.tree.map(lambda x: x * 1.5, variables), replicated)
+update = jax.jit(lambda tree: jax.tree.map(lambda x: x + 1.0, tree), donate_argnums=0)
+with NativeRolloutServer(engine) as native:
+    native.load(params, 1)
+    params = update(params)
+    draw = native.submit(np.arange(5, 11, dtype=np.int32), 8).result(timeout=60)
+    print(sum(leaf.is_deleted() for leaf in jax.tree.leaves(native.server.variables)), draw.version, len(draw.ids))
+"""
+
+
+def test_weights_loaded_from_a_replicated_trainer_state_survive_its_donation():
+    """An array replicated over several devices put on one of them shares that device's buffer
+    (JAX 0.10), so a trainer's next donated update used to delete the served weights."""
+    assert run_on_host_devices(REPLICATED_LOAD, devices=2).split() == ["0", "1", "8"]
 
 
 def test_close_fails_every_pending_future_and_refuses_new_work():

@@ -390,7 +390,7 @@ class Server:
                 new = new.astype(old.dtype)  # a fresh array on the source device
                 out.append(jax.device_put(new, old.sharding))
             else:
-                out.append(jax.device_put(new, old.sharding, may_alias=False))
+                out.append(partitioning.copy_to(new, old.sharding))
         return jax.tree.unflatten(structure, out)
 
     def reload(self, variables, version: int, *, prepared: bool = False) -> None:

@@ -152,8 +152,20 @@ def tree_shardings(tree: Any, mesh: Mesh, **options) -> Any:
 def place(tree: Any, mesh: Mesh) -> Any:
     """A copy of `tree` laid out on `mesh` by the declared axes, e.g. a decoder's variables split
     over a `tensor` axis for `dew_lib.sampling.generate` to run tensor-parallel."""
-    return jax.device_put(tree, tree_shardings(tree, mesh), may_alias=False)
+    return jax.tree.map(copy_to, tree, tree_shardings(tree, mesh))
 
 
-__all__ = ["BATCH_AXES", "MESH_AXES", "RULES", "constrain_rows", "declare", "logical_axes", "path_names", "place",
+def copy_to(leaf: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """`leaf` on `sharding` in buffers of its own, which a later donation of `leaf` leaves alone.
+
+    `jax.device_put(..., may_alias=False)` is not enough: an array replicated over several
+    devices put on one of them comes back as that device's buffer (JAX 0.10), so a trainer that
+    donates its state would delete the weights a server holds. A device array is therefore placed
+    and then copied on its new devices; a host array is copied by the transfer itself."""
+    if not isinstance(leaf, jax.Array):
+        return jax.device_put(leaf, sharding)
+    return jax.numpy.array(jax.device_put(leaf, sharding), copy=True)
+
+
+__all__ = ["BATCH_AXES", "MESH_AXES", "RULES", "constrain_rows", "copy_to", "declare", "logical_axes", "path_names", "place",
            "spec_for", "splits_parameters", "tree_shardings", "tree_specs"]
