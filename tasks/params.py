@@ -174,13 +174,13 @@ class ModelParams(Params):
 
 
 class TextStageParams(StageParams):
-    """A language-model stage (SFT, DPO, GRPO), which can train as a job of several processes."""
+    """A language-model stage (SFT, DPO, GRPO, distill), which can train as a job of several processes."""
 
     processes: int = Field(1, ge=1, description="train as a job of this many processes on this host "
                            "(tasks/stage_job.py), each reading its own share of every batch, so the "
                            "data order differs from one process and this is part of the stage's "
-                           "inputs; 1: in the task's own process. Every stage: SFT, DPO, and the RL "
-                           "stage sync or async, on prompts or tool episodes, GRPO or PPO (docs/pipeline.md)")
+                           "inputs; 1: in the task's own process. Every stage: SFT, DPO, distill, and the "
+                           "RL stage sync or async, on prompts or tool episodes, GRPO or PPO (docs/pipeline.md)")
 
     mesh: str = Field("", description="how the stage's devices are arranged, as axis=size pairs: "
                       "'fsdp=8' splits every weight, optimizer moment and reference copy 8 ways, "
@@ -284,7 +284,8 @@ class GRPOParams(GRPOOptions, TextStageParams):
 class DistillParams(DistillOptions, TextStageParams):
     """On-policy distillation of the policy (the student) from the teacher checkpoint `teacher`,
     or the teacher an engine serves at `teacher_url` as `teacher_model`, on the GRPO stage's
-    prompts (docs/distill.md, The pipeline stage)."""
+    prompts; with lmbda < 1, on the SFT conversations, whose last assistant turns are the data's
+    completions (docs/distill.md, The pipeline stage)."""
 
     max_prompt_len: int = Field(24, ge=2, description="prompt ids kept (left-padded)")
 
@@ -294,16 +295,6 @@ class DistillParams(DistillOptions, TextStageParams):
         if value is not None and not os.path.isfile(os.path.join(value, "config.json")):
             raise ValueError(f"distill.teacher={value!r} is not a Hugging Face checkpoint directory (no config.json)")
         return value
-
-    @model_validator(mode="after")
-    def _pipeline_draws(self) -> DistillParams:
-        if self.lmbda < 1:
-            raise ValueError(f"distill.lmbda={self.lmbda} trains some steps on the data's completions, and the "
-                             "pipeline's prompts carry none: set lmbda=1.0 (the student's own samples every step)")
-        if self.processes != 1:
-            raise ValueError(f"distill.processes={self.processes}: the distill stage draws in one process; set "
-                             "processes=1")
-        return self
 
 
 class RewardParams(Params):
@@ -368,7 +359,8 @@ class PipelineParams(Params):
     stages: tuple[Literal["sft", "dpo", "grpo", "distill"], ...] = Field(
         ("sft", "dpo", "grpo"), description="stages to run, in order; 'grpo' is the RL stage, trained "
         "with the algorithm `rl` names; 'distill' distils distill.teacher (or the teacher served at "
-        "distill.teacher_url) into the policy on the GRPO prompts")
+        "distill.teacher_url) into the policy on the GRPO prompts (with distill.lmbda < 1, on the "
+        "SFT conversations and their answers)")
     tracking: TrackerOptions = Field(default_factory=TrackerOptions, description="TensorBoard, MLflow and "
                                      "W&B runs of every training stage, beside the run store (docs/trackers.md)")
 

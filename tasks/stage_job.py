@@ -1,5 +1,5 @@
-"""A text stage (SFT, DPO, the RL stage in any mode) as a multi-process JAX job: the job file,
-launching it from the training task, and the entry point each process runs.
+"""A text stage (SFT, DPO, the RL stage in any mode, distillation) as a multi-process JAX job: the
+job file, launching it from the training task, and the entry point each process runs.
 
 `train_stage` (tasks/train.py) with `processes > 1` writes a `StageJob` to `job.json` in the
 stage's directory and runs `python -m tasks.stage_job <job.json>` as that many processes through
@@ -12,11 +12,12 @@ logger, and process 0's metric lines move the task's progress artifact. A failed
 job, and the task raises with the end of the log, so its retries relaunch the job, which resumes
 from the checkpoints the processes wrote together in the same directory.
 
-A sync RL stage (GRPO or PPO, on prompts or tool episodes) records its sessions through
-`GatheredWriter`: each step, every process's prompts and sessions (with their episodes) are
-gathered (pickled, all-gathered: each process holds every process's rows for a moment), and
-process 0 records them all, so the store holds every session of the global batch, as one process
-drawing it would record them.
+A sync RL stage (GRPO or PPO, on prompts or tool episodes) and the distill stage record their
+sessions through `GatheredWriter`: each step, every process's prompts and sessions (with their
+episodes) are gathered (pickled, all-gathered: each process holds every process's rows for a
+moment), and process 0 records them all, so the store holds every session of the global batch, as
+one process drawing it would record them. (Their rollouts draw the job's whole batch on every
+process and keep their own rows: SampledRollout, DistillRollout.)
 
 Not here: the stage body (tasks/train.py), joining and launching a job (dew_lib/train), what an
 asynchronous stage records through (tasks/job_records.py).
@@ -164,9 +165,9 @@ def _joined(values: Sequence[Any], counts: Sequence[int]) -> Any:
 
 
 class GatheredWriter:
-    """What a sync RL stage's rollout records through in a job: every process calls `prompts` and
-    `sessions` with its own rows, in the same order (RecordedRollout does, once a step), and
-    process 0 writes every process's rows, in process order, to the stage's writer.
+    """What a sync RL or distill stage's rollout records through in a job: every process calls
+    `prompts` and `sessions` with its own rows, in the same order (RecordedRollout does, once a
+    step), and process 0 writes every process's rows, in process order, to the stage's writer.
 
     writer: the stage's StageWriter on process 0, None on the others.
     """

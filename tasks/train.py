@@ -38,6 +38,7 @@ from prefect import get_run_logger, task
 
 from dew_lib import recipes
 from dew_lib.data import ChatMessages, Loading, PreferencePairs, Prompts
+from dew_lib.data.prompts import last_turns
 from dew_lib.data.tokenizer import load_tokenizer
 from dew_lib.models import lora, save_adapter
 from dew_lib.objectives import PPOObjective
@@ -171,14 +172,27 @@ def _build(kind: str, params: StageParams, pretrained, variables, data: DataMani
 def _build_distill(params: DistillParams, pretrained, variables, data: DataManifest, tokenizer_dir: str,
                    seed: int, writer) -> Built:
     """Distillation of the policy from `params.teacher`, or from the teacher served at
-    `params.teacher_url`, on the GRPO prompts; a teacher that cannot teach this student (another
-    vocabulary; a served one whose context is too short for the rows) refuses the run. A served
-    teacher's vocabulary cannot be checked: its engine reports no tokenizer."""
+    `params.teacher_url`, on the GRPO prompts; with `params.lmbda` < 1 on the SFT conversations
+    instead (TRL GKD's dataset), each split at its last assistant turn: the messages before it are
+    the prompt, its text (then the tokenizer's eos) the completion the off-policy steps train on.
+    A teacher that cannot teach this student (another vocabulary; a served one whose context is
+    too short for the rows) refuses the run. A served teacher's vocabulary cannot be checked: its
+    engine reports no tokenizer."""
     model, tokenizer = pretrained.model, pretrained.tokenizer
-    spec = Prompts(path=_needs(data.prompts_path, "distill", "prompts (prompts_path)"),
-                   max_prompt_len=params.max_prompt_len, tokenizer=tokenizer_dir,
-                   pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
+    if params.lmbda < 1:
+        source = _needs(data.chat_path, "distill", "conversations (chat_path) for lmbda < 1")
+    else:
+        source = _needs(data.prompts_path, "distill", "prompts (prompts_path)")
+    shape = dict(max_prompt_len=params.max_prompt_len, pad_id=tokenizer.pad_token_id or 0)
     try:
+        if params.lmbda < 1:
+            chat = ChatMessages(path=source, tokenizer=tokenizer_dir,
+                                seq_len=params.max_prompt_len + params.max_new_tokens)
+            spec = Prompts(records=tuple(last_turns(chat.conversations())), completion="completion",
+                           max_completion_len=params.max_new_tokens, completion_eos=tokenizer.eos_token_id,
+                           tokenizer=tokenizer_dir, loading=_loading(seed), **shape)
+        else:
+            spec = Prompts(path=source, tokenizer=tokenizer_dir, loading=_loading(seed), **shape)
         teacher = None if params.remote else load_teacher(params, model, tokenizer=load_tokenizer(tokenizer_dir))
         return build_distill(model, variables, spec, params, eos_id=tokenizer.eos_token_id,
                              decode=completion_text(tokenizer), teacher=teacher, writer=writer)

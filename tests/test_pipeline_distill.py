@@ -1,6 +1,7 @@
 """The pipeline's `distill` stage: a student checkpoint distilled through the Prefect flow from a
-teacher checkpoint, and from the same teacher served by `dew serve` on 127.0.0.1, its sessions and
-metrics checked through the run store; and its options' refusals and keys, which need no flow."""
+teacher checkpoint, and from the same teacher served by `dew serve` on 127.0.0.1, and with lmbda=0.5
+on the SFT conversations' answers, its sessions and metrics checked through the run store; and its
+options' refusals and keys, which need no flow."""
 
 import json
 import os
@@ -74,17 +75,16 @@ def test_a_teacher_is_a_checkpoint_or_an_engine_never_both(tmp_path):
         load_teacher(DistillOptions(**served), None)
 
 
-def test_reverse_kl_and_the_pipeline_train_on_the_student_s_own_samples_only(tmp_path):
+def test_reverse_kl_trains_on_the_student_s_own_samples_only(tmp_path):
     with pytest.raises(ValidationError, match="loss='reverse_kl' is a policy gradient"):
         DistillOptions(loss="reverse_kl", lmbda=0.5)
-    with pytest.raises(ValidationError, match="the pipeline's prompts carry none"):
-        DistillParams(lmbda=0.5)
-    with pytest.raises(ValidationError, match="draws in one process"):
-        DistillParams(processes=2, batch=8)
+    with pytest.raises(ValidationError, match="loss='reverse_kl' is a policy gradient"):
+        DistillParams(loss="reverse_kl", lmbda=0.5)
+    assert DistillParams(lmbda=0.5).lmbda == 0.5  # the pipeline takes the mix: its completions are SFT's answers
     with pytest.raises(ValidationError, match="beta"):
         DistillOptions(beta=1.5)
-    # The library's builder refuses the mix on prompts, which carry no completion ids.
-    with pytest.raises(ValueError, match="Prompts.*carry none"):
+    # The library's builder refuses the mix on prompts without a completion column.
+    with pytest.raises(ValueError, match=r"lmbda=0.5.*Prompts.completion is empty"):
         build_distill(None, None, None, DistillOptions(lmbda=0.5))
     assert DistillOptions(loss="reverse_kl").lmbda == 1.0
 
@@ -136,6 +136,26 @@ def test_the_stage_s_key_reads_the_teacher_checkpoint(tmp_path):
     keys = {key, stage_inputs("distill", other_model, data, start, 0)[0],
             stage_inputs("distill", other_url, data, start, 0)[0]}
     assert len(keys) == 3
+
+
+def test_the_stage_s_key_reads_lmbda_and_the_mix_refuses_data_without_conversations(tmp_path):
+    from tasks.manifests import DataManifest, PolicyRef
+    from tasks.refusals import RunRefused
+    from tasks.train import _build_distill, stage_inputs
+
+    teacher = save_decoder(tmp_path / "teacher", vocab_size=40, emb_features=16, num_layers=1)
+    data = DataManifest(directory=str(tmp_path), tokenizer=None, chat_path=None, chat_val_path=None,
+                        pairs_path=None, prompts_path=str(tmp_path), eval_path=str(tmp_path), fingerprint="data")
+    start = PolicyRef(path=teacher, fingerprint="start")
+    keys = {lmbda: stage_inputs("distill", DistillParams(teacher=teacher, lmbda=lmbda), data, start, 0)
+            for lmbda in (1.0, 0.5, 0.25)}
+    assert len({key for key, _ in keys.values()}) == 3 and keys[0.5][1]["params"]["lmbda"] == 0.5
+    # The mix reads the SFT conversations (chat_path), part of the data's fingerprint.
+    other = data.model_copy(update={"fingerprint": "other conversations"})
+    assert stage_inputs("distill", DistillParams(teacher=teacher, lmbda=0.5), other, start, 0)[0] != keys[0.5][0]
+    with pytest.raises(RunRefused, match=r"the distill stage needs conversations \(chat_path\) for lmbda < 1"):
+        _build_distill(DistillParams(teacher=teacher, lmbda=0.5), load_pretrained(teacher), None, data, teacher, 0,
+                       None)
 
 
 # ----- the stage in the pipeline (slow) ----------------------------------------------------------
@@ -252,3 +272,34 @@ def test_the_pipeline_distils_a_teacher_served_by_dew_serve(taught, tmp_path):
     # Planned before it trained, with the engine's log-probs in the batch and no teacher held in process.
     plan = next(line for line in lines if line.startswith("distill fits: "))
     assert f"distill: {batch} rows of {24 + budget} ids a step" in plan and re.search(r"reference +0.00 GB", plan)
+
+
+@pytest.mark.slow
+def test_the_pipeline_mixes_the_sft_answers_in_below_lmbda_one(taught, tmp_path):
+    """lmbda=0.5: the stage reads the SFT conversations, trains some steps on the student's samples
+    (recorded as sessions) and the others on the conversations' last answers (not recorded)."""
+    from flows.pipeline import pipeline
+
+    tokenizer = load_pretrained(taught).tokenizer
+    student = save_decoder(tmp_path / "student", vocab_size=len(tokenizer), emb_features=32, num_layers=1,
+                           tokenizer=tokenizer, seed=1)
+    steps, batch = 6, 4
+    params = tiny(tmp_path, name="mixed", model=dict(pretrained=student), stages=["distill"],
+                  distill=dict(teacher=taught, lmbda=0.5, steps=steps, batch=batch, max_new_tokens=16,
+                               learning_rate=1e-2, log_every=1, checkpoint_every=steps),
+                  evaluation=dict(TINY["evaluation"], samples=0))
+    outcome = pipeline(params)
+    run = outcome["run"]
+    stages = dict(query(tmp_path, f"SELECT stage, kind || ':' || status FROM stages WHERE run = '{run}'"))
+    assert stages["distill"] == "distill:completed" and stages["eval-distill"].endswith(":completed")
+    on_policy = dict(query(tmp_path, f"SELECT step, value FROM metrics WHERE run = '{run}' AND stage = 'distill' "
+                                     "AND name = 'on_policy' ORDER BY step"))
+    assert sorted(on_policy) == list(range(1, steps + 1)) and set(on_policy.values()) == {0.0, 1.0}, on_policy
+    # Only the steps the student sampled hold sessions, one per prompt.
+    updates = query(tmp_path, f"SELECT update, count(*) FROM sessions WHERE run = '{run}' AND stage = 'distill' "
+                              "GROUP BY update ORDER BY update")
+    assert updates == [(step - 1, batch) for step, value in sorted(on_policy.items()) if value == 1.0]
+    losses = query(tmp_path, f"SELECT value FROM metrics WHERE run = '{run}' AND stage = 'distill' AND name = 'loss'")
+    assert len(losses) == steps and all(np.isfinite(value) for (value,) in losses)
+    inputs = json.loads(open(os.path.join(os.path.dirname(outcome["policy"]), "inputs.json")).read())["inputs"]
+    assert inputs["params"]["lmbda"] == 0.5

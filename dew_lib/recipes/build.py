@@ -207,16 +207,24 @@ def build_distill(model, variables, data: Prompts, options: DistillOptions, *,
     """On-policy distillation of the student `(model, variables)` (variables None: a fresh init)
     from the teacher the options name: the checkpoint `options.teacher`, or the engine at
     `options.teacher_url` (or `teacher`: a `(model, variables)` already loaded, or a RemoteTeacher),
-    on the prompts of `data`; the student samples every step. A Prompts spec carries no completion
-    ids, so `options.lmbda` below 1 (steps on the data's completions) is refused here. A remote
-    teacher is closed by `Built.close()`, and its engine's context is checked here.
+    on the prompts of `data`. With probability `options.lmbda` a step trains on the student's
+    samples, otherwise on the data's completions, so `lmbda` below 1 needs a spec with its
+    `completion` column set, at most `max_new_tokens` wide, and is refused before anything loads
+    without one. A remote teacher is closed by `Built.close()`, and its engine's context is
+    checked here.
     eos_id, decode, writer, key: as `build_grpo`'s (writer records each sampled session with reward
     = its negative mean per-token KL to the teacher)."""
     if options.lmbda < 1:
-        raise ValueError(f"DistillOptions.lmbda={options.lmbda} trains some steps on the data's completions, "
-                         "and prompts (Prompts) carry none: set lmbda=1.0 (the student's own samples every "
-                         "step), or train DistillObjective with DistillRollout on batches that hold "
-                         "'completion' ids (docs/distill.md)")
+        completion, width = getattr(data, "completion", None), getattr(data, "max_completion_len", None)
+        if completion is None:
+            raise ValueError(f"DistillOptions.lmbda={options.lmbda} trains some steps on the data's completions, "
+                             "and Prompts.completion is empty, so the prompts carry none: set "
+                             "Prompts(completion=..., max_completion_len=...) to the field holding each prompt's "
+                             "completion (docs/distill.md), or lmbda=1.0 (the student's own samples every step)")
+        if width is not None and width > options.max_new_tokens:
+            raise ValueError(f"Prompts.max_completion_len={width} is more than DistillOptions.max_new_tokens="
+                             f"{options.max_new_tokens}, the completion ids a packed row holds: set "
+                             "max_completion_len to at most max_new_tokens, or raise max_new_tokens")
     if teacher is None:
         teacher = remote_teacher(options) if options.remote else load_teacher(options, model)
     served = teacher if isinstance(teacher, RemoteTeacher) else None

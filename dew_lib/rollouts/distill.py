@@ -32,9 +32,20 @@ scoring request holds P + R ids plus the one the engine samples, so an engine wh
 (`RemoteTeacher.context()`: given, or read from /v1/models) is under P + R + 1 is refused here,
 naming both. An engine that does not say its context is not checked.
 
-Not here: a remote engine or rollout server drawing the samples, multi-process drawing (refused:
-SampledRollout gathers prompts across processes, this one does not yet), several samples per
-prompt, TRL's `seq_kd` (teacher-generated completions).
+In a multi-process job (tasks/stage_job.py, dew_lib/train/distributed.py) it draws as
+SampledRollout does: every process gathers every process's prompts (`job_prompts`), draws the
+job's whole batch from the same key, exactly what one process draws on the same global devices,
+and keeps its own rows (`own_draws`); a session's `group` is its prompt's row in the global batch.
+The coin depends on the key alone, so it is the same on every process; with 0 < lmbda < 1 the
+processes also compare their coins each step and all raise if they differ (their rollout keys
+differ), rather than some drawing while others do not. Each process packs its own rows and, with
+a remote teacher, asks the engine about those rows only; the rewards' scoring pass runs over
+every process's rows gathered (one compiled pass on the global devices, which every process must
+run on the same inputs) and each process keeps its own sessions' rewards. Recording every
+process's sessions is the writer's part (tasks/stage_job.py `GatheredWriter`).
+
+Not here: a remote engine or rollout server drawing the samples, several samples per prompt,
+TRL's `seq_kd` (teacher-generated completions).
 """
 
 from __future__ import annotations
@@ -51,12 +62,15 @@ import numpy as np
 from dew_lib.options import integer
 from dew_lib.records.sessions import Call, Session, Status, Task
 from dew_lib.rollouts.packing import pack
-from dew_lib.rollouts.sampled import check_row_width, token_text
+from dew_lib.rollouts.sampled import check_row_width, job_prompts, own_draws, token_text
 from dew_lib.rollouts.scheduler.tasks import prompt_tasks
 from dew_lib.sampling import Sampling, generate
+from dew_lib.train.distributed import every_process, gather_rows, own_rows
 
 COLUMNS = ("input_ids", "text_segment_ids", "text_positions", "response_mask", "session_index",
            "session_weights")
+# What the rewards' scoring pass reads (teacher_log_probs: a remote teacher's, when the rows hold them).
+SCORED = ("input_ids", "text_segment_ids", "text_positions", "response_mask", "teacher_log_probs")
 
 
 class DistillRollout:
@@ -99,20 +113,18 @@ class DistillRollout:
         return float(jax.random.uniform(jax.random.fold_in(key, 1))) < self.lmbda
 
     def __call__(self, state, batch, key) -> dict[str, np.ndarray]:
-        if jax.process_count() > 1:
-            raise ValueError(f"DistillRollout draws in one process and this job has {jax.process_count()}: "
-                             "run distillation as a single process")
         prompt = np.asarray(batch["prompt"], np.int32)
         lengths = np.asarray(batch["prompt_length"], np.int32)
         rows, width = prompt.shape
         check_row_width(width, self.max_new_tokens, self.objective)
         started = time.perf_counter()
         tasks = prompt_tasks(batch)
-        sampled = self.on_policy(key)
-        if sampled:
-            drawn = generate(self.objective.model, state.params, prompt, lengths, key=jax.random.fold_in(key, 0),
-                             max_new_tokens=self.max_new_tokens, sampling=self.sampling)
-            tokens, raw, behavior, counts, stopped = jax.device_get(tuple(drawn)[:5])
+        sampled = self._agreed(self.on_policy(key))
+        if sampled:  # the job's whole batch on every process, each keeping its own rows
+            drawn = generate(self.objective.model, state.params, *job_prompts(prompt, lengths),
+                             key=jax.random.fold_in(key, 0), max_new_tokens=self.max_new_tokens,
+                             sampling=self.sampling)
+            tokens, raw, behavior, counts, stopped, _ = own_draws(drawn, rows)
             calls = [Call(prompt_ids=tasks[n].data["prompt_ids"], sampled_ids=tokens[n, :counts[n]],
                           behavior_log_probs=behavior[n, :counts[n]], raw_log_probs=raw[n, :counts[n]],
                           finish_reason="stop" if stopped[n] else "length", version=_version(state))
@@ -121,14 +133,15 @@ class DistillRollout:
         else:
             calls = self._dataset_calls(batch, tasks)
             finished = [True] * rows
-        sessions = [Session(task=tasks[n].id, group=n, sample=0, calls=(calls[n],),
+        first = jax.process_index() * rows  # this process's first row of the global batch
+        sessions = [Session(task=tasks[n].id, group=first + n, sample=0, calls=(calls[n],),
                             status=Status.COMPLETED if finished[n] else Status.TRUNCATED, reward=0.0)
                     for n in range(rows)]
         # The layout does not depend on rewards (no advantage is read); the rewards come from it.
         packed = pack(sessions, self.objective.width, rows=rows, estimator="mean", truncation="score")
         out = {name: packed[name] for name in COLUMNS}
         out["on_policy"] = np.full(rows, sampled, np.int32)
-        if getattr(self.objective, "remote", False):  # the engine scores what was packed
+        if getattr(self.objective, "remote", False):  # the engine scores what this process packed
             out["teacher_log_probs"] = self.objective.teacher.sampled_log_probs(out)
         rewards = self._rewards(state, out, rows)
         sessions = [dataclasses.replace(s, reward=r) for s, r in zip(sessions, rewards, strict=True)]
@@ -139,6 +152,19 @@ class DistillRollout:
         self.last_latencies = [seconds] * len(self.last_sessions)  # one lockstep draw
         self.last_reward_details = [None] * len(self.last_sessions)
         return out
+
+    def _agreed(self, sampled: bool) -> bool:
+        """`sampled`, once every process of a job has flipped the same coin (a coin of lmbda 0 or
+        1 cannot differ, and one process has none to compare)."""
+        if self.lmbda in (0.0, 1.0) or jax.process_count() == 1:
+            return sampled
+        coins = every_process(sampled)
+        if len(set(coins)) > 1:
+            raise RuntimeError(
+                f"DistillRollout(lmbda={self.lmbda}) flipped different coins on the processes of this job "
+                f"({coins}, by process): their rollout keys differ, so they would not draw one batch; "
+                "give every process's Trainer the same key")
+        return sampled
 
     def _dataset_calls(self, batch, tasks: list[Task]) -> list[Call]:
         for name in ("completion", "completion_length"):
@@ -158,12 +184,16 @@ class DistillRollout:
                 for n in range(len(tasks))]
 
     def _rewards(self, state, rows: dict[str, np.ndarray], count: int) -> list[float]:
-        """Each session's negative mean per-token reverse KL (one row per session here)."""
+        """Each session's negative mean per-token reverse KL (one row per session here). The
+        scoring pass reads every process's rows (the same inputs on every process, as the compiled
+        pass on the job's devices needs); this process keeps its own."""
         if getattr(self.objective, "remote", False):
             teacher = None  # its log-probs are in rows
         else:
             teacher = state.ema if getattr(state, "ema", None) is not None else self.objective.teacher
-        kl = np.asarray(jax.device_get(_sampled_kl(self.objective, state.params, teacher, rows)), np.float64)
+        whole = {name: gather_rows(rows[name]) for name in SCORED if name in rows}
+        kl = own_rows(np.asarray(jax.device_get(_sampled_kl(self.objective, state.params, teacher, whole)),
+                                 np.float64), len(rows["input_ids"]))
         mask = rows["response_mask"][:, 1:]
         sessions = rows["session_index"][:, 1:]
         totals = np.zeros(count)

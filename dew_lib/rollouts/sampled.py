@@ -30,7 +30,8 @@ In a multi-process job every process draws the job's whole batch (its prompts ga
 process) from the same key, exactly what one process would draw on the same global devices, then
 scores, packs and trains on its own rows; a session's `group` is its prompt's row in the global
 batch. Drawing is repeated on every process, so more processes add no sampling throughput here;
-scaled-out drawing belongs on a rollout server.
+scaled-out drawing belongs on a rollout server. `job_prompts` and `own_draws` are the two halves
+around that draw, which DistillRollout shares.
 
 Not here: multi-turn episodes, asynchronous drawing (the scheduler), remote engines.
 """
@@ -76,6 +77,21 @@ def check_row_width(prompt_width: int, max_new_tokens: int, objective: Any) -> N
             f"are {prompt_width + max_new_tokens} wide, but the objective reads seq_len + 1 = "
             f"{objective.width}; set {type(objective).__name__}(seq_len={prompt_width + max_new_tokens - 1})"
         )
+
+
+def job_prompts(prompt: np.ndarray, lengths: np.ndarray, repeat: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """The job's whole batch of prompts to draw: every process's `prompt [B, P]` and `lengths [B]`
+    gathered in process order, each row repeated `repeat` times (its draws adjacent). Every
+    process must call it together, with as many rows; in one process it gathers nothing."""
+    return np.repeat(gather_rows(prompt), repeat, axis=0), np.repeat(gather_rows(lengths), repeat)
+
+
+def own_draws(drawn, rows: int) -> tuple:
+    """This process's `rows` of a `generate` over `job_prompts`, on the host: `(tokens, raw,
+    behavior, counts, stopped, routes)`, routes None unless they were asked for."""
+    *host, routes = jax.device_get(tuple(drawn))
+    tokens, raw, behavior, counts, stopped = (own_rows(x, rows) for x in host)
+    return tokens, raw, behavior, counts, stopped, None if routes is None else own_rows(routes, rows)
 
 
 class SampledRollout:
@@ -129,12 +145,9 @@ class SampledRollout:
         # Every process draws the job's whole batch, the same computation a single process runs
         # on the same global devices, and keeps its own rows (a no-op in one process).
         routing = getattr(self.objective, "routing_replay", "none") != "none"
-        drawn = generate(self.objective.model, state.params, np.repeat(gather_rows(prompt), g, axis=0),
-                         np.repeat(gather_rows(lengths), g), key=key, max_new_tokens=self.max_new_tokens,
-                         sampling=self.sampling, return_routes=routing)
-        *host, routes = jax.device_get(tuple(drawn))
-        tokens, raw, behavior, counts, stopped = (own_rows(x, rows * g) for x in host)
-        routes = None if routes is None else own_rows(routes, rows * g)
+        drawn = generate(self.objective.model, state.params, *job_prompts(prompt, lengths, g), key=key,
+                         max_new_tokens=self.max_new_tokens, sampling=self.sampling, return_routes=routing)
+        tokens, raw, behavior, counts, stopped, routes = own_draws(drawn, rows * g)
         first = jax.process_index() * rows  # this process's first row of the global batch
 
         def completion(n: int) -> str:
@@ -194,4 +207,4 @@ class SampledRollout:
         return PackedBatch.of(packed, proximal)
 
 
-__all__ = ["RewardFailed", "SampledRollout", "token_text"]
+__all__ = ["RewardFailed", "SampledRollout", "job_prompts", "own_draws", "token_text"]
