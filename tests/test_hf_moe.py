@@ -62,8 +62,11 @@ def inputs(ref, case):
             jnp.asarray(ref[f"{case}_positions"]))
 
 
-def logits(model, variables, ref):
-    return {case: np.asarray(model.apply(variables, *[a for a in inputs(ref, case) if a is not None]))
+def logits(model, variables, ref, compiled=False):
+    """The logits of each fixture input; `compiled`: one program per input rather than op by op
+    (for comparing two Dew models; the parity tests against the fixtures run op by op)."""
+    apply = jax.jit(model.apply) if compiled else model.apply
+    return {case: np.asarray(apply(variables, *[a for a in inputs(ref, case) if a is not None]))
             for case in CASES}
 
 
@@ -416,8 +419,9 @@ def test_mixed_save_round_trip(loaded, tmp_path):
     again, reread = load_pretrained(out)
     assert again.model == pretrained.model
     ref = reference(MIXED)
-    for case, value in logits(again.model, reread, ref).items():
-        np.testing.assert_array_equal(value, logits(pretrained.model, variables, ref)[case])
+    first = logits(pretrained.model, variables, ref, compiled=True)
+    for case, value in logits(again.model, reread, ref, compiled=True).items():
+        np.testing.assert_array_equal(value, first[case])
 
 
 def test_mixed_scan_and_loop_and_decode_agree(loaded):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -263,28 +265,30 @@ def test_mixed_layers_scan_loop_remat_decode_and_replay_agree(dense_layers):
     model = moe_model(num_layers=4, dense_layers=dense_layers)
     variables = init(model)
 
-    def grads(model):
-        return jax.grad(lambda p: (model.apply(p, ids) ** 2).mean())(variables)
+    def grads(model):  # one compiled program per layout (op by op, each model took seconds)
+        return jax.jit(jax.grad(lambda p: (model.apply(p, ids) ** 2).mean()))(variables)
+
+    def hidden(**replay):
+        return jax.jit(functools.partial(model.apply, method=model.hidden, return_routing=True))(
+            variables, ids, **replay)
 
     scanned = grads(model)
     for other in (moe_model(num_layers=4, dense_layers=dense_layers, scan_layers=False),
                   moe_model(num_layers=4, dense_layers=dense_layers, remat=True)):
         for a, b in zip(jax.tree.leaves(grads(other)), jax.tree.leaves(scanned), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-    logits = model.apply(variables, ids)
-    hidden, routing = model.apply(variables, ids, method=model.hidden, return_routing=True)
+    logits = jax.jit(model.apply)(variables, ids)
+    _, routing = hidden()
     assert routing.experts.shape == (2, 6, 2, TOP_K) and routing.load.shape == (2, EXPERTS)
-    step, _, routes = model.apply(variables, ids[:, 0], model.empty_cache(2, 8), jnp.ones((2,), bool),
-                                  method=model.decode, return_routes=True)
+    decode = jax.jit(functools.partial(model.apply, method=model.decode, return_routes=True))
+    step, _, routes = decode(variables, ids[:, 0], model.empty_cache(2, 8), jnp.ones((2,), bool))
     np.testing.assert_allclose(step, logits[:, 0], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(routes, routing.experts[:, 0])
     other = (routing.experts + 1) % EXPERTS
-    _, replayed = model.apply(variables, ids, method=model.hidden, routes=other, routed=jnp.ones(ids.shape, bool),
-                              return_routing=True)
+    _, replayed = hidden(routes=other, routed=jnp.ones(ids.shape, bool))
     np.testing.assert_array_equal(replayed.experts, other)
     with pytest.raises(ValueError, match=r"\(2, 6, 2, 2\)"):  # routes over all 4 layers are refused
-        model.apply(variables, ids, method=model.hidden, routes=jnp.zeros((2, 6, 4, 2), jnp.int32),
-                    routed=jnp.ones(ids.shape, bool))
+        hidden(routes=jnp.zeros((2, 6, 4, 2), jnp.int32), routed=jnp.ones(ids.shape, bool))
 
 
 def test_adapters_attach_to_every_layer_of_a_mixed_model():

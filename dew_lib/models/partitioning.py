@@ -167,5 +167,5 @@ def copy_to(leaf: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     return jax.numpy.array(jax.device_put(leaf, sharding), copy=True)
 
 
-__all__ = ["BATCH_AXES", "MESH_AXES", "RULES", "constrain_rows", "copy_to", "declare", "logical_axes", "path_names", "place",
-           "spec_for", "splits_parameters", "tree_shardings", "tree_specs"]
+__all__ = ["BATCH_AXES", "MESH_AXES", "RULES", "constrain_rows", "copy_to", "declare", "logical_axes", "path_names",
+           "place", "spec_for", "splits_parameters", "tree_shardings", "tree_specs"]
