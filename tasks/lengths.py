@@ -141,6 +141,16 @@ def _chat_lengths(path: str, tokenizer: str, seq_len: int) -> list[int]:
     return [int(n) for n in out]
 
 
+def _conversation_prompt_lengths(path: str, tokenizer: str, renderer, seq_len: int) -> list[int]:
+    """Ids of each SFT conversation's prompt as the distill stage reads it with lmbda < 1: the
+    messages before its last assistant message, with the generation prompt (`last_turns`)."""
+    from dew_lib.data import ChatMessages
+    from dew_lib.data.prompts import last_turns
+
+    conversations = ChatMessages(path=path, tokenizer=tokenizer, seq_len=seq_len).conversations()
+    return _prompt_lengths(renderer, [record["prompt"] for record in last_turns(conversations)])
+
+
 def _pair_lengths(path: str, renderer, count: int) -> list[int]:
     """Ids of the pairs DPO builds from the policy (pairs='policy'): the prompt and the reference
     solution (extra_info.solution) with its EOS, for the first `count` prompts that have one."""
@@ -178,6 +188,9 @@ def measure_lengths(data: DataManifest, params: PipelineParams) -> dict[str, lis
         out["chat"] = _chat_lengths(data.chat_path, tokenizer, params.sft.max_length - 1)
     if {"grpo", "distill"} & set(params.stages) and data.prompts_path is not None:
         out["prompts"] = _prompt_lengths(renderer, read_rows(data.prompts_path).column("prompt"))
+    if "distill" in params.stages and params.distill.lmbda < 1 and data.chat_path is not None:
+        out["distill"] = _conversation_prompt_lengths(
+            data.chat_path, tokenizer, renderer, params.distill.max_prompt_len + params.distill.max_new_tokens)
     if "dpo" in params.stages and params.dpo.pairs == "policy" and data.prompts_path is not None:
         out["pairs"] = _pair_lengths(data.prompts_path, renderer, params.dpo.pair_prompts)
     return out
@@ -189,10 +202,12 @@ def length_checks(data: DataManifest, params: PipelineParams,
     if measured.get("chat"):
         checks.append(LengthCheck("sft.max_length", params.sft.max_length, params.sft.max_length, 0,
                                   "SFT conversations", "cuts", data.chat_path, tuple(measured["chat"])))
-    if measured.get("prompts") and "distill" in params.stages:
+    # With lmbda < 1 the distill stage's prompts are the SFT conversations' (train.py _build_distill).
+    distilled = ("distill", data.chat_path) if params.distill.lmbda < 1 else ("prompts", data.prompts_path)
+    if measured.get(distilled[0]) and "distill" in params.stages:
         checks.append(LengthCheck("distill.max_prompt_len", params.distill.max_prompt_len,
                                   params.distill.max_prompt_len, 0, "distill prompts", "cuts the start of",
-                                  data.prompts_path, tuple(measured["prompts"])))
+                                  distilled[1], tuple(measured[distilled[0]])))
     if measured.get("prompts") and "grpo" in params.stages:
         checks.append(LengthCheck("grpo.max_prompt_len", params.grpo.max_prompt_len,
                                   params.grpo.max_prompt_len, 0, "GRPO prompts", "cuts the start of",

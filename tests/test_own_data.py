@@ -226,6 +226,22 @@ def test_grpo_prompts_dpo_pairs_and_held_out_prompts_are_counted_too(tmp_path, t
     assert "or evaluate fewer rows with evaluation.limit" in message
 
 
+def test_distill_prompts_are_counted_where_the_stage_reads_them(tmp_path, tokenizer):
+    """With lmbda < 1 the distill stage's prompts are the SFT conversations' (each before its last
+    answer), so those are counted and named; at lmbda 1 the GRPO prompts file is."""
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text("{}")
+    for lmbda, read in ((0.5, "chat"), (1.0, "prompts")):
+        params = PipelineParams(root=str(tmp_path / "runs"), data=files(tmp_path, tokenizer, max_truncated=0.1),
+                                stages=("distill",), distill=dict(teacher=str(teacher), lmbda=lmbda, max_prompt_len=4))
+        data = prepared(tmp_path, params)
+        with pytest.raises(ValueError) as refused:
+            check(data, params)
+        assert re.search(rf"distill.max_prompt_len=4 cuts the start of 40 of 40 distill prompts \(100.0%\) in "
+                         rf"\S+/{read}.jsonl", str(refused.value)), str(refused.value)
+
+
 def test_a_grpo_budget_longer_than_the_context_is_refused_before_training(tmp_path, tokenizer):
     params = PipelineParams(root=str(tmp_path / "runs"), data=files(tmp_path, tokenizer),
                             stages=("grpo",), grpo=dict(max_prompt_len=64, max_new_tokens=100))
