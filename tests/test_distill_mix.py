@@ -30,6 +30,8 @@ from dew_lib.train.sinks import MemorySink
 from dew_lib.train.trainer import Trainer
 
 MINIMIND = os.path.join(SHARED_DATA, "tokenizers", "minimind")
+needs_data = pytest.mark.skipif(not os.path.isdir(MINIMIND), reason=f"no MiniMind tokenizer at {MINIMIND}; "
+                                "set DEW_SHARED_DATA")
 ORDERED = Loading(seed=None, workers=0)
 
 
@@ -57,6 +59,7 @@ def test_id_completions_are_right_padded_and_keep_their_start_without_a_tokenize
     assert plain["prompt"].tolist() == batch["prompt"].tolist()
 
 
+@needs_data
 def test_string_completions_are_tokenized_without_special_tokens_and_end_in_eos():
     tokenizer = load_tokenizer(MINIMIND)
     eos = tokenizer.eos_token_id
@@ -80,6 +83,7 @@ def test_string_completions_are_tokenized_without_special_tokens_and_end_in_eos(
     assert all(np.array_equal(pooled[name], batch[name]) for name in batch)
 
 
+@needs_data
 def test_a_missing_or_malformed_completion_is_refused_naming_the_record_and_the_column():
     def load(*records, **options):
         options = {"max_completion_len": 4, "completion": "answer", **options}
