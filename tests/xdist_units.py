@@ -80,6 +80,14 @@ def make_scheduler(config, log):
             if node in self.registered_collections:
                 super()._reschedule(node)
 
+        def _assign_work_unit(self, node) -> None:
+            # A worker can die between reporting its last test and being sent more: the send then
+            # fails, the unit stays recorded as the dead worker's, and `remove_node` hands it back.
+            try:
+                super()._assign_work_unit(node)
+            except OSError:
+                self.log("worker", node.gateway.id, "is gone; its new unit waits for remove_node")
+
         def remove_node(self, node):
             """A worker that crashed (a segfault, an abort) hands its unfinished units back, less
             the test it crashed in: xdist reports that one failed, and LoadScopeScheduling would
