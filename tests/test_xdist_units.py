@@ -6,9 +6,11 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
+from pathlib import Path
 
 import pytest
-from xdist_units import unit
+from xdist_units import make_scheduler, unit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -70,3 +72,50 @@ def test_a_crashed_worker_fails_its_test_and_the_session_still_ends(tmp_path):
     assert done.returncode == 1 and "2 failed, 26 passed" in summary, done.stdout[-3000:]
     assert "crashed while running 'test_shared.py::test_reads_the_pipeline[2]'" in done.stdout
     assert "crashed while running 'test_alone.py::test_crashes'" in done.stdout
+
+
+class Worker:
+    """What the scheduler sees of an xdist worker: the ids it was sent; once `gone`, a send raises
+    as execnet's does on a closed channel."""
+
+    def __init__(self, name: str):
+        self.gateway = types.SimpleNamespace(id=name)
+        self.shutting_down, self.gone, self.sent = False, False, []
+
+    def send_runtest_some(self, indices):
+        if self.gone:
+            raise OSError("cannot send (already closed?)")
+        self.sent.append(list(indices))
+
+    def shutdown(self):
+        self.shutting_down = True
+
+
+class Quiet:
+    def __call__(self, *args):
+        pass
+
+    def __getattr__(self, name):
+        return self
+
+
+def test_a_worker_that_dies_before_its_next_unit_is_sent_hands_that_unit_back():
+    """A worker reports a test, then dies before the controller sends it more: the send fails
+    (this once ended a CI session with an INTERNALERROR), the worker's unfinished units go back to
+    the queue, and the test it was running is the one reported crashed."""
+    config = types.SimpleNamespace(getvalue={"tx": ["2*popen"]}.get, rootpath=Path("/nonexistent"),
+                                   option=types.SimpleNamespace(loadscopereorder=False))
+    scheduler = make_scheduler(config, Quiet())
+    tests = [f"test_x.py::test_{i}" for i in range(8)]
+    first, second = Worker("gw0"), Worker("gw1")
+    for worker in (first, second):
+        scheduler.add_node(worker)
+        scheduler.add_node_collection(worker, tests)
+    scheduler.schedule()
+    assert first.sent == [[0], [2]] and second.sent == [[1], [3]]
+
+    first.gone = True
+    scheduler.mark_test_complete(first, 0)  # test_0 passed; test_4 is assigned, and the send fails
+    assert first.sent == [[0], [2]]
+    assert scheduler.remove_node(first) == "test_x.py::test_2"  # it died running test_2
+    assert list(scheduler.workqueue) == ["test_x.py::test_6", "test_x.py::test_7", "test_x.py::test_4"]
