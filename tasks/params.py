@@ -241,8 +241,9 @@ class DPOParams(DPOOptions, TextStageParams):
 
 
 class RolloutServerParams(Params):
-    """Where an async GRPO stage draws: the native server in its process, or a remote engine
-    (vLLM, SGLang, `dew serve`) it pushes weights to through `directory` (recipes.RemoteEngine)."""
+    """Where an async GRPO stage, or a distill stage's student, draws: in its own process (the
+    native server; distill: `generate`), or on a remote engine (vLLM, SGLang, `dew serve`) it
+    pushes weights to through `directory` (recipes.RemoteEngine)."""
 
     server: str = Field("native", min_length=1, description="'native', or the engine's root URL")
     provider: Literal["vllm", "sglang"] = Field("vllm", description="wire format ('vllm' for dew serve)")
@@ -288,6 +289,12 @@ class DistillParams(DistillOptions, TextStageParams):
     completions (docs/distill.md, The pipeline stage)."""
 
     max_prompt_len: int = Field(24, ge=2, description="prompt ids kept (left-padded)")
+    rollout: RolloutServerParams = Field(default_factory=RolloutServerParams,
+                                         description="where the student draws its samples, pushed its "
+                                         "weights before each sampled step ('native': in this process)")
+
+    # Stages keyed before the student could draw on an engine keep their keys while it draws here.
+    LATER: ClassVar[frozenset[str]] = DistillOptions.LATER | {"rollout"}
 
     @field_validator("teacher")
     @classmethod

@@ -71,6 +71,7 @@ from tasks.params import (
     GRPOParams,
     PPOParams,
     RewardParams,
+    RolloutServerParams,
     SFTParams,
     StageParams,
     ToolParams,
@@ -130,7 +131,8 @@ def _build_episodes(params: GRPOParams, pretrained, variables, data: DataManifes
     return build_episode_grpo(
         pretrained.model, variables, spec, params, shape, environment=environment,
         verifier=EpisodeVerifier(reward, tokenizer), eos_id=tokenizer.eos_token_id,
-        decode=completion_text(tokenizer), writer=writer, ppo=ppo, server=_server(params, pretrained))
+        decode=completion_text(tokenizer), writer=writer, ppo=ppo,
+        server=_server(params.rollout, pretrained, routing=params.routing_replay != "none"))
 
 
 def _build(kind: str, params: StageParams, pretrained, variables, data: DataManifest,
@@ -166,7 +168,8 @@ def _build(kind: str, params: StageParams, pretrained, variables, data: DataMani
                    tokenizer=tokenizer_dir, pad_id=tokenizer.pad_token_id or 0, loading=_loading(seed))
     return build_grpo(model, variables, spec, params, reward=reward, eos_id=tokenizer.eos_token_id,
                       decode=completion_text(tokenizer), reward_details=reward.last_runs,
-                      writer=writer, verdicts=verdicts, server=_server(params, pretrained))
+                      writer=writer, verdicts=verdicts,
+                      server=_server(params.rollout, pretrained, routing=params.routing_replay != "none"))
 
 
 def _build_distill(params: DistillParams, pretrained, variables, data: DataManifest, tokenizer_dir: str,
@@ -195,20 +198,21 @@ def _build_distill(params: DistillParams, pretrained, variables, data: DataManif
             spec = Prompts(path=source, tokenizer=tokenizer_dir, loading=_loading(seed), **shape)
         teacher = None if params.remote else load_teacher(params, model, tokenizer=load_tokenizer(tokenizer_dir))
         return build_distill(model, variables, spec, params, eos_id=tokenizer.eos_token_id,
-                             decode=completion_text(tokenizer), teacher=teacher, writer=writer)
+                             decode=completion_text(tokenizer), teacher=teacher, writer=writer,
+                             server=_server(params.rollout, pretrained))
     except ValueError as error:  # an engine that fails to answer raises EngineError, which a retry may pass
         raise RunRefused(f"distill: {error}") from None
 
 
-def _server(params: GRPOParams, pretrained):
-    """The remote engine's server factory when `params.rollout` names one, else None (native)."""
-    rollout = params.rollout
+def _server(rollout: RolloutServerParams, pretrained, routing: bool = False):
+    """The remote engine's server factory when `rollout` names one, else None (drawn in process);
+    `routing`: ask the engine for each token's experts (routing replay)."""
     if not rollout.remote:
         return None
     return remote_server(RemoteEngine(url=rollout.server, directory=rollout.directory, provider=rollout.provider,
                                       model=rollout.model, replicas=tuple(rollout.replicas),
                                       processed_logprobs=rollout.processed_logprobs,
-                                      routing=params.routing_replay != "none", timeout=rollout.timeout),
+                                      routing=routing, timeout=rollout.timeout),
                          pretrained)
 
 
@@ -227,7 +231,7 @@ def stage_inputs(kind: str, params: StageParams, data: DataManifest, start: Poli
     the RL stage, the reward, tool and PPO parameters; for distillation, the teacher checkpoint's
     files, or a served teacher's URL and model name (what it serves cannot be fingerprinted)."""
     relevant = params.model_copy(update={"log_every": 1, "max_minutes": None})
-    if isinstance(relevant, GRPOParams) and relevant.rollout.remote:
+    if isinstance(relevant, GRPOParams | DistillParams) and relevant.rollout.remote:
         # Native or remote, the wire format and the log-probabilities decide the rollouts; where
         # the engine runs does not (a restarted engine elsewhere resumes the same stage).
         relevant = relevant.model_copy(update={"rollout": relevant.rollout.model_copy(update={

@@ -123,8 +123,9 @@ def test_the_stage_s_key_reads_the_teacher_checkpoint(tmp_path):
     params = DistillParams(teacher=teacher)
     key, inputs = stage_inputs("distill", params, data, start, 0)
     assert set(inputs) == {"params", "data", "start", "seed", "teacher"}
-    # The served teacher's fields, while empty, are not in a checkpoint teacher's key (earlier keys hold).
-    assert not {"teacher_url", "teacher_model"} & set(inputs["params"])
+    # The served teacher's fields, and where the student draws while it draws in process, are not
+    # in a checkpoint teacher's key (earlier keys hold).
+    assert not {"teacher_url", "teacher_model", "rollout"} & set(inputs["params"])
     os.utime(os.path.join(teacher, "model.safetensors"), (1, 1))  # the teacher rewritten in place
     assert stage_inputs("distill", params, data, start, 0)[0] != key
     # A served teacher is keyed by where it is served and under which name.
@@ -272,6 +273,45 @@ def test_the_pipeline_distils_a_teacher_served_by_dew_serve(taught, tmp_path):
     # Planned before it trained, with the engine's log-probs in the batch and no teacher held in process.
     plan = next(line for line in lines if line.startswith("distill fits: "))
     assert f"distill: {batch} rows of {24 + budget} ids a step" in plan and re.search(r"reference +0.00 GB", plan)
+
+
+@pytest.mark.slow
+def test_the_student_draws_on_dew_serve_pushed_its_weights_every_step(taught, tmp_path):
+    """`distill.rollout.server` set to a `dew serve` URL launched on the student's checkpoint: the
+    stage pushes the student's weights before each step's draws and records what the engine drew,
+    each call with the update it was pushed."""
+    import shutil
+
+    from dew_lib.serve import ServedPolicy, create_app, running
+    from flows.pipeline import pipeline
+
+    tokenizer = load_pretrained(taught).tokenizer
+    student = save_decoder(tmp_path / "student", vocab_size=len(tokenizer), emb_features=32, num_layers=1,
+                           tokenizer=tokenizer, seed=1)
+    launch = tmp_path / "engine"
+    shutil.copytree(student, launch)
+    steps, batch, budget = 3, 4, 8
+    policy = ServedPolicy.load(launch, slots=4, capacity=64, steps=4)
+    try:
+        with running(create_app(policy, dev_endpoints=True)) as url:
+            params = tiny(tmp_path, name="drawn", model=dict(pretrained=student), stages=["distill"],
+                          distill=dict(teacher=taught, rollout={"server": url, "directory": str(launch)},
+                                       steps=steps, batch=batch, max_new_tokens=budget, learning_rate=1e-2,
+                                       log_every=1, checkpoint_every=steps),
+                          evaluation=dict(TINY["evaluation"], samples=0))
+            outcome = pipeline(params)
+            assert policy.weight_version == str(steps - 1)  # pushed before each step's draws
+    finally:
+        policy.close()
+    run = outcome["run"]
+    check_sessions(tmp_path, run, steps, batch)
+    versions = query(tmp_path, f"SELECT s.update, list(DISTINCT c.version) FROM sessions s JOIN calls c "
+                               f"ON c.run = s.run AND c.session_uid = s.session_uid WHERE s.run = '{run}' "
+                               "GROUP BY s.update ORDER BY s.update")
+    assert versions == [(update, [update]) for update in range(steps)]
+    # Where the engine runs is not part of the stage's inputs; that it draws remotely is.
+    inputs = json.loads(open(os.path.join(os.path.dirname(outcome["policy"]), "inputs.json")).read())["inputs"]
+    assert inputs["params"]["rollout"]["server"] == "remote" and inputs["params"]["rollout"]["directory"] is None
 
 
 @pytest.mark.slow

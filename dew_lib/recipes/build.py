@@ -13,7 +13,8 @@ options) both build every stage here, so the two cannot drift:
                                      NativeRolloutServer (mode "async", scheduled.py)
     Prompts      + DistillOptions -> DistillObjective against the teacher checkpoint
                                      options.teacher, or the RemoteTeacher served at
-                                     options.teacher_url, with a DistillRollout (the student samples)
+                                     options.teacher_url, with a DistillRollout (the student samples,
+                                     in process or on a `server`)
 
 A builder returns `Built(objective, dataset, rollout, eval_every)`; the caller picks the optimizer
 and key, makes the Trainer and fits it, then calls `Built.close()` (which stops an async stage's
@@ -50,6 +51,7 @@ from dew_lib.recipes.options_distill import DistillOptions
 from dew_lib.recipes.recorded import RecordedRollout, Verdicts, sampled_sessions
 from dew_lib.recipes.scheduled import ScheduledRollout
 from dew_lib.rollouts import DistillRollout, SampledRollout
+from dew_lib.sampling import Sampling
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -203,7 +205,7 @@ def remote_teacher(options: DistillOptions) -> RemoteTeacher:
 def build_distill(model, variables, data: Prompts, options: DistillOptions, *,
                   eos_id: int | Sequence[int] | None = None, decode: Callable[[Sequence[int]], str] | None = None,
                   teacher: tuple[Any, Any] | RemoteTeacher | None = None, writer=None,
-                  key: jax.Array | None = None) -> Built:
+                  key: jax.Array | None = None, server: Callable[[Sampling], Any] | None = None) -> Built:
     """On-policy distillation of the student `(model, variables)` (variables None: a fresh init)
     from the teacher the options name: the checkpoint `options.teacher`, or the engine at
     `options.teacher_url` (or `teacher`: a `(model, variables)` already loaded, or a RemoteTeacher),
@@ -213,7 +215,9 @@ def build_distill(model, variables, data: Prompts, options: DistillOptions, *,
     without one. A remote teacher is closed by `Built.close()`, and its engine's context is
     checked here.
     eos_id, decode, writer, key: as `build_grpo`'s (writer records each sampled session with reward
-    = its negative mean per-token KL to the teacher)."""
+    = its negative mean per-token KL to the teacher). server: `sampling -> RolloutServer` (e.g.
+    `remote_server`) to draw the student's samples on, pushed the student's weights before each
+    sampled step's draws (None: `generate` in this process); closed by `Built.close()`."""
     if options.lmbda < 1:
         completion, width = getattr(data, "completion", None), getattr(data, "max_completion_len", None)
         if completion is None:
@@ -228,6 +232,7 @@ def build_distill(model, variables, data: Prompts, options: DistillOptions, *,
     if teacher is None:
         teacher = remote_teacher(options) if options.remote else load_teacher(options, model)
     served = teacher if isinstance(teacher, RemoteTeacher) else None
+    student_server = None
     try:
         model, variables = adapted(model, variables, options, key)
         width = data.max_prompt_len + options.max_new_tokens - 1
@@ -239,12 +244,15 @@ def build_distill(model, variables, data: Prompts, options: DistillOptions, *,
             objective = DistillObjective(model, width, teacher_model=teacher_model, teacher=teacher_variables,
                                          **common)
         decoded = {} if decode is None else {"decode": decode}
-        rollout: Any = DistillRollout(objective, max_new_tokens=options.max_new_tokens,
-                                      sampling=options.sampling(eos_id), lmbda=options.lmbda, **decoded)
+        sampling = options.sampling(eos_id)
+        student_server = None if server is None else server(sampling)
+        rollout: Any = DistillRollout(objective, max_new_tokens=options.max_new_tokens, sampling=sampling,
+                                      lmbda=options.lmbda, server=student_server, **decoded)
         dataset = data.load(batch=options.batch)
     except BaseException:
-        if served is not None:
-            served.close()  # its request threads are already running
+        for running in (served, student_server):
+            if running is not None:
+                running.close()  # its request threads are already running
         raise
     if writer is not None:
         rollout = RecordedRollout(rollout, sampled_sessions(rollout, writer))

@@ -39,6 +39,12 @@ class RecordedRollout:
         self.record(state, batch, time.perf_counter() - started)
         return packed
 
+    def close(self) -> None:
+        """Close what the rollout holds open (a distill rollout's server), if it holds anything."""
+        close = getattr(self.rollout, "close", None)
+        if close is not None:
+            close()
+
 
 def updates(state) -> int:
     """The update the drawn rollouts train first (one host read of the counter per draw)."""

@@ -44,8 +44,16 @@ every process's rows gathered (one compiled pass on the global devices, which ev
 run on the same inputs) and each process keeps its own sessions' rewards. Recording every
 process's sessions is the writer's part (tasks/stage_job.py `GatheredWriter`).
 
-Not here: a remote engine or rollout server drawing the samples, several samples per prompt,
-TRL's `seq_kd` (teacher-generated completions).
+With `server` (any `RolloutServer`: a remote engine's client from `recipes.remote_server`, or a
+`NativeRolloutServer`) the student's samples come from that server instead of `generate`. Before a
+sampled step's requests the server is pushed the student's current weights, once per update (every
+process passes its own copy; a `Publication` pushes from process 0 and returns on every process
+once the push is done); then each process submits its own rows, one request per prompt, seeded
+from the step's key by the prompt's row in the job's batch. A draw whose version is not the
+pushed one is refused: the student would train on another policy's samples and call them its own.
+An engine reports no raw log-probabilities, which the loss does not read.
+
+Not here: several samples per prompt, TRL's `seq_kd` (teacher-generated completions).
 """
 
 from __future__ import annotations
@@ -59,13 +67,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from dew_lib.inference.base import RolloutServer, push_weights
 from dew_lib.options import integer
 from dew_lib.records.sessions import Call, Session, Status, Task
 from dew_lib.rollouts.packing import pack
 from dew_lib.rollouts.sampled import check_row_width, job_prompts, own_draws, token_text
 from dew_lib.rollouts.scheduler.tasks import prompt_tasks
 from dew_lib.sampling import Sampling, generate
-from dew_lib.train.distributed import every_process, gather_rows, own_rows
+from dew_lib.train.distributed import every_process, gather_rows, local_copy, own_rows
 
 COLUMNS = ("input_ids", "text_segment_ids", "text_positions", "response_mask", "session_index",
            "session_weights")
@@ -81,10 +90,13 @@ class DistillRollout:
     sampling: how the student draws (pass eos_id so completions can stop; its temperature is
     TRL's generation temperature). lmbda: the share of steps trained on the student's samples.
     decode: ids -> text, for the run store's prompts (default: ids separated by spaces).
+    server: a RolloutServer that draws the student's samples in place of `generate` (it samples
+    as it was built to; pass it the same Sampling); `close()` closes it.
     """
 
     def __init__(self, objective, *, max_new_tokens: int, sampling: Sampling = Sampling(),
-                 lmbda: float = 1.0, decode: Callable[[Sequence[int]], str] = token_text):
+                 lmbda: float = 1.0, decode: Callable[[Sequence[int]], str] = token_text,
+                 server: RolloutServer | None = None):
         max_new_tokens = integer("DistillRollout.max_new_tokens", max_new_tokens)
         if not 0.0 <= lmbda <= 1.0:
             raise ValueError(f"DistillRollout.lmbda must lie in [0, 1] (the share of steps trained on "
@@ -100,6 +112,8 @@ class DistillRollout:
         self.sampling = sampling
         self.lmbda = float(lmbda)
         self.decode = decode
+        self.server = server
+        self._pushed: int | None = None  # the update whose weights the server holds
         self.last_on_policy = False
         self.last_tasks: list[Task] = []
         self.last_sessions: list[Session] = []
@@ -120,7 +134,11 @@ class DistillRollout:
         started = time.perf_counter()
         tasks = prompt_tasks(batch)
         sampled = self._agreed(self.on_policy(key))
-        if sampled:  # the job's whole batch on every process, each keeping its own rows
+        latencies = None
+        if sampled and self.server is not None:
+            calls, latencies = self._served(state, tasks, key)
+            finished = [call.finish_reason == "stop" for call in calls]
+        elif sampled:  # the job's whole batch on every process, each keeping its own rows
             drawn = generate(self.objective.model, state.params, *job_prompts(prompt, lengths),
                              key=jax.random.fold_in(key, 0), max_new_tokens=self.max_new_tokens,
                              sampling=self.sampling)
@@ -149,9 +167,59 @@ class DistillRollout:
         self.last_on_policy = sampled
         self.last_tasks = tasks if sampled else []
         self.last_sessions = sessions if sampled else []
-        self.last_latencies = [seconds] * len(self.last_sessions)  # one lockstep draw
+        # A lockstep draw finishes every row together; a server's rows each finish on their own.
+        self.last_latencies = (latencies or [seconds] * rows) if sampled else []
         self.last_reward_details = [None] * len(self.last_sessions)
         return out
+
+    def _served(self, state, tasks: list[Task], key: jax.Array) -> tuple[list[Call], list[float]]:
+        """This process's rows drawn by the server at the student's current weights, and the
+        seconds each took."""
+        assert self.server is not None
+        version = _version(state)
+        if self._pushed != version:  # every process, so a multi-process Publication can agree
+            push_weights(self.server, local_copy(state.params), version)
+            self._pushed = version
+        first = jax.process_index() * len(tasks)
+        seeds = np.asarray(jax.random.randint(jax.random.fold_in(key, 0), (first + len(tasks),), 0,
+                                              np.iinfo(np.int32).max))[first:]
+        started = time.perf_counter()
+        done_at: dict[int, float] = {}
+        futures = []
+
+        def timed(n: int) -> Callable[[Any], float]:
+            return lambda _: done_at.setdefault(n, time.perf_counter())
+
+        for n, (task, seed) in enumerate(zip(tasks, seeds, strict=True)):
+            future = self.server.submit(task.data["prompt_ids"], self.max_new_tokens, seed=int(seed))
+            future.add_done_callback(timed(n))
+            futures.append(future)
+        try:
+            draws = [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+        for task, draw in zip(tasks, draws, strict=True):
+            if draw.version != version:
+                raise RuntimeError(
+                    f"the rollout server drew task {task.id} with weights version {draw.version}, but it was "
+                    f"pushed the student's update {version} first: its samples are not the student's own. "
+                    "Check that the engine reloads what is pushed (its weight-update endpoint)")
+            if draw.ids.size > self.max_new_tokens:
+                raise RuntimeError(f"the rollout server drew {draw.ids.size} ids for task {task.id}, over "
+                                   f"DistillRollout.max_new_tokens={self.max_new_tokens}")
+        calls = [Call(prompt_ids=task.data["prompt_ids"], sampled_ids=draw.ids,
+                      behavior_log_probs=draw.behavior_log_probs, raw_log_probs=draw.raw_log_probs,
+                      finish_reason=draw.finish_reason, version=draw.version)
+                 for task, draw in zip(tasks, draws, strict=True)]
+        return calls, [done_at.get(n, time.perf_counter()) - started for n in range(len(tasks))]
+
+    def close(self) -> None:
+        """Close the server that draws the student's samples, if any."""
+        close = getattr(self.server, "close", None)
+        if close is not None:
+            close()
 
     def _agreed(self, sampled: bool) -> bool:
         """`sampled`, once every process of a job has flipped the same coin (a coin of lmbda 0 or
