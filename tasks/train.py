@@ -55,7 +55,7 @@ from dew_lib.recipes import (
     build_sft,
     remote_server,
 )
-from dew_lib.recipes.build import load_teacher
+from dew_lib.recipes.build import load_teacher, remote_teacher
 from dew_lib.store import Store
 from dew_lib.train import distributed
 from dew_lib.train.mesh import MeshSpec
@@ -178,9 +178,9 @@ def _build_distill(params: DistillParams, pretrained, variables, data: DataManif
     `params.teacher_url`, on the GRPO prompts; with `params.lmbda` < 1 on the SFT conversations
     instead (TRL GKD's dataset), each split at its last assistant turn: the messages before it are
     the prompt, its text (then the tokenizer's eos) the completion the off-policy steps train on.
-    A teacher that cannot teach this student (another vocabulary; a served one whose context is
-    too short for the rows) refuses the run. A served teacher's vocabulary cannot be checked: its
-    engine reports no tokenizer."""
+    A teacher that cannot teach this student (another vocabulary or tokenizer, a served one's
+    engine's /tokenize included; a served one whose context is too short for the rows) refuses
+    the run."""
     model, tokenizer = pretrained.model, pretrained.tokenizer
     if params.lmbda < 1:
         source = _needs(data.chat_path, "distill", "conversations (chat_path) for lmbda < 1")
@@ -196,7 +196,8 @@ def _build_distill(params: DistillParams, pretrained, variables, data: DataManif
                            tokenizer=tokenizer_dir, loading=_loading(seed), **shape)
         else:
             spec = Prompts(path=source, tokenizer=tokenizer_dir, loading=_loading(seed), **shape)
-        teacher = None if params.remote else load_teacher(params, model, tokenizer=load_tokenizer(tokenizer_dir))
+        ours = load_tokenizer(tokenizer_dir)
+        teacher = remote_teacher(params, ours) if params.remote else load_teacher(params, model, tokenizer=ours)
         return build_distill(model, variables, spec, params, eos_id=tokenizer.eos_token_id,
                              decode=completion_text(tokenizer), teacher=teacher, writer=writer,
                              server=_server(params.rollout, pretrained))

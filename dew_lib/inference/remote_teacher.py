@@ -21,6 +21,8 @@ raises `EngineError` naming the engine.
 
 `context()` is the engine's `max_model_len` (given, or read once from GET /v1/models); a scoring
 request holds a row's ids plus the one id the engine samples, so a row of W ids needs W + 1.
+`check_tokenizer(tokenizer)` asks the engine's `POST /tokenize` (vLLM's, and `dew serve`'s) to
+encode a probe text and refuses a teacher whose ids differ from `tokenizer`'s.
 
 Not here: SGLang (its prompt log-probs are another request: `return_logprob`, `logprob_start_len`),
 the teacher's top alternatives or whole distribution (what a JSD loss would need), chat routes.
@@ -41,6 +43,9 @@ from dew_lib.inference.remote import EngineError, RemoteOptions, field
 from dew_lib.options import integer, number
 
 TRANSIENT = (408, 429)  # statuses that may pass; 5xx too
+# What check_tokenizer asks both tokenizers to encode: words, digits, arithmetic, a newline,
+# accents, a non-Latin script and an emoji, so byte-level and word-piece vocabularies differ on it.
+PROBE = "Distil 12 + 30 = 42, then check:\n  Ünïcödé — naïve café, 東京, 🙂 done."
 
 
 class RemoteTeacher:
@@ -94,6 +99,37 @@ class RemoteTeacher:
             value = None if card is None else (card.model_extra or {}).get("max_model_len")
             self.max_model_len = int(value) if isinstance(value, int) else None
         return self.max_model_len
+
+    def check_tokenizer(self, tokenizer) -> bool:
+        """Refuse (ValueError) a teacher whose engine encodes `PROBE` otherwise than `tokenizer`
+        (the student's, a Hugging Face tokenizer) does: its ids would mean other tokens. True once
+        checked; False when the engine cannot tell (no /tokenize route, or served without a
+        tokenizer), which the caller should report, since nothing was checked."""
+        import httpx
+
+        root = str(self.completion.client.base_url).rstrip("/").removesuffix("/v1")
+        body = {"model": self.completion.name, "prompt": PROBE, "add_special_tokens": False}
+        try:
+            key = self.completion.client.api_key
+            answer = httpx.post(f"{root}/tokenize", json=body, timeout=self.options.timeout,
+                                headers={"Authorization": f"Bearer {key}"} if key else None)
+        except httpx.HTTPError as error:
+            raise EngineError(f"{self.engine} did not answer POST /tokenize: {error}") from error
+        if answer.status_code in (400, 404, 405, 501):  # no such route, or nothing to tokenize with
+            return False
+        if answer.status_code != 200:
+            raise EngineError(f"{self.engine} answered POST /tokenize with HTTP {answer.status_code}: "
+                              f"{answer.text[:300]}")
+        theirs = [int(i) for i in field(self.engine, answer.json(), "tokens", list)]
+        ours = [int(i) for i in tokenizer.encode(PROBE, add_special_tokens=False)]
+        if theirs != ours:
+            at = next((n for n, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+            raise ValueError(
+                f"the teacher served by {self.engine} as {self.completion.name!r} tokenizes text otherwise than "
+                f"the student: {PROBE!r} is {len(theirs)} ids there and {len(ours)} here, first differing at "
+                f"id {at} ({theirs[at:at + 4]} there, {ours[at:at + 4]} here), so the ids the student sends "
+                "would mean other tokens to the teacher. Serve a teacher that shares the student's tokenizer")
+        return True
 
     def score(self, rows: Sequence[Sequence[int] | np.ndarray]) -> list[np.ndarray]:
         """For each row of n >= 2 ids, the teacher's log p(id_t | ids_<t) for t = 1 .. n - 1,

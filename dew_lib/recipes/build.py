@@ -34,6 +34,7 @@ data specs from files or manifests (the caller makes the spec), Prefect (tasks/ 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -187,19 +188,32 @@ def load_teacher(options: DistillOptions, student, tokenizer=None) -> tuple[Any,
     return teacher.model, teacher.variables
 
 
-def remote_teacher(options: DistillOptions) -> RemoteTeacher:
+def remote_teacher(options: DistillOptions, tokenizer=None) -> RemoteTeacher:
     """The `RemoteTeacher` served at `options.teacher_url` (an OpenAI-compatible base URL, /v1
     included) under the name `options.teacher_model`, on an `openai` client made as a remote
-    rollout engine's is (recipes/remote.py; RemoteTeacher sets its timeouts and retries). Its
-    vocabulary cannot be compared with the student's: the engine reports log-probs of the ids it
-    is given, not its tokenizer, so a teacher with another tokenizer trains on wrong numbers."""
+    rollout engine's is (recipes/remote.py; RemoteTeacher sets its timeouts and retries). Given
+    the student's `tokenizer`, a teacher whose engine tokenizes otherwise is refused
+    (`RemoteTeacher.check_tokenizer`), and one whose engine cannot say (no /tokenize, no tokenizer
+    served) is taken with a warning: its ids are then trusted to mean the student's tokens."""
     import openai
 
     if options.teacher_url is None or options.teacher_model is None:
         raise ValueError("DistillOptions.teacher_url and teacher_model are empty: give the served teacher's "
                          "base URL and model name, or a checkpoint in DistillOptions.teacher")
     client = openai.OpenAI(base_url=options.teacher_url, api_key="EMPTY")
-    return RemoteTeacher(OpenAICompletion(options.teacher_model, client))
+    teacher = RemoteTeacher(OpenAICompletion(options.teacher_model, client))
+    if tokenizer is None:
+        return teacher
+    try:
+        checked = teacher.check_tokenizer(tokenizer)
+    except BaseException:
+        teacher.close()
+        raise
+    if not checked:
+        warnings.warn(f"the teacher served at {options.teacher_url} does not say how it tokenizes (no POST "
+                      "/tokenize, or no tokenizer served), so it could not be checked against the student's; "
+                      "its log-probs are trusted to be of the student's tokens", stacklevel=2)
+    return teacher
 
 
 def build_distill(model, variables, data: Prompts, options: DistillOptions, *,

@@ -67,6 +67,7 @@ from dew_lib.serve.protocol import (
     unsupported,
 )
 from dew_lib.serve.template import TemplateRenderer, request_template
+from dew_lib.serve.tokenize_route import tokenize_routes
 
 GREEDY_BELOW = 1e-5  # vLLM samples greedily under this temperature
 SEEDS = 2**32  # the native server's seeds are uint32
@@ -86,6 +87,7 @@ def create_app(policy: ServedPolicy | ServedModels, *, dev_endpoints: bool = Fal
     install(app, options)
     app.add_exception_handler(ServeError, lambda request, error: error.response())
     app.include_router(_openai_routes(models, options))
+    app.include_router(tokenize_routes(models))
     if dev_endpoints:
         app.include_router(dev_routes(models))
         app.include_router(lora_routes(models))
