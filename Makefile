@@ -76,6 +76,7 @@ bench: $(STAMP) sandbox-tools
 	$(BIN)/python bench/native_server.py
 	$(BIN)/python bench/lora.py
 	$(BIN)/python bench/moe.py
+	$(BIN)/python bench/distill.py
 
 # bench/gpu.py: Qwen3-0.6B-shaped SFT and GRPO tokens/s and MFU on one GPU, and the SFT as a
 # two-process job. Where nvidia-smi runs it first installs JAX's CUDA plugin matching the installed
