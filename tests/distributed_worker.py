@@ -99,7 +99,7 @@ def scheduled(model, fail: bool):
     """One RolloutScheduler for this process, on its own native server. ahead=0 and max_lag=0
     draw every batch under the weights it trains, so a run does not depend on timing."""
     objective = GRPOObjective(model, seq_len=8)
-    task = ServeTask(model=model, variables=objective.init(jax.random.key(9)),
+    task = ServeTask(model=model, variables=jax.jit(objective.init)(jax.random.key(9)),
                      sampling=Sampling(temperature=1.0, eos_id=2))
     server = NativeRolloutServer(Server.from_task(task, slots=8, capacity=9, steps=3))
 

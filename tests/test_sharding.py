@@ -2,12 +2,17 @@
 train every recipe to the parameters data parallelism reaches on the same global batches, each
 device holds its share of every split leaf, and checkpoints restore under another mesh.
 
-The jobs run tests/distributed_worker.py on 8 host devices (`--mesh`). Sharded and replicated
-steps are the same arithmetic partitioned differently, so they agree to float32 rounding: XLA
-sums a split contraction's partial products in another order.
+The runs are tests/distributed_worker.py's on 8 host devices (`--mesh`): those of one process one
+after another in a single process (`in_one_process`), the one of two processes as a `dew launch`
+job. Sharded and replicated steps are the same arithmetic partitioned differently, so they agree
+to float32 rounding: XLA sums a split contraction's partial products in another order.
 """
 
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -97,14 +102,43 @@ def test_each_device_holds_its_share_of_the_parameters_and_adam_s_moments():
     assert held["fsdp=4,tensor=2 embed"] == "(32, 16) (16, 4)"
 
 
+def in_one_process(runs, timeout=840):
+    """Run tests/distributed_worker.py once for each `(name, arguments)` of `runs`, one run after
+    another in a single process on 8 host devices, as `worker_job(1, 8, *arguments)` runs it in a
+    process of its own: each run builds its own trainers and compiles its own programs (its
+    parameters are bit for bit those of a process of its own), only the start (imports, devices)
+    is shared, and no launcher runs (for one process it adds nothing but the `[0] ` prefix).
+    Returns each run's output, its logged steps included, by name."""
+    script = textwrap.dedent(f"""
+        import sys
+        import distributed_worker
+        sys.stderr = sys.stdout  # the steps' lines, and any traceback, with the rest as `dew launch` relays them
+        for name, arguments in {[(name, [str(a) for a in arguments]) for name, arguments in runs]!r}:
+            print("---", name, flush=True)
+            sys.argv = ["distributed_worker.py", *arguments]
+            distributed_worker.main()
+        """)
+    tests = os.path.dirname(__file__)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    blocks = ("\n" + done.stdout).split("\n--- ")[1:]  # each: "<name>\n<the run's lines>"
+    return dict(block.split("\n", 1) for block in blocks)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Three steps of each recipe on 8 host devices: all on `data`, and under each mesh."""
+    """Three steps of each recipe on 8 host devices: all on `data`, and under each mesh; then two
+    steps of SFT under FSDP that checkpoint each step (`written`, which the resume test starts
+    from). One process runs them all: a job per run started the launcher and the worker (imports,
+    devices) each time, about 8 s of CPU a run before it compiled anything."""
     where = tmp_path_factory.mktemp("meshes")
-    outputs = {"data": worker_job(1, 8, ",".join(ALL), where / "data").stdout}
-    for name, (spec, recipes) in MESHES.items():
-        outputs[name] = worker_job(1, 8, ",".join(recipes), where / name, "--mesh", spec).stdout
-    return where, outputs
+    runs = [("data", [",".join(ALL), where / "data"])]
+    runs += [(name, [",".join(recipes), where / name, "--mesh", spec]) for name, (spec, recipes) in MESHES.items()]
+    runs.append(("written", ["sft", where / "written", "--steps", "2", "--directory", where / "checkpoints",
+                             "--mesh", "fsdp=8"]))
+    return where, in_one_process(runs)
 
 
 @pytest.mark.slow
@@ -125,9 +159,9 @@ def test_every_split_leaf_holds_its_bytes_over_its_axes_on_each_device(trained):
     for name, out in outputs.items():
         assert "uneven" not in out, out
         for line in out.splitlines():
-            if " split " in line:  # "[0] split sft 59 leaves 12812 bytes on device 0 of 91660"
+            if line.startswith("split "):  # "split sft 59 leaves 12812 bytes on device 0 of 91660"
                 words = line.split()
-                held[name, words[2]] = int(words[5]) / int(words[-1])
+                held[name, words[1]] = int(words[4]) / int(words[-1])
     assert all(held["data", recipe] == 1 for recipe in ALL)
     for recipe in ALL:  # all but the norms, biases and step counts split 8 ways
         assert held["fsdp", recipe] < 0.25, (recipe, held["fsdp", recipe])
@@ -137,15 +171,18 @@ def test_every_split_leaf_holds_its_bytes_over_its_axes_on_each_device(trained):
 
 @pytest.mark.slow
 def test_a_checkpoint_written_under_fsdp_resumes_under_every_other_mesh(trained, tmp_path):
-    where, _ = trained
-    written = tmp_path / "written"
-    worker_job(1, 8, "sft", tmp_path / "first", "--steps", "2", "--directory", str(written), "--mesh", "fsdp=8")
-    for index, spec in enumerate(("data=8", "fsdp=4,tensor=2", "data=2,fsdp=2,tensor=2")):
-        directory = tmp_path / f"resumed-{index}"
-        shutil.copytree(written, directory)
-        resumed = worker_job(1, 8, "sft", tmp_path / f"resumed-{index}", "--steps", "3", "--directory",
-                             str(directory), "--mesh", spec)
-        assert "resuming from the checkpoint" in resumed.stdout and "step 3/3" in resumed.stdout
+    """The fixture's `written` run checkpointed SFT at step 2 under fsdp=8; a copy of it resumes
+    for step 3 under each other mesh, all in one process, and ends where data parallelism did."""
+    where, outputs = trained
+    assert "step 2/2" in outputs["written"]
+    specs = ("data=8", "fsdp=4,tensor=2", "data=2,fsdp=2,tensor=2")
+    for index in range(len(specs)):
+        shutil.copytree(where / "checkpoints", tmp_path / f"resumed-{index}")
+    resumed = in_one_process([(spec, ["sft", tmp_path / f"resumed-{index}", "--steps", "3", "--directory",
+                                      tmp_path / f"resumed-{index}", "--mesh", spec])
+                              for index, spec in enumerate(specs)])
+    for index, spec in enumerate(specs):
+        assert "resuming from the checkpoint" in resumed[spec] and "step 3/3" in resumed[spec]
         for replicated, split in zip(npz_leaves(where / "data-sft.npz"),
                                      npz_leaves(tmp_path / f"resumed-{index}-sft.npz"), strict=True):
             np.testing.assert_allclose(split, replicated, **ROUNDING, err_msg=spec)
