@@ -5,10 +5,15 @@ Parity with transformers (logits and the load-balancing loss it reports), the Hu
 tensor names on save, transformers 5's fused layout on load, round trips, refusals. The fixtures
 under tests/fixtures/hf were written by tools/parity_hf.py with torch and transformers (versions
 and router margins in MANIFEST.json); this file never imports torch.
+
+Compiling is most of this module's time: `forward` and `routed` compile each model's program
+once per input shape, with the model static, so a model read back from a save (equal to the
+one saved) runs the program the parity tests compiled.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -62,11 +67,21 @@ def inputs(ref, case):
             jnp.asarray(ref[f"{case}_positions"]))
 
 
-def logits(model, variables, ref, compiled=False):
-    """The logits of each fixture input; `compiled`: one program per input rather than op by op
-    (for comparing two Dew models; the parity tests against the fixtures run op by op)."""
-    apply = jax.jit(model.apply) if compiled else model.apply
-    return {case: np.asarray(apply(variables, *[a for a in inputs(ref, case) if a is not None]))
+@functools.partial(jax.jit, static_argnums=0)
+def forward(model, variables, ids, segments=None, positions=None):
+    """`model`'s logits, one compiled program per model (equal models share it) and input shape."""
+    return model.apply(variables, ids, segments, positions)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def routed(model, variables, ids, segments=None, positions=None):
+    """`model`'s `moe.Routing` of the input, compiled as `forward`."""
+    return model.apply(variables, ids, segments, positions, method=model.hidden, return_routing=True)[1]
+
+
+def logits(model, variables, ref):
+    """The logits of each fixture input."""
+    return {case: np.asarray(forward(model, variables, *[a for a in inputs(ref, case) if a is not None]))
             for case in CASES}
 
 
@@ -123,8 +138,7 @@ def test_aux_loss_and_experts_match_transformers(name, loaded):
     model, ref = pretrained.model, reference(name)
     for case in CASES:
         ids, segments, positions = inputs(ref, case)
-        _, routing = model.apply(variables, ids, segments, positions, method=model.hidden,
-                                 return_routing=True)
+        routing = routed(model, variables, ids, segments, positions)
         np.testing.assert_allclose(float(routing.aux_loss), ref[f"aux_loss_{case}"], rtol=0,
                                    atol=TOLERANCE, err_msg=case)
         theirs = np.moveaxis(ref[f"experts_{case}"], 0, 2)  # [L, B, S, k] -> [B, S, L, k]
@@ -209,8 +223,9 @@ def test_save_writes_the_hubs_per_expert_names(name, loaded, tmp_path):
     for key, value in flat(variables).items():
         np.testing.assert_array_equal(flat(reread)[key], value)
     ref = reference(name)
+    first = logits(model, variables, ref)
     for case, value in logits(again.model, reread, ref).items():
-        np.testing.assert_array_equal(value, logits(model, variables, ref)[case])
+        np.testing.assert_array_equal(value, first[case])
 
 
 def test_export_yields_the_checkpoint_tensors(loaded):
@@ -302,7 +317,7 @@ def test_from_model_writes_a_loadable_checkpoint(architecture, extra, tmp_path):
                          experts_per_token=2, expert_features=8, router_aux_loss_coef=0.01,
                          **extra)
     tokens = jnp.arange(10)[None] % 32
-    variables = model.init(jax.random.key(0), tokens)
+    variables = jax.jit(model.init)(jax.random.key(0), tokens)
     pretrained = Pretrained.from_model(model)
     assert pretrained.family.architecture == architecture
     out = pretrained.save(variables, tmp_path / architecture, dtype=None)
@@ -310,7 +325,7 @@ def test_from_model_writes_a_loadable_checkpoint(architecture, extra, tmp_path):
     assert config["num_experts_per_tok"] == 2 and config["router_aux_loss_coef"] == 0.01
     again, reread = load_pretrained(out)
     assert again.model.experts == 4 and again.model.expert_features == 8
-    np.testing.assert_array_equal(again.model.apply(reread, tokens), model.apply(variables, tokens))
+    np.testing.assert_array_equal(forward(again.model, reread, tokens), forward(model, variables, tokens))
 
 
 # -- refusals -----------------------------------------------------------------------------------
@@ -419,8 +434,8 @@ def test_mixed_save_round_trip(loaded, tmp_path):
     again, reread = load_pretrained(out)
     assert again.model == pretrained.model
     ref = reference(MIXED)
-    first = logits(pretrained.model, variables, ref, compiled=True)
-    for case, value in logits(again.model, reread, ref, compiled=True).items():
+    first = logits(pretrained.model, variables, ref)
+    for case, value in logits(again.model, reread, ref).items():
         np.testing.assert_array_equal(value, first[case])
 
 
@@ -430,12 +445,12 @@ def test_mixed_scan_and_loop_and_decode_agree(loaded):
     model = pretrained.model
     ref = reference(MIXED)
     ids = jnp.asarray(ref["plain_ids"])
-    scanned = np.asarray(model.apply(variables, ids))
+    scanned = np.asarray(forward(model, variables, ids))
     looped = model.clone(scan_layers=False)
-    np.testing.assert_allclose(np.asarray(looped.apply(variables, ids)), scanned, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(forward(looped, variables, ids)), scanned, rtol=0, atol=1e-5)
     cache = model.apply(variables, ids.shape[0], 8, method=model.empty_cache)
-    step, _, routes = model.apply(variables, ids[:, 0], cache, jnp.ones((ids.shape[0],), bool),
-                                  split_layers(variables), method=model.decode, return_routes=True)
+    decode = jax.jit(functools.partial(model.apply, method=model.decode, return_routes=True))
+    step, _, routes = decode(variables, ids[:, 0], cache, jnp.ones((ids.shape[0],), bool), split_layers(variables))
     np.testing.assert_allclose(np.asarray(step), scanned[:, 0], rtol=0, atol=1e-5)
     assert routes.shape == (ids.shape[0], 2, 2)
     np.testing.assert_array_equal(np.asarray(routes), np.moveaxis(ref["experts_plain"], 0, 2)[:, 0])

@@ -1,4 +1,10 @@
-"""Mixture-of-experts layers: dropless grouped dispatch, routing, the router's losses, decode."""
+"""Mixture-of-experts layers: dropless grouped dispatch, routing, the router's losses, decode.
+
+Compiling is most of this module's time, so the models' programs are compiled once and shared:
+`logits_of`, `routed_hidden` and `square_grads` are jitted with the model static, and tests that
+run an equal model on equal shapes reuse one program; `variables` and `mixed_variables` are
+initialised once per module.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +28,39 @@ def moe_model(**overrides):
 
 
 def init(model, seed=0):
-    return model.init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))
+    """`model`'s parameters, compiled as one program (op by op, a model's first took seconds more)."""
+    return jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def logits_of(model, variables, ids):
+    """The model's logits, one compiled program per model (equal models share it) and shape."""
+    return model.apply(variables, ids)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def routed_hidden(model, variables, ids, segments=None, positions=None, routes=None, routed=None):
+    """The hidden states and the `moe.Routing`, replaying `routes` where `routed`, compiled as `logits_of`."""
+    return model.apply(variables, ids, segments, positions, method=model.hidden, routes=routes, routed=routed,
+                       return_routing=True)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def square_grads(model, variables, ids):
+    """The gradients of the logits' mean square by every parameter, compiled as `logits_of`."""
+    return jax.grad(lambda p: (model.apply(p, ids) ** 2).mean())(variables)
+
+
+@pytest.fixture(scope="module")
+def variables():
+    """The parameters of `moe_model()`, which most tests run."""
+    return init(moe_model())
+
+
+@pytest.fixture(scope="module")
+def mixed_variables():
+    """The parameters of a 3-layer model whose layer 1 is dense."""
+    return init(moe_model(num_layers=3, dense_layers=(1,)))
 
 
 def every_expert(x, experts, weights, gate, up, down):
@@ -31,6 +69,21 @@ def every_expert(x, experts, weights, gate, up, down):
     out = jnp.einsum("tem,emx->tex", hidden, down)
     mix = (jax.nn.one_hot(experts, gate.shape[0]) * weights[..., None]).sum(1)
     return jnp.einsum("tex,te->tx", out, mix)
+
+
+def grouped(*args):
+    return moe.grouped_mlp(*args, block=16)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def forward_and_grads(mlp, x, experts, weights, gate, up, down):
+    """`mlp`'s output and the gradients of its sum of squares by the rows and the experts' weights
+    (one program per `mlp`: both skews below run it)."""
+    def loss(x, weights, gate, up, down):
+        return (mlp(x, experts, weights, gate, up, down) ** 2).sum()
+
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, weights, gate, up, down)
+    return mlp(x, experts, weights, gate, up, down), grads
 
 
 @pytest.mark.parametrize("skew", ["balanced", "all on expert 2"])
@@ -46,13 +99,10 @@ def test_grouped_dispatch_equals_every_expert_masked_forward_and_gradients(skew)
     experts, weights, _ = moe.route(logits, TOP_K, True)
     assert skew == "balanced" or bool((experts[:, 0] == 2).all())
 
-    def loss(f, *args):
-        return (f(*args) ** 2).sum()
-
     args = (x, experts, weights, gate, up, down)
-    np.testing.assert_allclose(moe.grouped_mlp(*args, block=16), every_expert(*args), rtol=1e-5, atol=1e-5)
-    ours = jax.grad(lambda *a: loss(lambda *b: moe.grouped_mlp(*b, block=16), *a), argnums=(0, 2, 3, 4, 5))(*args)
-    reference = jax.grad(lambda *a: loss(every_expert, *a), argnums=(0, 2, 3, 4, 5))(*args)
+    out, ours = forward_and_grads(grouped, *args)
+    expected, reference = forward_and_grads(every_expert, *args)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     for a, b in zip(ours, reference, strict=True):  # float32 sums of terms as large as the leaf's largest (~1e4)
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * float(np.abs(b).max()))
 
@@ -103,28 +153,25 @@ def test_the_aux_loss_is_transformers_load_balancing_loss_and_the_z_loss_its_mea
     np.testing.assert_allclose(routing.load.sum(-1), 1.0, rtol=1e-6)
 
 
-def test_padding_does_not_count_in_the_router_losses():
+def test_padding_does_not_count_in_the_router_losses(variables):
     model = moe_model()
-    variables = init(model)
     ids = jnp.asarray(np.random.default_rng(1).integers(1, 32, size=(1, 10)))
     segments = jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1]])  # left padding, as a prompt batch has
     positions = jnp.maximum(jnp.cumsum(segments, axis=1) - 1, 0)
-    _, padded = model.apply(variables, ids, segments, positions, method=model.hidden, return_routing=True)
-    _, alone = model.apply(variables, ids[:, 3:], method=model.hidden, return_routing=True)
+    _, padded = routed_hidden(model, variables, ids, segments, positions)
+    _, alone = routed_hidden(model, variables, ids[:, 3:])
     np.testing.assert_allclose(padded.aux_loss, alone.aux_loss, rtol=1e-5)
     np.testing.assert_allclose(padded.z_loss, alone.z_loss, rtol=1e-5)
     np.testing.assert_array_equal(padded.experts[:, 3:], alone.experts)
 
 
-def test_replayed_routes_are_used_and_the_router_still_gets_a_gradient():
+def test_replayed_routes_are_used_and_the_router_still_gets_a_gradient(variables):
     model = moe_model()
-    variables = init(model)
     ids = jnp.asarray(np.random.default_rng(2).integers(1, 32, size=(2, 8)))
-    _, free = model.apply(variables, ids, method=model.hidden, return_routing=True)
+    _, free = routed_hidden(model, variables, ids)
     other = (free.experts + 1) % EXPERTS  # never what the router chose
     routed = jnp.zeros(ids.shape, bool).at[0].set(True)  # replay the first row only
-    hidden, replayed = model.apply(variables, ids, method=model.hidden, routes=other, routed=routed,
-                                   return_routing=True)
+    _, replayed = routed_hidden(model, variables, ids, routes=other, routed=routed)
     np.testing.assert_array_equal(replayed.experts[0], other[0])
     np.testing.assert_array_equal(replayed.experts[1], free.experts[1])
 
@@ -132,40 +179,35 @@ def test_replayed_routes_are_used_and_the_router_still_gets_a_gradient():
         h = model.apply(params, ids, method=model.hidden, routes=other, routed=routed)
         return (h ** 2).sum()
 
-    grads = jax.grad(loss)(variables)
+    grads = jax.jit(jax.grad(loss))(variables)
     assert float(jnp.abs(grads["params"]["layers"]["router"]["kernel"]).max()) > 0
 
 
-def test_decode_with_a_cache_equals_the_forward_pass_logits_and_routes():
+def test_decode_with_a_cache_equals_the_forward_pass_logits_and_routes(variables):
     model = moe_model()
-    variables = init(model)
-    ids = jnp.asarray(np.random.default_rng(3).integers(1, 32, size=(2, 6)))
-    logits = model.apply(variables, ids)
-    _, routing = model.apply(variables, ids, method=model.hidden, return_routing=True)
+    # 8 ids, as the replay and adapter tests run (one program serves them all); the step decodes id 5
+    ids = jnp.asarray(np.random.default_rng(3).integers(1, 32, size=(2, 8)))
+    forward = logits_of(model, variables, ids)
+    _, routing = routed_hidden(model, variables, ids)
     segments, positions = jnp.ones((2, 5), jnp.int32), jnp.broadcast_to(jnp.arange(5), (2, 5))
-    _, kvs, prefill_routes = model.apply(variables, ids[:, :5], segments, positions, method=model.prefill,
-                                         return_routes=True)
+    prefill = jax.jit(functools.partial(model.apply, method=model.prefill, return_routes=True))
+    _, kvs, prefill_routes = prefill(variables, ids[:, :5], segments, positions)
     np.testing.assert_array_equal(prefill_routes, routing.experts[:, :5])
     cache = model.empty_cache(2, 8)
     cache = KVCache(tuple(c.at[:, :, :5].set(jnp.moveaxis(k, 1, 2)) for c, (k, _) in zip(cache.keys, kvs)),
                     tuple(c.at[:, :, :5].set(jnp.moveaxis(v, 1, 2)) for c, (_, v) in zip(cache.values, kvs)),
                     jnp.full((2,), 5, jnp.int32))
-    step, _, routes = model.apply(variables, ids[:, 5], cache, jnp.ones((2,), bool), method=model.decode,
-                                  return_routes=True)
-    np.testing.assert_allclose(step, logits[:, 5], rtol=1e-5, atol=1e-5)
+    decode = jax.jit(functools.partial(model.apply, method=model.decode, return_routes=True))
+    step, _, routes = decode(variables, ids[:, 5], cache, jnp.ones((2,), bool))
+    np.testing.assert_allclose(step, forward[:, 5], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(routes, routing.experts[:, 5])
 
 
-def test_a_python_loop_over_layers_and_remat_give_the_scan_s_values_and_gradients():
+def test_a_python_loop_over_layers_and_remat_give_the_scan_s_values_and_gradients(variables):
     ids = jnp.asarray(np.random.default_rng(4).integers(1, 32, size=(2, 8)))
-    variables = init(moe_model())
-
-    def grads(model):
-        return jax.grad(lambda p: (model.apply(p, ids) ** 2).mean())(variables)
-
-    scanned = grads(moe_model())
+    scanned = square_grads(moe_model(), variables, ids)
     for other in (moe_model(scan_layers=False), moe_model(remat=True)):
-        for a, b in zip(jax.tree.leaves(grads(other)), jax.tree.leaves(scanned), strict=True):
+        for a, b in zip(jax.tree.leaves(square_grads(other, variables, ids)), jax.tree.leaves(scanned), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
@@ -178,26 +220,25 @@ def test_qwen2_moe_s_shared_expert_adds_its_gated_mlp():
     ids = jnp.arange(1, 9)[None]
     zeroed = {**layers, "shared_expert": jax.tree.map(jnp.zeros_like, layers["shared_expert"])}
     without = {"params": {**variables["params"], "layers": zeroed}}
-    assert not np.allclose(model.apply(variables, ids), model.apply(without, ids))
+    assert not np.allclose(logits_of(model, variables, ids), logits_of(model, without, ids))
 
 
-def test_sampling_draws_from_a_mixture_of_experts_model():
+def test_sampling_draws_from_a_mixture_of_experts_model(variables):
     model = moe_model()
-    variables = init(model)
     prompt = jnp.asarray([[3, 4, 5, 6]])
     drawn = generate(model, variables, prompt, jnp.asarray([4]), max_new_tokens=5,
                      sampling=Sampling(temperature=1.0), key=jax.random.key(0))
     assert drawn.tokens.shape[-1] >= 5
 
 
-def test_refusals_name_what_is_wrong():
+def test_refusals_name_what_is_wrong(variables):
+    """Each refusal names what is wrong. Op by op, not compiled: the check that routes name this
+    model's experts reads their values, which a compiled call sees only as tracers."""
     dense = tiny_model()
-    variables = init(dense)
     ids = jnp.ones((1, 4), jnp.int32)
     with pytest.raises(ValueError, match="no experts"):
-        dense.apply(variables, ids, method=dense.hidden, return_routing=True)
-    model = moe_model()
-    sparse = init(model)
+        dense.apply(init(dense), ids, method=dense.hidden, return_routing=True)
+    model, sparse = moe_model(), variables
     with pytest.raises(ValueError, match=r"\[B, S, layers, experts_per_token\] = \(1, 4, 2, 2\)"):
         model.apply(sparse, ids, method=model.hidden, routes=jnp.zeros((1, 4, 2, 1), jnp.int32),
                     routed=jnp.ones((1, 4), bool))
@@ -208,15 +249,14 @@ def test_refusals_name_what_is_wrong():
         init(moe_model(experts_per_token=5))
 
 
-def test_adapters_on_a_mixture_of_experts_model_train_its_attention_and_quantizing_it_is_refused():
+def test_adapters_on_a_mixture_of_experts_model_train_its_attention_and_quantizing_it_is_refused(variables):
     from dew_lib.models import lora, quantize
 
     model = moe_model()
-    variables = init(model)
     adapted, with_adapters = lora.attach(model, variables, lora.LoRA(rank=2, targets=("q_proj", "o_proj")),
                                          jax.random.key(1))
-    ids = jnp.arange(1, 9)[None]
-    np.testing.assert_allclose(adapted.apply(with_adapters, ids), model.apply(variables, ids), atol=1e-6)
+    ids = jnp.arange(1, 17).reshape(2, 8)  # the decode test's shape: its program serves
+    np.testing.assert_allclose(logits_of(adapted, with_adapters, ids), logits_of(model, variables, ids), atol=1e-6)
     with pytest.raises(ValueError, match="attention projections only"):
         lora.attach(model, variables, lora.LoRA(rank=2, targets="all-linear"), jax.random.key(1))
     with pytest.raises(ValueError, match="mixtures of experts"):
@@ -252,9 +292,9 @@ def test_a_dense_layer_is_a_sparse_layer_whose_experts_all_equal_its_mlp():
                                    layers[name])
     built = {"params": {**variables["params"], "layers": other}}
     ids = jnp.asarray(np.random.default_rng(5).integers(1, 32, size=(2, 8)))
-    np.testing.assert_allclose(mixed.apply(variables, ids), sparse.apply(built, ids), rtol=1e-5, atol=1e-5)
-    _, routing = mixed.apply(variables, ids, method=mixed.hidden, return_routing=True)
-    _, full = sparse.apply(built, ids, method=sparse.hidden, return_routing=True)
+    np.testing.assert_allclose(logits_of(mixed, variables, ids), logits_of(sparse, built, ids), rtol=1e-5, atol=1e-5)
+    _, routing = routed_hidden(mixed, variables, ids)
+    _, full = routed_hidden(sparse, built, ids)
     assert routing.experts.shape == (2, 8, 3, TOP_K)  # the sparse layers only, in order
     np.testing.assert_array_equal(routing.experts, full.experts[:, :, jnp.asarray([0, 2, 3])])
 
@@ -265,24 +305,20 @@ def test_mixed_layers_scan_loop_remat_decode_and_replay_agree(dense_layers):
     model = moe_model(num_layers=4, dense_layers=dense_layers)
     variables = init(model)
 
-    def grads(model):  # one compiled program per layout (op by op, each model took seconds)
-        return jax.jit(jax.grad(lambda p: (model.apply(p, ids) ** 2).mean()))(variables)
-
     def hidden(**replay):
-        return jax.jit(functools.partial(model.apply, method=model.hidden, return_routing=True))(
-            variables, ids, **replay)
+        return routed_hidden(model, variables, ids, **replay)
 
-    scanned = grads(model)
+    scanned = square_grads(model, variables, ids)
     for other in (moe_model(num_layers=4, dense_layers=dense_layers, scan_layers=False),
                   moe_model(num_layers=4, dense_layers=dense_layers, remat=True)):
-        for a, b in zip(jax.tree.leaves(grads(other)), jax.tree.leaves(scanned), strict=True):
+        for a, b in zip(jax.tree.leaves(square_grads(other, variables, ids)), jax.tree.leaves(scanned), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-    logits = jax.jit(model.apply)(variables, ids)
+    forward = logits_of(model, variables, ids)
     _, routing = hidden()
     assert routing.experts.shape == (2, 6, 2, TOP_K) and routing.load.shape == (2, EXPERTS)
     decode = jax.jit(functools.partial(model.apply, method=model.decode, return_routes=True))
     step, _, routes = decode(variables, ids[:, 0], model.empty_cache(2, 8), jnp.ones((2,), bool))
-    np.testing.assert_allclose(step, logits[:, 0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(step, forward[:, 0], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(routes, routing.experts[:, 0])
     other = (routing.experts + 1) % EXPERTS
     _, replayed = hidden(routes=other, routed=jnp.ones(ids.shape, bool))
@@ -291,18 +327,18 @@ def test_mixed_layers_scan_loop_remat_decode_and_replay_agree(dense_layers):
         hidden(routes=jnp.zeros((2, 6, 4, 2), jnp.int32), routed=jnp.ones(ids.shape, bool))
 
 
-def test_adapters_attach_to_every_layer_of_a_mixed_model():
+def test_adapters_attach_to_every_layer_of_a_mixed_model(mixed_variables):
     from dew_lib.models import lora
 
-    model = moe_model(num_layers=3, dense_layers=(1,))
-    variables = init(model)
+    model, variables = moe_model(num_layers=3, dense_layers=(1,)), mixed_variables
     adapted, with_adapters = lora.attach(model, variables, lora.LoRA(rank=2, targets=("q_proj", "v_proj")),
                                          jax.random.key(1))
     assert with_adapters["params"]["layers"]["q_proj"]["lora_a"].shape == (3, 16, 2)
     ids = jnp.arange(1, 9)[None]
-    np.testing.assert_allclose(adapted.apply(with_adapters, ids), model.apply(variables, ids), atol=1e-6)
+    plain = logits_of(model, variables, ids)
+    np.testing.assert_allclose(logits_of(adapted, with_adapters, ids), plain, atol=1e-6)
     merged_model, merged = lora.merged(adapted, with_adapters)
-    np.testing.assert_allclose(merged_model.apply(merged, ids), model.apply(variables, ids), atol=1e-6)
+    np.testing.assert_allclose(logits_of(merged_model, merged, ids), plain, atol=1e-6)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -316,14 +352,13 @@ def test_dense_layers_refusals(options, message):
         init(moe_model(**options))
 
 
-def test_the_legacy_per_layer_conversion_leaves_a_mixed_stack_alone():
+def test_the_legacy_per_layer_conversion_leaves_a_mixed_stack_alone(variables, mixed_variables):
     """Checkpoint restore falls back to the per-layer layout written before stacking; no mixed
     model was ever written that way, so its stack is not cut into layers_i subtrees."""
     from dew_lib.models.decoder import stack_layers, unstack_layers
 
-    mixed = init(moe_model(num_layers=3, dense_layers=(1,)))
+    mixed, homogeneous = mixed_variables, variables
     assert jax.tree.structure(unstack_layers(mixed)) == jax.tree.structure(mixed)
-    homogeneous = init(moe_model())
     per_layer = unstack_layers(homogeneous)
     assert set(per_layer["params"]) >= {"layers_0", "layers_1"}
     for a, b in zip(jax.tree.leaves(stack_layers(per_layer)), jax.tree.leaves(homogeneous), strict=True):
