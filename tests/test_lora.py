@@ -2,6 +2,7 @@
 Trainer trains the adapters alone (base bit for bit unchanged, optimizer state for the adapters
 only), and DPO's frozen reference is the base with its adapters off, no copy kept."""
 
+import functools
 import itertools
 import json
 import math
@@ -21,13 +22,41 @@ from dew_lib.sampling import Sampling, generate
 from dew_lib.train.sinks import MemorySink
 
 MODEL = tiny_model()  # 2 layers, width 16, 4 heads of 4, 2 KV heads, MLP 32, vocabulary 32
-BASE = MODEL.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
 IDS = jnp.array([[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]])
 EVERY = lora.LoRA(rank=4, alpha=8, targets="all-linear")
 
 
-def adapted(config=EVERY, variables=BASE, key=1):
-    return lora.attach(MODEL, variables, config, jax.random.key(key))
+@functools.cache
+def base():
+    """MODEL's weights, made once, on first use, not at import: every xdist worker imports every
+    module, and compiles at import would run with all of XLA's optimizations (conftest.py turns
+    them off per module)."""
+    return jax.jit(MODEL.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
+# The tests below compare forwards and losses of a handful of models many times over. Compiled
+# once per model (or objective) here, each is one program for the whole module; called eagerly,
+# every call traced the layers' scan anew and compiled it again, op by op around it.
+@functools.partial(jax.jit, static_argnums=0)
+def logits(model, variables, rngs=None):
+    """`model`'s logits on IDS (with adapter dropout when `rngs` holds a dropout key)."""
+    return model.apply(variables, IDS, rngs=rngs)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def compiled_loss(objective, params, batch, reference=None, key=None):
+    """`dew_lib.objectives.loss`, compiled once per objective."""
+    return loss(objective, params, batch, reference=reference, key=key)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def evaluated(objective, params, batch):
+    """`objective.evaluate`, compiled once per objective."""
+    return objective.evaluate(params, batch)
+
+
+def adapted(config=EVERY, key=1):
+    return lora.attach(MODEL, base(), config, jax.random.key(key))
 
 
 def nudged(variables, by=0.1):
@@ -53,9 +82,9 @@ def test_adapters_start_as_peft_draws_them_and_change_no_logit():
         bound = 1 / math.sqrt(a.shape[1])  # Kaiming-uniform(a=sqrt 5) over the input width
         assert a.shape[0] == 2 and a.shape[2] == 4 and b.shape == (2, 4, layers[name]["kernel"].shape[2])
         assert 0.5 * bound < float(jnp.abs(a).max()) <= bound and not jnp.any(b)
-    np.testing.assert_array_equal(model.apply(variables, IDS), MODEL.apply(BASE, IDS))
-    # the model's own init makes the same leaves
-    fresh = model.init(jax.random.key(3), IDS)
+    np.testing.assert_array_equal(logits(model, variables), logits(MODEL, base()))
+    # the model's own init makes the same leaves (their shapes: traced, not run)
+    fresh = jax.eval_shape(model.init, jax.random.key(3), IDS)
     assert jax.tree.map(jnp.shape, fresh) == jax.tree.map(jnp.shape, variables)
     with pytest.raises(ValueError, match="already has adapters"):
         lora.attach(model, variables, EVERY, jax.random.key(0))
@@ -68,23 +97,23 @@ def test_an_adapter_adds_its_low_rank_product_in_every_layout(layout):
     model, variables = adapted()
     model = model.clone(**layout)
     moved = nudged(variables)
-    merged = jax.tree.map(lambda x: x, BASE)
+    merged = jax.tree.map(lambda x: x, base())
     layers = dict(merged["params"]["layers"])
     for name in lora.TARGETS:
         part = moved["params"]["layers"][name]
         product = jnp.einsum("lir,lro->lio", part["lora_a"], part["lora_b"])
         layers[name] = {**layers[name], "kernel": part["kernel"] + EVERY.scale * product}
     merged = {"params": {**merged["params"], "layers": layers}}
-    np.testing.assert_allclose(model.apply(moved, IDS), MODEL.clone(**layout).apply(merged, IDS), atol=2e-5)
-    grads = jax.grad(lambda v: model.apply(v, IDS).sum())(moved)
+    np.testing.assert_allclose(logits(model, moved), logits(MODEL.clone(**layout), merged), atol=2e-5)
+    grads = jax.jit(jax.grad(lambda v: model.apply(v, IDS).sum()))(moved)
     assert all(jnp.any(g != 0) for g in jax.tree.leaves(lora.split(grads["params"])[0]))
 
 
 def test_switched_off_adapters_give_the_base_logits_exactly():
     model, variables = adapted()
     moved = nudged(variables)
-    assert not np.array_equal(model.apply(moved, IDS), MODEL.apply(BASE, IDS))
-    np.testing.assert_array_equal(model.apply(lora.without_adapters(moved), IDS), MODEL.apply(BASE, IDS))
+    assert not np.array_equal(logits(model, moved), logits(MODEL, base()))
+    np.testing.assert_array_equal(logits(model, lora.without_adapters(moved)), logits(MODEL, base()))
 
 
 def test_sampling_draws_through_the_adapters():
@@ -92,7 +121,7 @@ def test_sampling_draws_through_the_adapters():
     prompt, lengths = np.array([[0, 0, 5, 6], [7, 8, 9, 10]]), [2, 4]
     draw = dict(key=jax.random.key(2), max_new_tokens=6, sampling=Sampling(temperature=0.0))
     fresh = generate(model, variables, prompt, lengths, **draw)
-    np.testing.assert_array_equal(fresh.tokens, generate(MODEL, BASE, prompt, lengths, **draw).tokens)
+    np.testing.assert_array_equal(fresh.tokens, generate(MODEL, base(), prompt, lengths, **draw).tokens)
     moved = generate(model, nudged(variables, 0.3), prompt, lengths, **draw)
     assert not np.array_equal(moved.tokens, fresh.tokens)
 
@@ -100,16 +129,16 @@ def test_sampling_draws_through_the_adapters():
 def test_training_moves_only_the_adapters_and_the_optimizer_keeps_moments_for_them_alone():
     model, variables = adapted(lora.LoRA(rank=2, targets=("q_proj", "v_proj")))
     state, sink = fit_adapters(model, variables)
-    trained, base = lora.split(state.params)
+    trained, frozen = lora.split(state.params)
     start_adapters, start_base = lora.split(variables)
-    for after, before in zip(jax.tree.leaves(base), jax.tree.leaves(start_base), strict=True):
+    for after, before in zip(jax.tree.leaves(frozen), jax.tree.leaves(start_base), strict=True):
         np.testing.assert_array_equal(after, before)
     assert all(jnp.any(a != b) for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(start_adapters)))
     moments = state.opt_state[0].mu
     assert jax.tree.map(jnp.shape, moments) == {"params": {"layers": {
         "q_proj": {"lora_a": (2, 16, 2), "lora_b": (2, 2, 16)}, "v_proj": {"lora_a": (2, 16, 2), "lora_b": (2, 2, 8)}}}}
     adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(moments))
-    assert adapter_bytes / sum(x.nbytes for x in jax.tree.leaves(BASE)) < 0.06
+    assert adapter_bytes / sum(x.nbytes for x in jax.tree.leaves(base())) < 0.06
     losses = [value for _, value in sink.series("loss")]
     assert losses[-1] < losses[0]
 
@@ -118,7 +147,7 @@ def test_dpo_s_reference_is_the_base_with_adapters_off_and_no_copy_is_kept():
     model, variables = adapted()
     objective = DPOObjective(model, seq_len=3, beta=0.1, pretrained=variables)
     batch = pairs_batch()
-    value, _ = loss(objective, variables, batch, reference=lora.without_adapters(variables))
+    value, _ = compiled_loss(objective, variables, batch, reference=lora.without_adapters(variables))
     np.testing.assert_allclose(value, np.log(2.0), rtol=1e-6)  # a fresh adapter: the policy is its reference
     sink = MemorySink()
     trainer = Trainer(objective, optax.adam(3e-2), key=jax.random.key(1))
@@ -128,7 +157,7 @@ def test_dpo_s_reference_is_the_base_with_adapters_off_and_no_copy_is_kept():
     margins = [m for _, m in sink.series("rewards/margin")]
     assert margins[-1] > margins[0] > 0
     # the reference the update scored against: the base model's log-probs, to the bit
-    np.testing.assert_array_equal(model.apply(lora.without_adapters(state.params), IDS), MODEL.apply(BASE, IDS))
+    np.testing.assert_array_equal(logits(model, lora.without_adapters(state.params)), logits(MODEL, base()))
 
 
 def test_adapters_split_over_an_fsdp_mesh_train_as_on_one_device():
@@ -141,7 +170,7 @@ def test_adapters_split_over_an_fsdp_mesh_train_as_on_one_device():
         from dew_lib.train.mesh import MeshSpec
 
         model = tiny_model()
-        base = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+        base = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
         model, variables = lora.attach(model, base, lora.LoRA(rank=4, targets="all-linear"), jax.random.key(1))
         batches = list(lm_batches(0, 8, 9, count=3))
         states = {}
@@ -167,13 +196,13 @@ def test_a_hugging_face_checkpoint_of_an_adapted_model_holds_the_adapters_folded
 
     model, variables = adapted()
     moved = nudged(variables)
-    base = Pretrained.from_model(MODEL)
+    plain = Pretrained.from_model(MODEL)
     with pytest.raises(ValueError, match="hold LoRA adapters but the Pretrained's model has none"):
-        base.save(moved, tmp_path / "refused", dtype=None)
-    dataclasses.replace(base, model=model).save(moved, tmp_path / "merged", dtype=None)
+        plain.save(moved, tmp_path / "refused", dtype=None)
+    dataclasses.replace(plain, model=model).save(moved, tmp_path / "merged", dtype=None)
     loaded = load_pretrained(tmp_path / "merged", tokenizer=False)
     assert loaded.model.lora is None and not lora.has_adapters(loaded.variables)
-    np.testing.assert_allclose(loaded.model.apply(loaded.variables, IDS), model.apply(moved, IDS), atol=2e-5)
+    np.testing.assert_allclose(logits(loaded.model, loaded.variables), logits(model, moved), atol=2e-5)
 
 
 def test_ppo_trains_the_policy_s_adapters_and_its_critic_s_adapters_and_value_head():
@@ -189,10 +218,10 @@ def test_ppo_trains_the_policy_s_adapters_and_its_critic_s_adapters_and_value_he
         "critic/params/backbone/layers/q_proj/lora_a", "critic/params/backbone/layers/q_proj/lora_b",
         "critic/params/value/kernel", "critic/params/value/bias"}
     # a policy without adapters trains whole, so its frozen reference is a copy, as without LoRA
-    whole = PPOObjective(MODEL, seq_len=8, critic=ValueHead(model), pretrained=BASE, beta=0.1)
-    state = Trainer(whole, optax.adam(1e-3), key=jax.random.key(0)).initial_state()
-    assert jax.tree.map(jnp.shape, state.ema) == jax.tree.map(jnp.shape, BASE)
-    assert jax.tree.map(jnp.shape, state.opt_state[0].mu["policy"]) == jax.tree.map(jnp.shape, BASE)
+    whole = PPOObjective(MODEL, seq_len=8, critic=ValueHead(model), pretrained=base(), beta=0.1)
+    state = Trainer(whole, optax.adam(1e-3), key=jax.random.key(0)).abstract_state()  # shapes, nothing computed
+    assert jax.tree.map(jnp.shape, state.ema) == jax.tree.map(jnp.shape, base())
+    assert jax.tree.map(jnp.shape, state.opt_state[0].mu["policy"]) == jax.tree.map(jnp.shape, base())
     with pytest.raises(ValueError, match="PPOObjective.critic holds LoRA adapters but is a CausalTransformer"):
         Trainer(PPOObjective(model, seq_len=8, critic=model, pretrained=variables), optax.adam(1e-3),
                 key=jax.random.key(0))
@@ -216,11 +245,11 @@ def test_grpo_trains_the_adapters_against_the_base_and_keeps_no_reference_copy(m
     finally:
         built.close()
     assert state.ema is None and built.objective.ema_decay == 1.0  # a frozen reference, kept as the base
-    trained, base = lora.split(state.params)
-    for after, before in zip(jax.tree.leaves(base), jax.tree.leaves(lora.split(variables)[1]), strict=True):
+    trained, frozen = lora.split(state.params)
+    for after, before in zip(jax.tree.leaves(frozen), jax.tree.leaves(lora.split(variables)[1]), strict=True):
         np.testing.assert_array_equal(after, before)
     assert any(jnp.any(leaf != 0) for leaf in jax.tree.leaves(trained["params"]["layers"]["o_proj"]["lora_b"]))
-    np.testing.assert_array_equal(model.apply(lora.without_adapters(state.params), IDS), MODEL.apply(BASE, IDS))
+    np.testing.assert_array_equal(logits(model, lora.without_adapters(state.params)), logits(MODEL, base()))
 
 
 # ----- adapter dropout -------------------------------------------------------------------------
@@ -246,8 +275,8 @@ def test_dropout_zeroes_about_p_of_the_units_and_scales_the_rest_by_one_over_one
 def test_a_fresh_adapter_under_dropout_still_changes_no_logit():
     """B = 0: whatever reaches A, the adapter adds (dropped x A) 0 = 0."""
     model, variables = adapted(DROPPING)
-    dropped = model.apply(variables, IDS, rngs={"dropout": jax.random.key(5)})
-    np.testing.assert_array_equal(dropped, MODEL.apply(BASE, IDS))
+    dropped = logits(model, variables, rngs={"dropout": jax.random.key(5)})
+    np.testing.assert_array_equal(dropped, logits(MODEL, base()))
 
 
 def test_training_drops_reproducibly_by_key_and_evaluation_never_does():
@@ -256,21 +285,20 @@ def test_training_drops_reproducibly_by_key_and_evaluation_never_does():
     batch = next(lm_batches(0, 4, 9))
     objective = LMObjective(model, seq_len=8, ema_decay=None)
     plain = LMObjective(model.clone(lora=EVERY), seq_len=8, ema_decay=None)  # same adapters, dropout 0
-    value = lambda o, key: float(loss(o, moved, batch, key=jax.random.key(key))[0])  # noqa: E731
-    evaluated = objective.evaluate(moved, batch)["loss"]
-    unmasked = float(evaluated[0] / evaluated[1])
+    value = lambda o, key: float(compiled_loss(o, moved, batch, key=jax.random.key(key))[0])  # noqa: E731
+    sums = evaluated(objective, moved, batch)["loss"]
+    unmasked = float(sums[0] / sums[1])
     assert value(plain, 1) == value(plain, 2) == unmasked  # p = 0: the training loss is the evaluation loss
     assert value(objective, 1) == value(objective, 1)  # the same key, the same masks
     assert len({value(objective, 1), value(objective, 2), unmasked}) == 3
-    np.testing.assert_array_equal(objective.evaluate(moved, batch)["loss"], plain.evaluate(moved, batch)["loss"])
+    np.testing.assert_array_equal(evaluated(objective, moved, batch)["loss"], evaluated(plain, moved, batch)["loss"])
 
 
 @pytest.mark.parametrize("layout", [dict(scan_layers=False), dict(remat=True)], ids=["looped", "remat"])
 def test_every_layout_drops_the_same_units(layout):
     model, variables = adapted(DROPPING)
     moved, rngs = nudged(variables), {"dropout": jax.random.key(5)}
-    np.testing.assert_allclose(model.clone(**layout).apply(moved, IDS, rngs=rngs), model.apply(moved, IDS, rngs=rngs),
-                               atol=1e-6)
+    np.testing.assert_allclose(logits(model.clone(**layout), moved, rngs), logits(model, moved, rngs), atol=1e-6)
 
 
 def test_each_layer_draws_its_own_mask():
@@ -283,6 +311,7 @@ def test_each_layer_draws_its_own_mask():
         layers[name] = {**layers[name], "kernel": jnp.zeros_like(layers[name]["kernel"])}
     twins = {"params": {**variables["params"], "layers": layers}}
 
+    @jax.jit
     def grad_b(rngs):
         grads = jax.grad(lambda v: model.apply(v, IDS, rngs=rngs)[..., 3].sum())(twins)
         return grads["params"]["layers"]["o_proj"]["lora_b"]
@@ -302,7 +331,7 @@ def test_dpo_drops_in_the_policy_s_forward_only():
         model, variables = adapted(config)
         moved = nudged(variables)
         objective = DPOObjective(model, seq_len=3, beta=0.1)
-        value, _ = loss(objective, moved, batch, reference=moved, key=jax.random.key(3))
+        value, _ = compiled_loss(objective, moved, batch, reference=moved, key=jax.random.key(3))
         assert (float(value) == pytest.approx(np.log(2.0), rel=1e-6)) == at_log_2
 
 
@@ -315,15 +344,15 @@ def test_grpo_drops_in_the_policy_s_forward_only():
     call = Call(prompt_ids=np.array([3, 4]), sampled_ids=np.array([5, 6, 7]),
                 behavior_log_probs=np.full(3, -1.0), raw_log_probs=np.full(3, -1.0))
     batch = pack([Session(task="t", group=0, sample=i, calls=(call,), reward=float(i)) for i in range(2)], 8)
+    plain = GRPOObjective(MODEL.clone(lora=EVERY), seq_len=7)  # the same adapters, dropout 0: compiled once
     for config, drops in ((EVERY, False), (DROPPING, True)):
         model, variables = adapted(config)
         moved = nudged(variables)
         objective = GRPOObjective(model, seq_len=7, beta=0.1)
-        _, metrics = loss(objective, moved, batch, reference=moved, key=jax.random.key(3))
+        _, metrics = compiled_loss(objective, moved, batch, reference=moved, key=jax.random.key(3))
         kl = float(metrics["kl"])
         assert (kl > 1e-6) == drops and kl >= 0
-        np.testing.assert_array_equal(objective.packed_log_probs(moved, batch),
-                                      GRPOObjective(model.clone(lora=EVERY), seq_len=7).packed_log_probs(moved, batch))
+        np.testing.assert_array_equal(objective.packed_log_probs(moved, batch), plain.packed_log_probs(moved, batch))
 
 
 def test_sampling_never_drops():

@@ -4,6 +4,7 @@ reference as the quantized base exactly, sampling, a merged save that loads as a
 the pipeline's `lora.quantize` through the builders."""
 
 import dataclasses
+import functools
 import itertools
 import json
 
@@ -20,14 +21,42 @@ from dew_lib.objectives import DPOObjective, GRPOObjective, loss
 from dew_lib.sampling import Sampling, generate
 
 MODEL = tiny_model()  # 2 layers, width 16, 4 heads of 4, 2 KV heads, MLP 32, vocabulary 32
-BASE = MODEL.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+WIDE = tiny_model(emb_features=64, mlp_features=128)
 IDS = jnp.array([[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]])
 EVERY = lora.LoRA(rank=4, alpha=8, targets="all-linear")
 
 
-def quantized(config=EVERY, model=MODEL, variables=BASE, bits=8):
-    """An adapted model over an int8 (or NF4: bits=4) base, and the float adapted model it came from."""
-    adapted, fresh = lora.attach(model, variables, config, jax.random.key(1))
+@functools.cache
+def weights(model):
+    """`model`'s weights, made once, on first use, not at import: every xdist worker imports every
+    module, and compiles at import would run with all of XLA's optimizations (conftest.py turns
+    them off per module)."""
+    return jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
+def base():
+    """MODEL's weights, the float base the tests quantize."""
+    return weights(MODEL)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def logits(model, variables):
+    """`model`'s logits on IDS, compiled once per model: the tests compare many forwards of few
+    models, and an eager forward traced the layers' scan anew and compiled it each time."""
+    return model.apply(variables, IDS)
+
+
+def quantized(config=EVERY, model=MODEL, bits=8):
+    """An adapted model over an int8 (or NF4: bits=4) base, and the float adapted model it came
+    from, on `weights(model)`."""
+    return _quantized(config, model, bits)
+
+
+@functools.cache
+def _quantized(config, model, bits):
+    """Made once for each choice (no test writes into them): quantize_base runs eagerly, op by op,
+    and its scans over the layers compiled anew on every call."""
+    adapted, fresh = lora.attach(model, weights(model), config, jax.random.key(1))
     return (*quantize.quantize_base(adapted, fresh, bits=bits), adapted, fresh)
 
 
@@ -53,20 +82,19 @@ def test_the_projections_are_int8_with_a_float32_scale_per_output_channel_within
         assert bool(jnp.all(error <= scale[:, None, :] / 2 + 1e-9))
         assert layers[name]["lora_a"] is before[name]["lora_a"]
     for kept in ("embed_tokens", "norm", "lm_head"):
-        assert variables["params"][kept] is BASE["params"][kept]
-    assert variables["params"]["layers"]["input_layernorm"] is BASE["params"]["layers"]["input_layernorm"]
-    # the model's own init makes the same leaves
-    assert jax.tree.map(lambda x: (x.shape, x.dtype), model.init(jax.random.key(3), IDS)) == \
+        assert variables["params"][kept] is base()["params"][kept]
+    assert variables["params"]["layers"]["input_layernorm"] is base()["params"]["layers"]["input_layernorm"]
+    # the model's own init makes the same leaves (their shapes and dtypes: traced, not run)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), jax.eval_shape(model.init, jax.random.key(3), IDS)) == \
         jax.tree.map(lambda x: (x.shape, x.dtype), variables)
 
 
 def test_the_projections_take_a_quarter_of_their_float32_bytes_plus_a_scale_per_output():
     """1/4 + 1/in of float32 per kernel: 11/36 = 0.306 for the tiny model (width 16), 19/72 = 0.264
     at width 64; 0.27 or less from an input width of 50."""
-    for model, ratio in ((MODEL, 11 / 36), (tiny_model(emb_features=64, mlp_features=128), 19 / 72)):
-        base = model.init(jax.random.key(0), IDS)
-        _, variables, _, _ = quantized(model=model, variables=base)
-        assert projection_bytes(variables) / projection_bytes(base) == pytest.approx(ratio, rel=1e-12)
+    for model, ratio in ((MODEL, 11 / 36), (WIDE, 19 / 72)):
+        _, variables, _, _ = quantized(model=model)
+        assert projection_bytes(variables) / projection_bytes(weights(model)) == pytest.approx(ratio, rel=1e-12)
     assert 19 / 72 <= 0.27
 
 
@@ -76,15 +104,15 @@ def test_the_int8_base_s_logits_stay_within_2e_3_of_float32(layout):
     """The tiny model's logits reach 0.3; the int8 base moves them by 9.3e-4 at most and the
     next-token distributions by a mean KL of 1.5e-8 (docs/lora.md has a larger model)."""
     model, variables, _, _ = quantized()
-    exact = MODEL.clone(**layout).apply(BASE, IDS)
-    approximate = model.clone(**layout).apply(variables, IDS)
+    exact = logits(MODEL.clone(**layout), base())
+    approximate = logits(model.clone(**layout), variables)
     error = float(jnp.abs(approximate - exact).max())
     assert 0 < error < 2e-3
     log_p, log_q = jax.nn.log_softmax(exact), jax.nn.log_softmax(approximate)
     assert float(jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), -1))) < 1e-7
     # the int8 model computes the float model of its dequantized kernels
     plain = quantize.dequantized(lora.split(variables)[1])
-    np.testing.assert_array_equal(approximate, MODEL.clone(**layout).apply(plain, IDS))
+    np.testing.assert_array_equal(approximate, logits(MODEL.clone(**layout), plain))
 
 
 def test_quantizing_refuses_unknown_bits_a_second_pass_and_a_base_without_adapters():
@@ -94,7 +122,7 @@ def test_quantizing_refuses_unknown_bits_a_second_pass_and_a_base_without_adapte
     with pytest.raises(ValueError, match="already quantized"):
         quantize.quantize_base(model, variables)
     with pytest.raises(ValueError, match="no adapters: the Trainer would try to train its int8 weights"):
-        quantize.quantize_base(MODEL, BASE)
+        quantize.quantize_base(MODEL, base())
     with pytest.raises(ValueError, match="attach adapters to the full-precision base, then quantize"):
         lora.attach(model.clone(lora=None), lora.split(variables)[1], EVERY, jax.random.key(0))
 
@@ -103,9 +131,9 @@ def test_quantizing_refuses_unknown_bits_a_second_pass_and_a_base_without_adapte
 def test_training_moves_only_the_adapters_and_the_quantized_base_stays_bit_for_bit(bits):
     model, variables, _, _ = quantized(lora.LoRA(rank=2, targets=("q_proj", "v_proj", "down_proj")), bits=bits)
     state, sink = fit_adapters(model, variables)
-    trained, base = lora.split(state.params)
+    trained, frozen = lora.split(state.params)
     start_adapters, start_base = lora.split(variables)
-    for after, before in zip(jax.tree.leaves(base), jax.tree.leaves(start_base), strict=True):
+    for after, before in zip(jax.tree.leaves(frozen), jax.tree.leaves(start_base), strict=True):
         assert after.dtype == before.dtype
         np.testing.assert_array_equal(after, before)
     assert all(jnp.any(a != b) for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(start_adapters)))
@@ -120,23 +148,23 @@ def test_the_reference_of_dpo_and_grpo_is_the_int8_base_exactly():
     from dew_lib.rollouts.packing import pack
 
     model, variables, _, _ = quantized()
-    base_model, base = model.clone(lora=None), lora.split(variables)[1]
+    base_model, int8_base = model.clone(lora=None), lora.split(variables)[1]
     objective = DPOObjective(model, seq_len=3, beta=0.1, pretrained=variables)
     batch = pairs_batch()
-    value, _ = loss(objective, variables, batch, reference=lora.without_adapters(variables))
+    value, _ = jax.jit(functools.partial(loss, objective))(variables, batch, reference=lora.without_adapters(variables))
     np.testing.assert_allclose(value, np.log(2.0), rtol=1e-6)
     state = Trainer(objective, optax.adam(3e-2), key=jax.random.key(1)).fit(
         Dataset(train=lambda p: itertools.repeat(batch), batch=8), steps=3, log_every=3, sinks=[])
     assert state.ema is None
     reference = lora.without_adapters(state.params)
-    assert not np.array_equal(model.apply(state.params, IDS), base_model.apply(base, IDS))
-    np.testing.assert_array_equal(model.apply(reference, IDS), base_model.apply(base, IDS))
+    assert not np.array_equal(logits(model, state.params), logits(base_model, int8_base))
+    np.testing.assert_array_equal(logits(model, reference), logits(base_model, int8_base))
 
     call = Call(prompt_ids=np.array([3, 4]), sampled_ids=np.array([5, 6, 7]),
                 behavior_log_probs=np.full(3, -1.0), raw_log_probs=np.full(3, -1.0))
     packed = pack([Session(task="t", group=0, sample=i, calls=(call,), reward=float(i)) for i in range(2)], 8)
     np.testing.assert_array_equal(GRPOObjective(model, seq_len=7).packed_log_probs(reference, packed),
-                                  GRPOObjective(base_model, seq_len=7).packed_log_probs(base, packed))
+                                  GRPOObjective(base_model, seq_len=7).packed_log_probs(int8_base, packed))
 
 
 def test_sampling_draws_from_the_int8_base_through_the_adapters():
@@ -164,10 +192,10 @@ def test_a_merged_save_is_a_plain_float_checkpoint_with_the_quantized_adapted_lo
     loaded = load_pretrained(tmp_path / "merged", tokenizer=False)
     assert loaded.model.lora is None and not loaded.model.quantized
     assert not lora.has_adapters(loaded.variables) and not quantize.is_quantized(loaded.variables)
-    np.testing.assert_allclose(loaded.model.apply(loaded.variables, IDS), model.apply(moved, IDS), atol=2e-5)
+    np.testing.assert_allclose(logits(loaded.model, loaded.variables), logits(model, moved), atol=2e-5)
     merged_model, merged = lora.merged(model, moved)
     assert not merged_model.quantized and merged_model.lora is None
-    np.testing.assert_allclose(merged_model.apply(merged, IDS), model.apply(moved, IDS), atol=2e-5)
+    np.testing.assert_allclose(logits(merged_model, merged), logits(model, moved), atol=2e-5)
 
 
 def test_the_scales_split_over_a_mesh_like_their_kernels_outputs():
@@ -200,13 +228,11 @@ def test_nf4_packs_two_codes_a_byte_beside_an_absmax_per_block_within_half_the_w
         own = qwix.quantize(kernel[0], "nf4", channelwise_axes=(1,), tiled_axes={0: block}).qvalue.astype(jnp.uint8)
         np.testing.assert_array_equal(codes[0] & 15, own[0::2])
         np.testing.assert_array_equal(codes[0] >> 4, own[1::2])
-    assert jax.tree.map(lambda x: (x.shape, x.dtype), model.init(jax.random.key(3), IDS)) == \
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), jax.eval_shape(model.init, jax.random.key(3), IDS)) == \
         jax.tree.map(lambda x: (x.shape, x.dtype), variables)
     # an eighth of float32 for the codes and one float32 per block: 1/8 + 1/64 at width 64
-    wide = tiny_model(emb_features=64, mlp_features=128)
-    base = wide.init(jax.random.key(0), IDS)
-    _, wide_variables, _, _ = quantized(model=wide, variables=base, bits=4)
-    assert projection_bytes(wide_variables) / projection_bytes(base) == pytest.approx(1 / 8 + 1 / 64, rel=1e-12)
+    _, wide, _, _ = quantized(model=WIDE, bits=4)
+    assert projection_bytes(wide) / projection_bytes(weights(WIDE)) == pytest.approx(1 / 8 + 1 / 64, rel=1e-12)
 
 
 @pytest.mark.parametrize("layout", [dict(), dict(scan_layers=False), dict(remat=True)],
@@ -216,14 +242,14 @@ def test_the_nf4_base_s_logits_stay_within_4e_2_of_float32(layout):
     next-token distributions by a mean KL of 4.5e-6, about 20x and 300x what int8 moves them
     by here (docs/lora.md)."""
     model, variables, _, _ = quantized(bits=4)
-    exact = MODEL.clone(**layout).apply(BASE, IDS)
-    approximate = model.clone(**layout).apply(variables, IDS)
+    exact = logits(MODEL.clone(**layout), base())
+    approximate = logits(model.clone(**layout), variables)
     error = float(jnp.abs(approximate - exact).max())
     assert 2e-3 < error < 4e-2
     log_p, log_q = jax.nn.log_softmax(exact), jax.nn.log_softmax(approximate)
     assert float(jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), -1))) < 1e-5
     plain = quantize.dequantized(lora.split(variables)[1])
-    np.testing.assert_array_equal(approximate, MODEL.clone(**layout).apply(plain, IDS))
+    np.testing.assert_array_equal(approximate, logits(MODEL.clone(**layout), plain))
 
 
 def test_the_lora_options_quantize_only_under_adapters_and_key_the_choice_only_when_made():
@@ -260,7 +286,7 @@ def test_a_stage_with_lora_quantize_trains_adapters_on_a_quantized_base_and_save
                             loading=Loading(workers=0, threads=1, read_buffer=2))
     options = DPOOptions(steps=3, batch=8, beta=0.1, learning_rate=3e-2,
                          lora=LoRAOptions(rank=2, targets=("q_proj", "down_proj"), quantize=kind))
-    built = build_dpo(MODEL, BASE, pairs, options, key=jax.random.key(1))
+    built = build_dpo(MODEL, base(), pairs, options, key=jax.random.key(1))
     assert built.model.quantized == {"int8": True, "nf4": "nf4"}[kind] and built.model.lora == options.lora.config()
     start = built.objective.pretrained
     stored = {"int8": jnp.int8, "nf4": jnp.uint8}[kind]
@@ -280,11 +306,11 @@ def test_a_stage_with_lora_quantize_trains_adapters_on_a_quantized_base_and_save
     save_adapter(tmp_path / "adapter", built.model, {"params": trained["params"]})
     merged = load_pretrained(tmp_path / "policy", tokenizer=False)
     assert not merged.model.quantized and not quantize.is_quantized(merged.variables)
-    np.testing.assert_allclose(merged.model.apply(merged.variables, IDS), built.model.apply(state.params, IDS),
-                               atol=2e-5)
-    on_float, on_float_variables = load_adapter(tmp_path / "adapter", MODEL, BASE)
+    trained_logits = logits(built.model, state.params)
+    np.testing.assert_allclose(logits(merged.model, merged.variables), trained_logits, atol=2e-5)
+    on_float, on_float_variables = load_adapter(tmp_path / "adapter", MODEL, base())
     assert not on_float.quantized
-    error = jnp.abs(on_float.apply(on_float_variables, IDS) - built.model.apply(state.params, IDS)).max()
+    error = jnp.abs(logits(on_float, on_float_variables) - trained_logits).max()
     assert 0 < float(error) < bound  # the quantized base's error, as for the base alone
 
 
@@ -297,11 +323,11 @@ def test_ppo_s_policy_and_critic_read_one_int8_base_and_train_their_adapters_and
     prompts = Prompts(records=records, max_prompt_len=4, loading=Loading(seed=None))
     side = GRPOOptions(steps=1, batch=2, groups=2, max_new_tokens=4,
                        lora=LoRAOptions(rank=2, targets="all-linear", quantize="int8"))
-    ppo = build_episode_grpo(MODEL, BASE, prompts, side, EpisodeOptions(max_turns=1, max_prompt_len=4),
+    ppo = build_episode_grpo(MODEL, base(), prompts, side, EpisodeOptions(max_turns=1, max_prompt_len=4),
                              environment=OneTurn, verifier=lambda task, episode: 1.0, eos_id=2, ppo=PPOOptions())
     assert ppo.model.quantized
     trainer = Trainer(ppo.objective, optax.adam(1e-3), key=jax.random.key(0))
-    state = trainer.initial_state()
+    state = trainer.abstract_state()  # what the state holds: shapes and dtypes, nothing computed
     assert quantize.is_quantized(state.params["policy"])
     # the critic's adapters and head read the policy's int8 base: the state holds no second base
     assert ppo.objective.shares_base and not quantize.is_quantized(state.params["critic"])
