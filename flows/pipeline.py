@@ -27,9 +27,9 @@ from flows.dpo import dpo
 from flows.evaluate import evaluate
 from flows.grpo import grpo, ppo
 from flows.sft import sft
+from tasks.initial_policy import initial_policy
 from tasks.lengths import check_lengths
 from tasks.params import DataParams, PipelineParams, command_line
-from tasks.policy import initial_policy
 from tasks.records import pipeline_run
 from tasks.refusals import refusal_exit
 from tasks.ui import artifact_key

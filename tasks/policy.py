@@ -1,20 +1,17 @@
 """Policies move between stages as Hugging Face checkpoint directories (`Pretrained.save`), so
-each stage's output is also what transformers, vLLM and SGLang load."""
+each stage's output is also what transformers, vLLM and SGLang load. Saving and loading them
+needs no Prefect (a stage job's processes do both); the task that makes the first policy is
+tasks/initial_policy.py."""
 
 from __future__ import annotations
 
 import glob
 import os
 
-import jax
-from prefect import get_run_logger, task
-
-from dew_lib import models
 from dew_lib.data.tokenizer import load_tokenizer
 from dew_lib.models import Pretrained, load_pretrained
-from tasks.manifests import DataManifest, PolicyRef, fingerprint, keyed
-from tasks.params import ModelParams
-from tasks.refusals import RunRefused, retry_unless_refused
+from tasks.manifests import PolicyRef, fingerprint
+from tasks.refusals import RunRefused
 from tasks.storage import read_json, write_json
 
 
@@ -47,33 +44,3 @@ def load_policy(policy: PolicyRef, tokenizer_dir: str | None = None):
         raise RunRefused(f"the policy at {policy.path} has no tokenizer and the data names none; "
                          "save one beside the checkpoint or set DataParams.tokenizer")
     return pretrained, variables
-
-
-def experts_of(params: ModelParams) -> dict:
-    """The decoder options of a mixture-of-experts MLP, or none for a dense one."""
-    if not params.experts:
-        return {}
-    return dict(experts=params.experts, experts_per_token=params.experts_per_token,
-                expert_features=params.expert_features)
-
-
-@task(retries=1, retry_delay_seconds=1, retry_condition_fn=retry_unless_refused)
-def initial_policy(params: ModelParams, data: DataManifest, directory: str, seed: int) -> PolicyRef:
-    """The policy the first stage starts from: the given checkpoint, or a fresh small decoder."""
-    logger = get_run_logger()
-    if params.pretrained is not None:
-        logger.info("starting from the checkpoint %s", params.pretrained)
-        return PolicyRef(path=params.pretrained, fingerprint=checkpoint_fingerprint(params.pretrained))
-    key = fingerprint("init", keyed(params), data.fingerprint, seed)
-    existing = read_json(os.path.join(directory, "dew_policy.json"))
-    if existing is not None and existing.get("fingerprint") == key:
-        return PolicyRef(path=directory, fingerprint=key)
-    tokenizer = load_tokenizer(data.tokenizer)
-    model = models.build("causal_transformer", vocab_size=len(tokenizer),
-                         emb_features=params.emb_features, num_layers=params.num_layers,
-                         num_heads=params.num_heads, mlp_features=params.mlp_features,
-                         max_seq_len=params.max_seq_len, **experts_of(params))
-    variables = jax.jit(model.init)(jax.random.key(seed), jax.numpy.zeros((1, 8), "int32"))
-    count = sum(x.size for x in jax.tree.leaves(variables))
-    logger.info("a fresh decoder with %.2fM parameters, vocabulary %d", count / 1e6, len(tokenizer))
-    return save_policy(Pretrained.from_model(model, tokenizer=tokenizer), variables, directory, key)

@@ -19,8 +19,6 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from prefect.runtime import flow_run
-
 from dew_lib.store import Store
 from dew_lib.store.parts import FileLock
 from tasks.storage import read_json, write_json
@@ -59,6 +57,8 @@ def record_reused(store_root: str, run: str, stage: str, kind: str, params: Mapp
 
 def new_run_id(name: str) -> str:
     """A fresh run id: the pipeline name and this flow run's id."""
+    from prefect.runtime import flow_run  # here: a stage job's processes import this module, not Prefect
+
     identity = flow_run.get_id() or uuid.uuid4().hex
     return f"{name}-{str(identity).replace('-', '')[:8]}"
 

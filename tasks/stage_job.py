@@ -5,7 +5,7 @@ job file, launching it from the training task, and the entry point each process 
 stage's directory and runs `python -m tasks.stage_job <job.json>` as that many processes through
 `dew_lib.train.launch.launch`, then waits. Every process joins the job (`distributed.initialize`,
 first), reads its own share of each batch and runs the same stage body as the in-process path
-(`tasks.train.run_stage`). Process 0 owns the stage's record in the run store, its policy,
+(`tasks.stage_run.run_stage`). Process 0 owns the stage's record in the run store, its policy,
 metrics.jsonl, curves.png and result.json; the others only train. The job's output, each line
 prefixed `[i] `, is appended to `job.log` in the stage's directory and logged through the task's
 logger, and process 0's metric lines move the task's progress artifact. A failed process ends the
@@ -19,7 +19,7 @@ moment), and process 0 records them all, so the store holds every session of the
 one process drawing it would record them. (Their rollouts draw the job's whole batch on every
 process and keep their own rows: SampledRollout, DistillRollout.)
 
-Not here: the stage body (tasks/train.py), joining and launching a job (dew_lib/train), what an
+Not here: the stage body (tasks/stage_run.py), joining and launching a job (dew_lib/train), what an
 asynchronous stage records through (tasks/job_records.py).
 """
 
@@ -224,7 +224,7 @@ def main(argv: list[str]) -> int:
     """One process of the job: `python -m tasks.stage_job JOB_FILE`."""
     distributed.initialize()  # first: nothing may have computed with JAX before it
     signal.signal(signal.SIGTERM, _ended)
-    from tasks.train import run_stage
+    from tasks.stage_run import run_stage
 
     if len(argv) != 1:
         print("usage: python -m tasks.stage_job JOB_FILE (tasks/train.py writes it)", file=sys.stderr)

@@ -5,7 +5,10 @@ sinks and hooks, so the library stays unaware of Prefect.
 The keys of a stage's progress, metrics and curves artifacts begin with the store's run id
 (`demo-1a2b3c4d-sft-curves`), so runs do not share them. Images are embedded as
 `data:image/png` URLs, which both Prefect UIs display (a page served over http shows no
-`file://` image)."""
+`file://` image).
+
+Prefect is imported where an artifact is made or the run logger taken, not at the top: the
+processes of a stage's job (tasks/stage_job.py) use the sinks here without Prefect."""
 
 from __future__ import annotations
 
@@ -14,14 +17,6 @@ import math
 import os
 import time
 from collections.abc import Mapping
-
-from prefect import get_run_logger
-from prefect.artifacts import (
-    create_markdown_artifact,
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
 
 from dew_lib.train.sinks import Sink
 
@@ -89,7 +84,11 @@ class LogSink(Sink):
 
     def __init__(self, stage: str, keys: tuple[str, ...] = (), logger=None):
         self.stage, self.keys = stage, keys
-        self.logger = get_run_logger() if logger is None else logger
+        if logger is None:
+            from prefect import get_run_logger
+
+            logger = get_run_logger()
+        self.logger = logger
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         names = self.keys or tuple(sorted(metrics))
@@ -101,14 +100,20 @@ class ProgressSink(Sink):
     """A progress artifact that moves with every logged window."""
 
     def __init__(self, stage: str, steps: int):
+        from prefect.artifacts import create_progress_artifact
+
         self.steps = steps
         self.artifact = create_progress_artifact(0.0, key=run_key(stage, "progress"),
                                                  description=f"{stage}: training steps done")
 
     def begin(self, position: int, steps: int) -> None:
+        from prefect.artifacts import update_progress_artifact
+
         update_progress_artifact(self.artifact, 100.0 * position / max(steps, 1))
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        from prefect.artifacts import update_progress_artifact
+
         if not any(k.startswith("val/") for k in metrics):
             update_progress_artifact(self.artifact, min(100.0, 100.0 * step / max(self.steps, 1)))
 
@@ -153,6 +158,8 @@ def plot_curves(history, path: str, title: str) -> str:
 def publish_stage(stage: str, metrics: Mapping[str, float], plot: str | None) -> None:
     """The stage's final metrics as a table artifact and its curves as a markdown artifact that
     shows the PNG (embedded) above its metrics."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
     rows = [{"metric": k, "value": round(v, 6)} for k, v in sorted(metrics.items())]
     create_table_artifact(rows, key=run_key(stage, "metrics"),
                           description=f"{stage}: metrics of the last logged window")
@@ -171,6 +178,8 @@ def publish_images(stage: str, step: int, images: list[tuple[str, str]], lines: 
     Each PNG is embedded as a `data:image/png` URL, which the Prefect 3.9 UI's markdown renderer
     displays (it refuses `file://` sources), and its path is listed beside it.
     """
+    from prefect.artifacts import create_markdown_artifact
+
     parts = [f"### {stage} at step {step}", "", *lines, ""]
     for title, path in images:
         parts += [f"**{title}** (`{path}`)", "", png_markdown(title, path), ""]

@@ -230,7 +230,7 @@ def query(root, sql):
 def test_grpo_and_evaluation_on_mbpp_record_a_verdict_per_program(
         harness, namespace_available, shared_data, tmp_path, monkeypatch):
     from flows.pipeline import pipeline
-    from tasks import evaluate, train
+    from tasks import evaluate, stage_run
 
     params = PipelineParams(root=str(tmp_path), name="mbpp", stages=("grpo",),
                             **{**TINY, "model": {**TINY["model"], "max_seq_len": 1024},
@@ -241,7 +241,7 @@ def test_grpo_and_evaluation_on_mbpp_record_a_verdict_per_program(
     # Completions: every training solution at once (passes every prompt's tests) when the first
     # sampled id is even, else a program that defines nothing (fails them all).
     everything = "\n\n".join(code_answer(r, layout)[len("```python\n"):-len("\n```")] for r in train_rows)
-    monkeypatch.setattr(train, "completion_text", lambda tokenizer: lambda ids: (
+    monkeypatch.setattr(stage_run, "completion_text", lambda tokenizer: lambda ids: (
         f"```python\n{everything}\n```" if len(ids) and ids[0] % 2 == 0 else "```python\nanswer = None\n```"))
     # Answers: the reference, a wrong function, and prose without code.
     wrong = f"```python\ndef {held[1]['test_list'][0].split()[1].split('(')[0]}(*args):\n    return None\n```"

@@ -4,6 +4,7 @@
     store         imports only records (so `dew sql` never loads JAX)
     objectives    no threads, no executors, no rollouts: pure losses
     dew_lib       never imports Prefect, flows or tasks
+    a stage job   its processes (tasks.stage_job, tasks.stage_run) load no Prefect
     tasks         never imports flows (flows sequence tasks, not the other way round)
 
 Imports are read with `ast`, function-local ones included, so a lazy import breaks a rule too.
@@ -101,3 +102,14 @@ def test_each_package_imports_first(package):
     # An import cycle only shows when its module is the first one loaded.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([sys.executable, "-c", f"import {package}"], cwd=ROOT, env=env, check=True)
+
+
+def test_a_stage_job_process_loads_no_prefect():
+    # What each process of a stage's job imports (python -m tasks.stage_job): the stage body and
+    # everything it trains with, but not Prefect, which only the task that launches the job needs.
+    probe = "import sys, tasks.stage_job, tasks.stage_run; print(sorted(m for m in sys.modules if under(m)))"
+    probe = "under = lambda m: m == 'prefect' or m.startswith('prefect.')\n" + probe
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert out == "[]"

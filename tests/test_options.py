@@ -26,7 +26,7 @@ from dew_lib.recipes import (
 )
 from tasks.manifests import DataManifest, PolicyRef, fingerprint, keyed
 from tasks.params import FlowPipelineParams, GRPOParams, PipelineParams, command_line
-from tasks.train import stage_inputs
+from tasks.stage_run import stage_inputs
 
 DATA = DataManifest(directory="d", tokenizer=None, chat_path="c", chat_val_path=None, pairs_path="p",
                     prompts_path="q", eval_path="e", fingerprint="data")

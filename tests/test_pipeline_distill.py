@@ -114,7 +114,7 @@ def test_a_teacher_of_another_vocabulary_is_refused_with_both_sizes(tmp_path):
 
 def test_the_stage_s_key_reads_the_teacher_checkpoint(tmp_path):
     from tasks.manifests import DataManifest, PolicyRef
-    from tasks.train import stage_inputs
+    from tasks.stage_run import stage_inputs
 
     teacher = save_decoder(tmp_path / "teacher", vocab_size=40, emb_features=16, num_layers=1)
     data = DataManifest(directory=str(tmp_path), tokenizer=None, chat_path=None, chat_val_path=None,
@@ -142,7 +142,7 @@ def test_the_stage_s_key_reads_the_teacher_checkpoint(tmp_path):
 def test_the_stage_s_key_reads_lmbda_and_the_mix_refuses_data_without_conversations(tmp_path):
     from tasks.manifests import DataManifest, PolicyRef
     from tasks.refusals import RunRefused
-    from tasks.train import _build_distill, stage_inputs
+    from tasks.stage_run import _build_distill, stage_inputs
 
     teacher = save_decoder(tmp_path / "teacher", vocab_size=40, emb_features=16, num_layers=1)
     data = DataManifest(directory=str(tmp_path), tokenizer=None, chat_path=None, chat_val_path=None,

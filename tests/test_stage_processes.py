@@ -153,7 +153,7 @@ def test_processes_is_checked_and_every_rl_stage_may_take_several():
 
 
 def test_processes_enters_the_fingerprint_only_above_one():
-    from tasks.train import stage_inputs
+    from tasks.stage_run import stage_inputs
 
     data = DataManifest(directory="d", tokenizer=None, chat_path=None, chat_val_path=None, pairs_path=None,
                         prompts_path=None, eval_path="e", fingerprint="data")
