@@ -238,18 +238,28 @@ class CausalTransformer(nn.Module):
 
         Layer i draws from the random stream a child module named `layers_i` would get (the
         per-layer layout the decoder had before stacking), so a seed gives the same initial
-        weights in both layouts. `key`, the stream of the `layers` parameter itself, serves only
-        when there is no params stream: `apply` runs this under `eval_shape` to check shapes.
+        weights in both layouts.
+
+        Without a params stream this is Flax checking shapes: every `apply` traces the init of
+        an existing parameter under `eval_shape` and compares shapes. Only shapes count there,
+        so one layer of each kind (dense, sparse) is traced and repeated, not every layer:
+        a forward's trace of a 28-layer decoder took seconds more otherwise.
         """
         x = jnp.zeros((1, 1, self.emb_features), self.dtype)
         rope = rotary.table(jnp.zeros((1, 1), jnp.int32), self.inv_freq)
         segments = jnp.ones((1, 1), jnp.int32)
+
+        def layer(sparse: bool, layer_key):
+            return self._block(sparse).init({"params": layer_key}, x, rope, segments, self.attention_block,
+                                            self.attention_kernel)["params"]
+
+        kinds = [self._is_sparse(i) for i in range(self.num_layers)]
         stream = self.scope.rngs.get("params")
-        keys = ([LazyRng.create(stream, f"layers_{i}") for i in range(self.num_layers)]
-                if stream is not None else list(jax.random.split(key, self.num_layers)))
-        layers = [self._block(self._is_sparse(i)).init({"params": k}, x, rope, segments, self.attention_block,
-                                                       self.attention_kernel)["params"] for i, k in enumerate(keys)]
-        return decoder_stack.stack(layers)
+        if stream is None:
+            shapes = {sparse: layer(sparse, key) for sparse in set(kinds)}
+            return decoder_stack.stack([shapes[sparse] for sparse in kinds])
+        return decoder_stack.stack([layer(sparse, LazyRng.create(stream, f"layers_{i}"))
+                                    for i, sparse in enumerate(kinds)])
 
     def _layer(self, i: int, rows=None):
         """Layer `i`'s parameters: a slice of the stacked `layers` subtree, or picked from

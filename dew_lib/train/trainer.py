@@ -128,6 +128,9 @@ class Trainer:
         self.trainable_marks = trainable.marks(objective, shapes)
         self.partial = not all(jax.tree.leaves(self.trainable_marks))
         self.reference_is_base = trainable.reference_is_base(objective, shapes, self.trainable_marks)
+        # The state's shapes, from the parameters' without tracing `objective.init` again (seconds
+        # for a decoder of many layers, whose init traces each layer).
+        self._abstract = jax.eval_shape(self._state_from, shapes)
         self.state_sharding = self._state_sharding()
         self._init = jax.jit(self._count("init", self._build_state), out_shardings=self.state_sharding)
         self._steps = {
@@ -153,12 +156,14 @@ class Trainer:
         refused, since they could not be split)."""
         if not partitioning.splits_parameters(self.mesh):
             return _replicated(self.mesh)
-        abstract = jax.eval_shape(self._build_state, self.init_key)
-        partitioning.tree_specs(abstract.params, self.mesh, required=True)
-        return partitioning.tree_shardings(abstract, self.mesh, what="state leaf")
+        partitioning.tree_specs(self._abstract.params, self.mesh, required=True)
+        return partitioning.tree_shardings(self._abstract, self.mesh, what="state leaf")
 
     def _build_state(self, key) -> TrainState:
-        params = self.objective.init(key)
+        return self._state_from(self.objective.init(key))
+
+    def _state_from(self, params) -> TrainState:
+        """The starting state around the objective's initial `params`."""
         trained = self._split(params)[0]
         accumulating = self.accumulate > 1
         zeros = jax.tree.map(jnp.zeros_like, trained) if accumulating else None
@@ -179,12 +184,11 @@ class Trainer:
     def abstract_state(self) -> TrainState:
         """The state's shapes, dtypes and shardings on this mesh, computing nothing: what a
         checkpoint restores into, whatever mesh wrote it."""
-        abstract = jax.eval_shape(self._build_state, self.init_key)
         shardings = self.state_sharding
         if isinstance(shardings, NamedSharding):
-            return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings), abstract)
+            return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings), self._abstract)
         return jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
-                            abstract, shardings)
+                            self._abstract, shardings)
 
     @property
     def _keeps_ema(self) -> bool:
