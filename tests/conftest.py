@@ -32,8 +32,46 @@ import jax  # noqa: E402
 # big arrays (the GSM8K pipeline's 151,669-id head took 2.2x the CPU time compiled plainly), or
 # values compared with fixtures recorded from optimized programs. The choice also holds in every
 # process a test starts, through the environment. DEW_TEST_PLAIN_COMPILE=0 compiles all fully.
+#
+# Compiling plainly also turns off XLA's CPU fusion emitters (the MLIR ones; the older loop
+# emitters generate each fusion instead), which halves what compiling a tiny training step costs.
+# Results move by float rounding (a tiny decoder's logits by 7e-7), the same in every process of
+# a test: the pytest process through the option of each compile below, the processes a test
+# starts through XLA_FLAGS (a test that sets its own XLA_FLAGS passes these on: xla_flags()).
 PLAIN = os.environ.get("DEW_TEST_PLAIN_COMPILE", "1") != "0"
 _OPTIMIZED_MODULES: set[str] = set()
+PLAIN_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false"
+_UNTOUCHED_XLA_FLAGS = os.environ.get("XLA_FLAGS")
+
+
+def _plain_compile_options():
+    """Wrap JAX's compile options (a private function: its one hook for a per-compile XLA option)
+    so that a plain compile also leaves out the fusion emitters. Where a JAX release moves it, the
+    tests compile as before, only slower."""
+    from jax._src import compiler
+
+    original = getattr(compiler, "get_compile_options", None)
+    switch = getattr(compiler, "_DISABLE_MOST_OPTIMIZATIONS", None)
+    if original is None or switch is None or getattr(original, "plain_fusions", False):
+        return
+
+    def get_compile_options(*args, env_options_overrides=None, **kwargs):
+        if switch.value:
+            env_options_overrides = {**(env_options_overrides or {}), "xla_cpu_use_fusion_emitters": False}
+        return original(*args, env_options_overrides=env_options_overrides, **kwargs)
+
+    get_compile_options.plain_fusions = True
+    compiler.get_compile_options = get_compile_options
+
+
+if PLAIN:
+    _plain_compile_options()
+
+
+def xla_flags(*flags: str) -> str:
+    """XLA_FLAGS for a process a test starts: `flags` and, while the module compiles plainly,
+    what plain compiling adds (above)."""
+    return " ".join([*os.environ.get("XLA_FLAGS", "").split(), *flags])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,11 +82,17 @@ def _compilation_per_module(request):
     plain = PLAIN and request.module.__name__ not in _OPTIMIZED_MODULES
     jax.config.update("jax_disable_most_optimizations", plain)
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1" if plain else "0"  # and every process it starts
+    if plain:
+        os.environ["XLA_FLAGS"] = " ".join([_UNTOUCHED_XLA_FLAGS or "", PLAIN_XLA_FLAGS]).strip()
     yield
     import gc
 
     jax.config.update("jax_disable_most_optimizations", False)
     os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
+    if _UNTOUCHED_XLA_FLAGS is None:
+        os.environ.pop("XLA_FLAGS", None)
+    else:
+        os.environ["XLA_FLAGS"] = _UNTOUCHED_XLA_FLAGS
     jax.clear_caches()
     gc.collect()
 
@@ -188,7 +232,7 @@ def run_on_host_devices(script: str, devices: int = 2, timeout: float = 120) -> 
     """Run a Python `script` in a fresh process whose CPU is split into `devices` XLA devices
     (the count is fixed when JAX starts, so it cannot change inside this process); returns its
     stdout. The tests' directory is importable, so the script can use `conftest`."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(f"--xla_force_host_platform_device_count={devices}"),
                JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,

@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import xla_flags
 from test_tool_episodes import trained_policy
 
 HERE = Path(__file__).resolve().parent
@@ -29,8 +30,8 @@ STEPS, KILLED_STEP, KILLED_TURN = 3, 1, 1
 
 def start(policy, run, **env):
     """The training process, in a session of its own: (Popen, its output file)."""
-    variables = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-                 "PYTHONPATH": str(HERE.parent), **{k: str(v) for k, v in env.items()}}
+    variables = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2"),
+                 "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(HERE.parent), **{k: str(v) for k, v in env.items()}}
     output = open(run.parent / f"{run.name}.log", "ab")
     command = [sys.executable, str(HERE / "episode_worker.py"), str(policy), str(run), str(STEPS)]
     return subprocess.Popen(command, env=variables, stdout=output, stderr=subprocess.STDOUT,

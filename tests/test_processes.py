@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
 
@@ -15,7 +16,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
 def run_worker(out, *args, devices=1, check=True):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     if devices > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = xla_flags(f"--xla_force_host_platform_device_count={devices}")
     return subprocess.run([sys.executable, WORKER, str(out), *map(str, args)], env=env,
                           capture_output=True, text=True, check=check, timeout=300)
 

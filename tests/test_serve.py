@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-from conftest import ROOT, SHARED_DATA, launched_serve, tiny_model
+from conftest import ROOT, SHARED_DATA, launched_serve, tiny_model, xla_flags
 from fastapi.testclient import TestClient
 
 from dew_lib.inference import Server, ServeTask
@@ -519,7 +519,7 @@ def test_dew_serve_split_over_two_devices_draws_like_one_and_exits_on_sigterm(ch
     expected = ids[:ids.index(stop) + 1]  # the served draw ends on the checkpoint's second EOS id
     arguments = [str(directory), "--port", "0", "--slots", "2", "--capacity", "64", "--temperature", "0.8",
                  "--top-k", "20", "--dev-endpoints", "--tensor-parallel-size", "2"]
-    env = {"DEW_SERVE_API_KEY": "sesame", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {"DEW_SERVE_API_KEY": "sesame", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")}
     with launched_serve(arguments, env) as (process, started, seen):
         assert "development routes on, API key required" in started and "warning" not in "".join(seen), seen
         assert "tensor parallel over 2 devices" in started, started

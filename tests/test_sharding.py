@@ -16,7 +16,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import npz_leaves, run_on_host_devices, worker_job
+from conftest import npz_leaves, run_on_host_devices, worker_job, xla_flags
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from dew_lib.models import partitioning
@@ -119,7 +119,7 @@ def in_one_process(runs, timeout=840):
             distributed_worker.main()
         """)
     tests = os.path.dirname(__file__)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
