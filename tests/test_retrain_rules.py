@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("prefect")
 
 from conftest import run_log  # noqa: E402, F401 - test_stage_processes imports it from here
-from test_pipeline import query, tiny  # noqa: E402
+from test_pipeline import query, tiny, without_flow_heartbeats  # noqa: E402
 
 from tasks.storage import changes, continue_shorter, read_json, rebased, stage_directory, write_json  # noqa: E402
 
@@ -101,7 +101,14 @@ STAGES = ("sft", "dpo", "grpo")
 
 
 @pytest.fixture(scope="module")
-def base(prefect_harness, tmp_path_factory):
+def harness(prefect_harness):
+    """The harness, its flow runs without heartbeats (test_pipeline.py `without_flow_heartbeats`)."""
+    with without_flow_heartbeats():
+        yield
+
+
+@pytest.fixture(scope="module")
+def base(harness, tmp_path_factory):
     from flows.pipeline import pipeline
 
     root = tmp_path_factory.mktemp("runs")
