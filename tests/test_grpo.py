@@ -1,5 +1,7 @@
 """GRPOObjective: packed equals unpacked, the loss options, bypass mode and bad input."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,9 +14,51 @@ from dew_lib.records.sessions import Call, Session
 from dew_lib.rollouts.packing import pack
 
 MODEL = tiny_model()
-VARIABLES = MODEL.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
-OTHER = MODEL.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))
 WIDTH = 16
+
+
+@functools.cache
+def weights(seed):
+    """MODEL's weights from key `seed`, made once, on first use, not at import (every xdist worker
+    imports every module, and at import XLA would compile with all its optimizations on)."""
+    return jax.jit(MODEL.init)(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))
+
+
+def variables():
+    return weights(0)
+
+
+def other():
+    return weights(1)
+
+
+# Compiled once per objective (and batch shape): called eagerly, every call traced the layers'
+# scan anew and compiled it again, op by op around it.
+@functools.partial(jax.jit, static_argnums=0)
+def compiled_loss(objective, params, batch, reference=None):
+    """`dew_lib.objectives.loss`, compiled."""
+    return loss(objective, params, batch, reference=reference)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def target_log_probs(objective, params, batch):
+    return objective.target_log_probs(params, batch)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def forward(model, params, ids):
+    return model.apply(params, ids)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def compiled_value_and_grad(objective, batches, params, reference):
+    """The mean loss and its gradient on each of `batches`: one program for all of them."""
+    def f(p, batch):
+        terms = objective.terms(p, batch, step=jnp.int32(0), reference=reference,
+                                key=jax.random.key(0))
+        return terms.total / terms.weight
+
+    return tuple(jax.value_and_grad(f)(params, batch) for batch in batches)
 
 
 def sessions(seed=0):
@@ -68,13 +112,9 @@ def unmerged(members, width):
     return {k: np.stack([r[k] for r in rows]) for k in packed}
 
 
-def value_and_grad(objective, batch, params=VARIABLES, reference=OTHER):
-    def f(p):
-        terms = objective.terms(p, batch, step=jnp.int32(0), reference=reference,
-                                key=jax.random.key(0))
-        return terms.total / terms.weight
-
-    return jax.value_and_grad(f)(params)
+def value_and_grad(objective, *batches):
+    """(mean loss, its gradient) on each batch, at weights(0) with the reference weights(1)."""
+    return compiled_value_and_grad(objective, batches, variables(), other())
 
 
 @pytest.mark.parametrize("options", [
@@ -89,8 +129,7 @@ def test_packed_rows_equal_one_call_per_row_gradients_included(options):
     packed = pack(members, WIDTH)
     separate = unmerged(members, WIDTH)
     assert packed["input_ids"].shape[0] < separate["input_ids"].shape[0]  # chains share rows
-    value, grads = value_and_grad(objective, packed)
-    expected, expected_grads = value_and_grad(objective, separate)
+    (value, grads), (expected, expected_grads) = value_and_grad(objective, packed, separate)
     np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
@@ -99,8 +138,8 @@ def test_packed_rows_equal_one_call_per_row_gradients_included(options):
 def test_gspo_pools_its_ratio_per_chain_whatever_shares_the_row():
     members = [s for s in sessions() if len(s.calls) == 1]
     objective = GRPOObjective(MODEL, seq_len=WIDTH - 1, policy_loss="gspo")
-    value, grads = value_and_grad(objective, pack(members, WIDTH))
-    expected, expected_grads = value_and_grad(objective, unmerged(members, WIDTH))
+    (value, grads), (expected, expected_grads) = value_and_grad(objective, pack(members, WIDTH),
+                                                                unmerged(members, WIDTH))
     np.testing.assert_allclose(value, expected, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
@@ -109,8 +148,8 @@ def test_gspo_pools_its_ratio_per_chain_whatever_shares_the_row():
 def test_on_policy_ppo_loss_is_minus_the_mean_advantage_and_kl_to_itself_is_zero():
     batch = pack(sessions(), WIDTH)
     objective = GRPOObjective(MODEL, seq_len=WIDTH - 1, beta=0.1)
-    batch["old_log_probs"] = np.asarray(objective.packed_log_probs(VARIABLES, batch))
-    value, metrics = loss(objective, VARIABLES, batch, reference=VARIABLES)
+    batch["old_log_probs"] = np.asarray(objective.packed_log_probs(variables(), batch))
+    value, metrics = compiled_loss(objective, variables(), batch, reference=variables())
     mask = batch["response_mask"][:, 1:]
     expected = -(batch["advantages"][:, 1:] * mask).sum() / mask.sum()
     np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-7)
@@ -126,12 +165,11 @@ def test_a_proximal_policy_scored_in_the_update_equals_a_rescoring_pass(options)
     # old_log_probs under the same weights changes neither the loss nor its gradients.
     objective = GRPOObjective(MODEL, seq_len=WIDTH - 1, **options)
     rescored = pack(sessions(), WIDTH)
-    rescored["old_log_probs"] = np.asarray(objective.packed_log_probs(VARIABLES, rescored))
+    rescored["old_log_probs"] = np.asarray(objective.packed_log_probs(variables(), rescored))
     in_step = PackedBatch.of({k: v for k, v in rescored.items() if k != "old_log_probs"},
                              proximal="in_update")
     objective.check_batch(in_step)
-    value, grads = value_and_grad(objective, in_step)
-    expected, expected_grads = value_and_grad(objective, rescored)
+    (value, grads), (expected, expected_grads) = value_and_grad(objective, in_step, rescored)
     np.testing.assert_allclose(value, expected, rtol=1e-6, atol=1e-7)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
@@ -143,10 +181,10 @@ def test_packed_log_probs_score_each_id_against_its_own_chain():
     members = sessions()
     batch = pack(members, WIDTH)
     objective = GRPOObjective(MODEL, seq_len=WIDTH - 1)
-    scores = np.asarray(objective.packed_log_probs(VARIABLES, batch))
+    scores = np.asarray(objective.packed_log_probs(variables(), batch))
     # The merged first session, scored alone from position 0.
     first = np.concatenate([members[0].calls[1].prompt_ids, members[0].calls[1].sampled_ids])
-    alone, _ = score_targets(MODEL, VARIABLES, first[None, :-1], first[None, 1:])
+    alone, _ = jax.jit(score_targets, static_argnums=0)(MODEL, variables(), first[None, :-1], first[None, 1:])
     row, start = np.argwhere(batch["session_index"] == 0)[0]
     start -= members[0].calls[0].prompt_ids.size
     np.testing.assert_allclose(scores[row, start + 1:start + first.size], np.asarray(alone)[0],
@@ -159,8 +197,8 @@ def test_bypass_mode_uses_behavior_as_old_policy_and_band_masks_leave_the_denomi
     batch = pack(sessions(), WIDTH)
     batch.pop("old_log_probs")
     objective = GRPOObjective(MODEL, seq_len=WIDTH - 1, behavior_importance=(0.2, 5.0))
-    value, metrics = loss(objective, VARIABLES, batch)
-    scored = np.asarray(objective.target_log_probs(VARIABLES, batch))
+    value, metrics = compiled_loss(objective, variables(), batch)
+    scored = np.asarray(target_log_probs(objective, variables(), batch))
     mask = batch["response_mask"][:, 1:] > 0
     ratio = np.exp(scored - batch["behavior_log_probs"][:, 1:])
     band = (ratio >= 0.2) & (ratio <= 5.0) & mask
@@ -177,10 +215,10 @@ def test_bypass_mode_uses_behavior_as_old_policy_and_band_masks_leave_the_denomi
 def test_sequence_and_geometric_masks_reject_whole_chains():
     batch = pack(sessions(), WIDTH)
     objective = GRPOObjective(MODEL, seq_len=WIDTH - 1, sequence_mask=(0.999, 1.001))
-    _, metrics = loss(objective, VARIABLES, batch)
+    _, metrics = compiled_loss(objective, variables(), batch)
     assert float(metrics["masked/sequence"]) == 1.0  # recorded raw and behavior differ a lot
     loose = GRPOObjective(MODEL, seq_len=WIDTH - 1, geometric_mask=(1e-6, 1e6))
-    _, metrics = loss(loose, VARIABLES, batch)
+    _, metrics = compiled_loss(loose, variables(), batch)
     assert float(metrics["masked/geometric"]) == 0.0
 
 
@@ -190,15 +228,15 @@ def test_sampling_temperature_and_support_change_what_a_sampled_id_scores():
                 reward=1.0)
     batch = pack([s], 6, support_capacity=6)
     objective = GRPOObjective(MODEL, seq_len=5, sampling_temperature=0.7)
-    scored = np.asarray(objective.target_log_probs(VARIABLES, batch))[0]
-    logits = np.asarray(MODEL.apply(VARIABLES, batch["input_ids"][:, :-1]))[0] / 0.7
+    scored = np.asarray(target_log_probs(objective, variables(), batch))[0]
+    logits = np.asarray(forward(MODEL, variables(), batch["input_ids"][:, :-1]))[0] / 0.7
     # Column 2 (id 3) over its support {3, 5, 6}; column 3 (id 4) alone in its support.
     expected = logits[1, 3] - np.log(np.exp(logits[1, [3, 5, 6]]).sum())
     np.testing.assert_allclose(scored[1], expected, rtol=1e-5)
     np.testing.assert_allclose(scored[2], 0.0, atol=1e-6)
     # Without a support, the full vocabulary at the temperature.
     batch.pop("support_ids"), batch.pop("support_columns")
-    full = np.asarray(objective.target_log_probs(VARIABLES, batch))[0]
+    full = np.asarray(target_log_probs(objective, variables(), batch))[0]
     np.testing.assert_allclose(full[1], logits[1, 3] - np.log(np.exp(logits[1]).sum()), rtol=1e-5)
 
 
@@ -244,7 +282,7 @@ def test_the_kl_estimator_is_chosen_by_name():
     kls = {}
     for name in ("k1", "k2", "k3"):
         objective = GRPOObjective(MODEL, seq_len=WIDTH - 1, beta=0.1, kl_estimator=name)
-        _, metrics = loss(objective, VARIABLES, batch, reference=OTHER)
+        _, metrics = compiled_loss(objective, variables(), batch, reference=other())
         kls[name] = float(metrics["kl"])
     assert len(set(kls.values())) == 3 and kls["k2"] > 0 and kls["k3"] > 0
     with pytest.raises(ValueError, match="kl_estimator must be one of .*got 'mse'"):

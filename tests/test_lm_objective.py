@@ -1,5 +1,6 @@
 """LMObjective: which targets count, and the errors a wrong batch gets."""
 
+import functools
 import itertools
 
 import jax
@@ -12,24 +13,42 @@ from conftest import tiny_model
 from dew_lib import Dataset, LMObjective, Trainer
 from dew_lib.data.chat import Role
 from dew_lib.objectives import loss
-from dew_lib.objectives.lm import token_log_probs
+from dew_lib.objectives.lm import score_targets, token_log_probs
 from dew_lib.train.sinks import MemorySink
 
 MODEL = tiny_model()
-VARIABLES = MODEL.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
+@functools.cache
+def variables():
+    """MODEL's weights, made once, on first use, not at import (every xdist worker imports every
+    module, and at import XLA would compile with all its optimizations on)."""
+    return jax.jit(MODEL.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
+# Compiled once per objective (or shape): called eagerly, every call traced the layers' scan anew
+# and compiled it again, op by op around it.
+@functools.partial(jax.jit, static_argnums=0)
+def compiled_loss(objective, params, batch):
+    """`dew_lib.objectives.loss`, compiled."""
+    return loss(objective, params, batch)
+
+
+@jax.jit
+def target_log_probs(params, ids):
+    return token_log_probs(MODEL.apply(params, ids[:, :-1]), ids[:, 1:])
 
 
 def nll(ids):
     """Per-target negative log-likelihood of one unpacked sequence."""
-    ids = np.asarray(ids)[None]
-    return -np.asarray(token_log_probs(MODEL.apply(VARIABLES, ids[:, :-1]), ids[:, 1:]))[0]
+    return -np.asarray(target_log_probs(variables(), np.asarray(ids)[None]))[0]
 
 
 def test_role_mask_equals_the_loss_on_the_sliced_assistant_targets():
     text = np.array([[4, 5, 6, 7, 8, 9, 10, 11]], np.int32)
     roles = np.array([[2, 2, 2, 3, 3, 3, 2, 3]], np.int8)
     objective = LMObjective(MODEL, seq_len=7, loss_role=Role.ASSISTANT)
-    value, metrics = loss(objective, VARIABLES, {"text": text, "text_roles": roles})
+    value, metrics = compiled_loss(objective, variables(), {"text": text, "text_roles": roles})
     per_target = nll(text[0])
     # targets are ids 1..7; their roles are roles[1:]; assistant targets: 8, 9, 10 and 11
     expected = per_target[[2, 3, 4, 6]].mean()
@@ -43,7 +62,7 @@ def test_document_transitions_and_padding_never_count():
     segments = np.array([[1, 1, 1, 1, 2, 2, 2, 0]])
     positions = np.array([[0, 1, 2, 3, 0, 1, 2, 0]])
     objective = LMObjective(MODEL, seq_len=7, ema_decay=None)
-    value, metrics = loss(objective, VARIABLES, {
+    value, metrics = compiled_loss(objective, variables(), {
         "text": text, "text_segment_ids": segments, "text_positions": positions})
     expected = np.concatenate([nll(first), nll(second)]).mean()
     np.testing.assert_allclose(value, expected, rtol=1e-5)
@@ -52,7 +71,7 @@ def test_document_transitions_and_padding_never_count():
 
 def test_without_loss_role_every_target_counts():
     text = np.array([[4, 5, 6, 7, 8]], np.int32)
-    value, _ = loss(LMObjective(MODEL, seq_len=4), VARIABLES, {"text": text})
+    value, _ = compiled_loss(LMObjective(MODEL, seq_len=4), variables(), {"text": text})
     np.testing.assert_allclose(value, nll(text[0]).mean(), rtol=1e-6)
 
 
@@ -71,7 +90,7 @@ def test_batches_this_objective_cannot_read_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="max_seq_len=32"):
         LMObjective(MODEL, seq_len=33)
     with pytest.raises(ValueError, match="'params'"):
-        LMObjective(MODEL, seq_len=7, pretrained=VARIABLES["params"])
+        LMObjective(MODEL, seq_len=7, pretrained=variables()["params"])
 
 
 def test_the_specs_sft_example_trains_only_on_the_response():
@@ -82,7 +101,7 @@ def test_the_specs_sft_example_trains_only_on_the_response():
     sft_batch = {"text": np.tile(row, (8, 1)), "text_roles": np.tile(roles, (8, 1))}
     sft_data = Dataset(train=lambda partition: itertools.repeat(sft_batch), val=None, records=8,
                        batch=8)
-    sft_objective = LMObjective(MODEL, seq_len=len(row) - 1, pretrained=VARIABLES,
+    sft_objective = LMObjective(MODEL, seq_len=len(row) - 1, pretrained=variables(),
                                 loss_role=Role.ASSISTANT, ema_decay=None)
     sink = MemorySink()
     sft_state = Trainer(sft_objective, optax.adamw(1e-2), key=jax.random.key(2)).fit(
@@ -114,13 +133,17 @@ def test_token_accuracy_is_one_on_the_models_own_greedy_text():
     assert metrics["accuracy"] == 1.0
 
 
-def test_fused_target_scores_equal_full_log_softmax():
-    from dew_lib.objectives.lm import score_targets
+@functools.partial(jax.jit, static_argnums=0)
+def scored_and_forward(model, text):
+    """`model`'s fused target scores and its logits on `text`, at weights from key 1: one program
+    per model (init, scoring and forward compiled together, not operation by operation)."""
+    weights = model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))
+    return score_targets(model, weights, text[:, :-1], text[:, 1:]), model.apply(weights, text[:, :-1])
 
+
+def test_fused_target_scores_equal_full_log_softmax():
     text = np.random.default_rng(0).integers(1, 32, (3, 9)).astype(np.int32)
     for model in (MODEL, tiny_model(tie_embeddings=True)):
-        variables = model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))
-        fused, top = score_targets(model, variables, text[:, :-1], text[:, 1:])
-        logits = model.apply(variables, text[:, :-1])
+        (fused, top), logits = scored_and_forward(model, text)
         np.testing.assert_allclose(fused, token_log_probs(logits, text[:, 1:]), atol=1e-5)
         np.testing.assert_array_equal(top, np.argmax(np.asarray(logits), -1) == text[:, 1:])

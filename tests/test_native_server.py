@@ -1,6 +1,7 @@
 """The native rollout server: draws equal `generate`, slots are independent, weights swap between
 calls, and every way a request can end (finish, cancel, close, a failing loop) resolves its future."""
 
+import functools
 import threading
 import time
 
@@ -15,14 +16,33 @@ from dew_lib.objectives.lm import token_log_probs
 from dew_lib.sampling import Sampling, generate
 
 MODEL = tiny_model(max_seq_len=48)
-VARIABLES = MODEL.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
 GREEDY = Sampling(temperature=0.0)
 FILTERED = Sampling(temperature=0.7, top_k=5, top_p=0.9, eos_id=(3, 7))
 PROMPTS = [np.array(p, np.int32) for p in ([5, 6, 7, 8, 9, 10], [11], [12, 13, 14], list(range(1, 21)))]
 
 
+@functools.cache
+def variables():
+    """MODEL's weights, made once, on first use, not at import: every xdist worker imports every
+    module, and made eagerly at import they compiled op by op with all of XLA's optimizations."""
+    return jax.jit(MODEL.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
+@functools.cache
+def blank():
+    """variables() with a zero output head (made once, compiled whole)."""
+    return jax.jit(lambda tree: jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.zeros_like(x) if "lm_head" in jax.tree_util.keystr(path) else x, tree))(variables())
+
+
+@jax.jit
+def scaled(tree, by):
+    """Every leaf times `by`: one program for the tree, not one per leaf shape."""
+    return jax.tree.map(lambda x: x * by, tree)
+
+
 def server(sampling=GREEDY, *, slots=3, capacity=40, steps=4, dtype=None):
-    task = ServeTask(model=MODEL, variables=VARIABLES, sampling=sampling, dtype=dtype)
+    task = ServeTask(model=MODEL, variables=variables(), sampling=sampling, dtype=dtype)
     return Server.from_task(task, slots=slots, capacity=capacity, steps=steps)
 
 
@@ -34,13 +54,13 @@ def run(engine):
     return draws
 
 
-def reference(prompt, budget, seed, sampling, variables=VARIABLES):
+def reference(prompt, budget, seed, sampling, weights=None):
     """Row 0 of `generate` over a one-row batch, left-padded to 20 ids where the budget allows
     (one compile per budget)."""
     width = max(len(prompt), min(20, MODEL.max_seq_len - budget))
     padded = np.zeros((1, width), np.int32)
     padded[0, width - len(prompt):] = prompt
-    out = generate(MODEL, variables, padded, [len(prompt)], key=jax.random.key(seed),
+    out = generate(MODEL, variables() if weights is None else weights, padded, [len(prompt)], key=jax.random.key(seed),
                    max_new_tokens=budget, sampling=sampling)
     n = int(out.lengths[0])
     return (np.asarray(out.tokens[0, :n]), np.asarray(out.log_probs[0, :n]),
@@ -76,7 +96,7 @@ def test_raw_log_probs_equal_a_full_forward_rescoring():
         ids = np.concatenate([prompt, draws[name].ids])
         rows[name, :len(ids)] = ids
     segments = (np.arange(39)[None] < [[len(p) + len(draws[n]) - 1] for n, p in enumerate(PROMPTS[:3])])
-    logits = jax.jit(MODEL.apply)(VARIABLES, rows[:, :-1], segments.astype(np.int32))
+    logits = jax.jit(MODEL.apply)(variables(), rows[:, :-1], segments.astype(np.int32))
     scores = np.asarray(token_log_probs(logits, rows[:, 1:]))
     for name, prompt in enumerate(PROMPTS[:3]):
         expected = scores[name, len(prompt) - 1:len(prompt) - 1 + len(draws[name])]
@@ -193,19 +213,17 @@ def test_requests_that_do_not_fit_are_refused_with_the_capacity():
     with pytest.raises(ValueError, match="slots"):
         server(GREEDY, slots=0)
     with pytest.raises(ValueError, match="ServeTask.sampling"):
-        ServeTask(model=MODEL, variables=VARIABLES, sampling={"temperature": 0})
+        ServeTask(model=MODEL, variables=variables(), sampling={"temperature": 0})
     with pytest.raises(ValueError, match="ServeTask"):
         Server.from_task(object(), slots=1, capacity=8)
 
 
 def test_a_weight_swap_lands_between_two_calls_and_draws_keep_the_oldest_version():
     """v1 has a zero output head, so greedy picks id 0 with log-prob -log(32) from the swap on."""
-    blank = jax.tree_util.tree_map_with_path(
-        lambda path, x: jnp.zeros_like(x) if "lm_head" in jax.tree_util.keystr(path) else x, VARIABLES)
     engine = server(GREEDY)
     engine.add("before", PROMPTS[0], 12)
     assert engine.step() == []  # the prefill's id and four decoded ids under v0
-    engine.reload(blank, 1)
+    engine.reload(blank(), 1)
     engine.add("after", PROMPTS[1], 6)
     draws = run(engine)
     v0 = reference(PROMPTS[0], 12, 0, GREEDY)[0]
@@ -220,8 +238,6 @@ def test_a_weight_swap_lands_between_two_calls_and_draws_keep_the_oldest_version
 def test_load_during_a_draw_keeps_its_version_and_serves_later_submissions_new_weights(monkeypatch):
     """The loop is held at its third call while `load` hands the weights over, so the push lands
     after 1 + 3 * 4 ids of the running draw, whatever the machine's timing."""
-    blank = jax.tree_util.tree_map_with_path(
-        lambda path, x: jnp.zeros_like(x) if "lm_head" in jax.tree_util.keystr(path) else x, VARIABLES)
     engine = server(GREEDY, steps=4)
     calls, third, resume = [], threading.Event(), threading.Event()
     step = engine.step
@@ -237,7 +253,7 @@ def test_load_during_a_draw_keeps_its_version_and_serves_later_submissions_new_w
     with NativeRolloutServer(engine) as native:
         running = native.submit(PROMPTS[1], 39)
         assert third.wait(60)
-        native.load(blank, 7)  # returns without waiting for the call in flight
+        native.load(blank(), 7)  # returns without waiting for the call in flight
         assert native.version == 7
         resume.set()
         later = native.submit(PROMPTS[2], 5).result(timeout=60)
@@ -252,7 +268,7 @@ def test_load_during_a_draw_keeps_its_version_and_serves_later_submissions_new_w
 def test_load_casts_to_the_served_dtype_and_keeps_its_own_copy():
     engine = server(GREEDY, dtype=jnp.bfloat16)
     assert {x.dtype for x in jax.tree.leaves(engine.variables)} == {jnp.dtype(jnp.bfloat16)}
-    fresh = jax.tree.map(lambda x: x * 1.5, VARIABLES)  # float32, like a trainer's params
+    fresh = scaled(variables(), 1.5)  # float32, like a trainer's params
     with NativeRolloutServer(engine) as native:
         native.load(fresh, 1)
         for leaf in jax.tree.leaves(fresh):
@@ -260,16 +276,16 @@ def test_load_casts_to_the_served_dtype_and_keeps_its_own_copy():
         draw = native.submit(PROMPTS[0], 8).result(timeout=60)
         served = native.server.variables
         with pytest.raises(ValueError, match=r"\['params'\]\['embed_tokens'\]\['embedding'\] has shape"):
-            native.load(jax.tree.map(lambda x: jnp.zeros((2,) + x.shape[1:], x.dtype), VARIABLES), 2)
+            native.load(jax.tree.map(lambda x: jnp.zeros((2,) + x.shape[1:], x.dtype), variables()), 2)
         assert native.version == 1
     assert {x.dtype for x in jax.tree.leaves(served)} == {jnp.dtype(jnp.bfloat16)}
-    bf16 = jax.tree.map(lambda x: (x * 1.5).astype(jnp.bfloat16), VARIABLES)
+    bf16 = jax.jit(lambda tree: jax.tree.map(lambda x: (x * 1.5).astype(jnp.bfloat16), tree))(variables())
     assert draw.version == 1
     np.testing.assert_array_equal(draw.ids, reference(PROMPTS[0], 8, 0, GREEDY, bf16)[0])
 
 
 def test_the_server_keeps_its_own_copy_of_the_task_weights():
-    own = jax.tree.map(jnp.copy, VARIABLES)
+    own = jax.tree.map(jnp.copy, variables())  # eager: new buffers (compiled, a copy could hand back its input)
     engine = Server.from_task(ServeTask(model=MODEL, variables=own, sampling=GREEDY), slots=3,
                               capacity=40, steps=4)
     for leaf in jax.tree.leaves(own):
@@ -286,12 +302,12 @@ from dew_lib.inference import NativeRolloutServer, Server, ServeTask
 from dew_lib.sampling import Sampling
 
 model = tiny_model(max_seq_len=48)
-variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))  # compiled whole
 engine = Server.from_task(ServeTask(model=model, variables=variables, sampling=Sampling(temperature=0.0)),
                           slots=2, capacity=40, steps=4)
 # A trainer's parameters: replicated over both devices, and donated by every update.
 replicated = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec())
-params = jax.device_put(jax.tree.map(lambda x: x * 1.5, variables), replicated)
+params = jax.device_put(jax.jit(lambda tree: jax.tree.map(lambda x: x * 1.5, tree))(variables), replicated)
 update = jax.jit(lambda tree: jax.tree.map(lambda x: x + 1.0, tree), donate_argnums=0)
 with NativeRolloutServer(engine) as native:
     native.load(params, 1)
@@ -319,7 +335,7 @@ def test_close_fails_every_pending_future_and_refuses_new_work():
     with pytest.raises(ServerClosed):
         native.submit(PROMPTS[0], 2)
     with pytest.raises(ServerClosed):
-        native.load(VARIABLES, 1)
+        native.load(variables(), 1)
     native.close()  # twice is fine
 
 
@@ -341,7 +357,7 @@ def test_an_exception_in_the_loop_reaches_every_future(monkeypatch):
         native.submit(PROMPTS[0], 5)
     assert isinstance(raised.value.__cause__, FloatingPointError)
     with pytest.raises(ServerClosed):
-        native.load(VARIABLES, 1)
+        native.load(variables(), 1)
     native.close()
     assert calls == [1]
 
@@ -355,12 +371,12 @@ def test_a_failed_weight_swap_fails_the_pending_draws(monkeypatch):
     monkeypatch.setattr(engine, "reload", broken_reload)
     native = NativeRolloutServer(engine)
     with native._lock:  # both handed over before the loop's next turn
-        native.load(VARIABLES, 1)
+        native.load(variables(), 1)
         future = native.submit(PROMPTS[0], 3)
     with pytest.raises(MemoryError, match="no room"):
         future.result(timeout=60)
     with pytest.raises(ServerClosed, match="loop failed"):
-        native.load(VARIABLES, 2)
+        native.load(variables(), 2)
     native.close()
 
 

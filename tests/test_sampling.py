@@ -12,7 +12,18 @@ from dew_lib.objectives.lm import token_log_probs
 from dew_lib.sampling import Sampling, _generate, argmax, cache_stages, filter_logits, generate, sample
 
 MODEL = tiny_model(max_seq_len=48)
-VARIABLES = MODEL.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
+@functools.cache
+def variables():
+    """MODEL's weights, made once, on first use, not at import: every xdist worker imports every
+    module, and made eagerly at import they compiled op by op with all of XLA's optimizations."""
+    return jax.jit(MODEL.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
+# Compiled once per setting: called eagerly, each ran op by op (and a forward's layer scan
+# compiled anew every call).
+compiled_sample = jax.jit(sample, static_argnums=2)
 
 
 def left_padded(lengths, width, seed=0):
@@ -29,7 +40,7 @@ def full_log_probs(model, variables, ids):
     return token_log_probs(model.apply(variables, ids[:, :-1]), ids[:, 1:])
 
 
-def rescore(prompt, lengths, generation, model=MODEL, variables=VARIABLES):
+def rescore(prompt, lengths, generation, model=MODEL, weights=None):
     """Raw log-probs of each row's sampled ids from a full forward pass over its prompt and
     sampled ids, unpadded at the start of a row of `model.max_seq_len`: attention is causal, so
     the padding after them changes none of their logits, and every call has one shape."""
@@ -40,7 +51,7 @@ def rescore(prompt, lengths, generation, model=MODEL, variables=VARIABLES):
         n = int(generation.lengths[row])
         ids[row, :length + n] = np.concatenate([prompt[row, width - length:], np.asarray(generation.tokens[row, :n])])
         ends.append(length + n)
-    scores = np.asarray(full_log_probs(model, variables, ids))
+    scores = np.asarray(full_log_probs(model, variables() if weights is None else weights, ids))
     return [scores[row, length - 1:end - 1] for row, (length, end) in enumerate(zip(lengths, ends, strict=True))]
 
 
@@ -51,7 +62,7 @@ def rescore(prompt, lengths, generation, model=MODEL, variables=VARIABLES):
 ])
 def test_cached_log_probs_equal_full_rescoring(sampling):
     prompt, lengths = left_padded([6, 3, 1, 4], width=6)
-    out = generate(MODEL, VARIABLES, prompt, lengths, key=jax.random.key(1), max_new_tokens=12,
+    out = generate(MODEL, variables(), prompt, lengths, key=jax.random.key(1), max_new_tokens=12,
                    sampling=sampling)
     for row, expected in enumerate(rescore(prompt, lengths, out)):
         n = int(out.lengths[row])
@@ -67,13 +78,13 @@ def test_long_loops_grow_their_cache_in_stages():
 
 def test_a_grown_cache_gives_the_log_probs_of_full_rescoring():
     model = tiny_model(max_seq_len=96)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    weights = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))  # compiled whole
     prompt, lengths = left_padded([6, 3, 1, 5], width=6, seed=2)
-    out = generate(model, variables, prompt, lengths, key=jax.random.key(3), max_new_tokens=70,
+    out = generate(model, weights, prompt, lengths, key=jax.random.key(3), max_new_tokens=70,
                    sampling=Sampling(temperature=1.0, eos_id=5))
     n = np.asarray(out.lengths)
     assert n.max() > 18 + 18 and n.min() < n.max(), "seed chosen so rows stop in different stages"
-    for row, expected in enumerate(rescore(prompt, lengths, out, model, variables)):
+    for row, expected in enumerate(rescore(prompt, lengths, out, model, weights)):
         np.testing.assert_allclose(np.asarray(out.log_probs[row, :n[row]]), expected, atol=2e-5)
 
 
@@ -88,26 +99,27 @@ def test_argmax_is_jnp_argmax_on_ties_nan_and_filtered_rows():
 
 
 def test_sampled_ids_are_the_draws_of_jax_random_categorical():
+    categorical = jax.jit(jax.random.categorical)
     logits = jnp.asarray(np.random.default_rng(1).normal(size=(8, 64)) * 3, jnp.float32)
     for seed in range(20):
-        ids, _, _ = sample(logits, jax.random.key(seed), Sampling(temperature=1.0))
-        np.testing.assert_array_equal(ids, jax.random.categorical(jax.random.key(seed), logits))
+        ids, _, _ = compiled_sample(logits, jax.random.key(seed), Sampling(temperature=1.0))
+        np.testing.assert_array_equal(ids, categorical(jax.random.key(seed), logits))
 
 
 def test_greedy_picks_the_argmax_and_reports_zero_behavior_log_prob():
     prompt, lengths = left_padded([5, 2], width=5)
-    out = generate(MODEL, VARIABLES, prompt, lengths, key=jax.random.key(0), max_new_tokens=6,
+    out = generate(MODEL, variables(), prompt, lengths, key=jax.random.key(0), max_new_tokens=6,
                    sampling=Sampling(temperature=0.0))
     assert np.all(np.asarray(out.behavior_log_probs) == 0.0)
     ids = np.concatenate([prompt[1, 3:], np.asarray(out.tokens[1])])
-    logits = MODEL.apply(VARIABLES, ids[None, :-1])[0, 1:]
+    logits = jax.jit(MODEL.apply)(variables(), ids[None, :-1])[0, 1:]
     np.testing.assert_array_equal(np.argmax(logits, -1), np.asarray(out.tokens[1]))
 
 
 def test_rows_stop_at_any_eos_and_pad_afterwards():
     prompt, lengths = left_padded([4, 4, 4, 4, 4, 4, 4, 4], width=4, seed=3)
     sampling = Sampling(temperature=1.0, eos_id=(2, 5, 9))
-    out = generate(MODEL, VARIABLES, prompt, lengths, key=jax.random.key(5), max_new_tokens=16,
+    out = generate(MODEL, variables(), prompt, lengths, key=jax.random.key(5), max_new_tokens=16,
                    sampling=sampling, pad_id=31)
     tokens, count = np.asarray(out.tokens), np.asarray(out.lengths)
     for row in range(len(tokens)):
@@ -124,8 +136,8 @@ def test_rows_stop_at_any_eos_and_pad_afterwards():
 def test_a_stopped_row_leaves_its_cache_untouched():
     cache = MODEL.empty_cache(2, 10)
     cache = cache._replace(lengths=jnp.array([3, 3]))
-    _, after = MODEL.apply(VARIABLES, jnp.array([4, 4]), cache, jnp.array([True, False]),
-                           method=MODEL.decode)
+    decode = jax.jit(functools.partial(MODEL.apply, method=MODEL.decode))  # compiled whole
+    _, after = decode(variables(), jnp.array([4, 4]), cache, jnp.array([True, False]))
     for before, now in zip(cache.keys + cache.values, after.keys + after.values):
         np.testing.assert_array_equal(before[1], now[1])
         assert not np.array_equal(before[0], now[0])
@@ -136,7 +148,7 @@ def test_prompt_lengths_share_one_compilation():
     before = _generate._cache_size()
     for lengths in ([5, 1, 3], [2, 2, 2], [1, 5, 4]):
         prompt, lengths = left_padded(lengths, width=5)
-        generate(MODEL, VARIABLES, prompt, lengths, key=jax.random.key(0), max_new_tokens=4,
+        generate(MODEL, variables(), prompt, lengths, key=jax.random.key(0), max_new_tokens=4,
                  sampling=Sampling(top_k=3))
     assert _generate._cache_size() - before == 1
 
@@ -154,11 +166,11 @@ def test_top_k_top_p_min_p_keep_what_their_definitions_keep():
 
 def test_behavior_log_prob_is_the_renormalized_filtered_probability():
     logits = jnp.log(jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05]]))
-    ids, raw, behavior = sample(logits, jax.random.key(0), Sampling(top_k=2))
+    ids, raw, behavior = compiled_sample(logits, jax.random.key(0), Sampling(top_k=2))
     expected = {0: 0.5 / 0.7, 1: 0.2 / 0.7}[int(ids[0])]
     np.testing.assert_allclose(np.exp(behavior), [expected], rtol=1e-6)
     np.testing.assert_allclose(np.exp(raw), [[0.5, 0.2][int(ids[0])]], rtol=1e-6)
-    ids, _, behavior = sample(logits, jax.random.key(0), Sampling(temperature=2.0))
+    ids, _, behavior = compiled_sample(logits, jax.random.key(0), Sampling(temperature=2.0))
     tempered = np.sqrt([0.5, 0.2, 0.15, 0.1, 0.05])
     np.testing.assert_allclose(np.exp(behavior), [tempered[int(ids[0])] / tempered.sum()], rtol=1e-5)
 
@@ -173,6 +185,6 @@ def test_bad_settings_and_inputs_name_the_field():
     assert Sampling(eos_id=3).eos_id == (3,)
     prompt, lengths = left_padded([3], width=3)
     with pytest.raises(ValueError, match="max_seq_len=48"):
-        generate(MODEL, VARIABLES, prompt, lengths, key=jax.random.key(0), max_new_tokens=46)
+        generate(MODEL, variables(), prompt, lengths, key=jax.random.key(0), max_new_tokens=46)
     with pytest.raises(ValueError, match="prompt_length"):
-        generate(MODEL, VARIABLES, prompt, [4], key=jax.random.key(0), max_new_tokens=2)
+        generate(MODEL, variables(), prompt, [4], key=jax.random.key(0), max_new_tokens=2)
