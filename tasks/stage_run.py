@@ -4,7 +4,7 @@ options (dew_lib/recipes), fit, save the policy, record the stage; and the stage
 `run_stage` runs in the Prefect task's process (tasks/train.py) or, with `processes > 1`, in
 every process of the job that task launches (tasks/stage_job.py). Those job processes never
 import Prefect, so nothing here does: the run logger, the artifacts and the retries stay in the
-task. (tests/test_stage_processes.py checks that importing this module leaves Prefect out.)
+task. (tests/test_layout.py checks that importing this module leaves Prefect out.)
 """
 
 from __future__ import annotations
