@@ -95,14 +95,36 @@ def tensorboard_text(events, tag: str) -> list[tuple[int, str]]:
     return [(e.step, e.tensor_proto.string_val[0].decode()) for e in events.Tensors(tag)]
 
 
-def wandb_records(run_dir: str):
-    """Every record of a W&B run's `.wandb` file: LevelDB's log format (32 KiB blocks of
-    checksummed fragments) after W&B's 7-byte header, each record a wandb_internal_pb2.Record."""
-    from wandb.proto import wandb_internal_pb2
+def wandb_records(run_dir: str, wait: float = 30.0):
+    """Every record of a W&B run's `.wandb` file, once it ends with the run's exit record.
+
+    wandb-core writes the file from its own process and `finish` can return before the records
+    reach the disk, so the file is read again until it is whole, for at most `wait` seconds."""
+    from google.protobuf.message import DecodeError
 
     path, = glob.glob(os.path.join(run_dir, "*.wandb"))
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            records = parse_wandb_log(path)
+            if records and records[-1].WhichOneof("record_type") == "exit":
+                return records
+        except DecodeError:  # a record still being written
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} holds no exit record {wait} s after the run finished")
+        time.sleep(0.05)
+
+
+def parse_wandb_log(path: str):
+    """The records of a `.wandb` file: LevelDB's log format (32 KiB blocks of checksummed
+    fragments) after W&B's 7-byte header, each record a wandb_internal_pb2.Record."""
+    from wandb.proto import wandb_internal_pb2
+
     with open(path, "rb") as handle:
         data = handle.read()
+    if len(data) < 7:  # not even the header yet
+        return []
     assert data[:4] == b":W&B"
     records, pending, at, block = [], b"", 7, 32768
     while at + 7 <= len(data):
@@ -111,6 +133,8 @@ def wandb_records(run_dir: str):
             at += left
             continue
         _, length, kind = struct.unpack("<IHB", data[at:at + 7])
+        if at + 7 + length > len(data):  # a fragment still being written
+            break
         pending += data[at + 7:at + 7 + length]
         at += 7 + length
         if kind in (1, 4):  # FULL, or LAST of FIRST/MIDDLE/LAST
