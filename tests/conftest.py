@@ -67,6 +67,15 @@ def _plain_compile_options():
 if PLAIN:
     _plain_compile_options()
 
+# Identical programs compiled again in one process (the same tiny model in a new Trainer) reuse
+# the executable: program_cache.py. DEW_TEST_PROGRAM_CACHE=0 compiles each; with
+# DEW_TEST_PROGRAM_CACHE_LOG=FILE each module appends what it compiled and reused.
+PROGRAM_CACHE = os.environ.get("DEW_TEST_PROGRAM_CACHE", "1") != "0"
+if PROGRAM_CACHE:
+    import program_cache
+
+    program_cache.install()
+
 
 def xla_flags(*flags: str) -> str:
     """XLA_FLAGS for a process a test starts: `flags` and, while the module compiles plainly,
@@ -94,6 +103,8 @@ def _compilation_per_module(request):
     else:
         os.environ["XLA_FLAGS"] = _UNTOUCHED_XLA_FLAGS
     jax.clear_caches()
+    if PROGRAM_CACHE:
+        program_cache.clear(request.module.__name__, os.environ.get("DEW_TEST_PROGRAM_CACHE_LOG"))
     gc.collect()
 
 
