@@ -79,8 +79,9 @@ if PROGRAM_CACHE:
 
 def xla_flags(*flags: str) -> str:
     """XLA_FLAGS for a process a test starts: `flags` and, while the module compiles plainly,
-    what plain compiling adds (above)."""
-    return " ".join([*os.environ.get("XLA_FLAGS", "").split(), *flags])
+    what plain compiling adds (above); any host device count already there gives way to `flags`."""
+    kept = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in flag]
+    return " ".join([*kept, *flags])
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -18,6 +18,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import xla_flags
 from test_distributed import ROUNDING
 from test_pipeline import TINY, query
 from test_pipeline_distill import check_sessions, save_decoder
@@ -57,7 +58,7 @@ def jobs(tmp_path_factory):
     one = stage_job(root, "one", data, student, teacher, processes=1)
     two = stage_job(root, "two", data, student, teacher, processes=2)
     with pytest.MonkeyPatch.context() as patch:
-        patch.delenv("XLA_FLAGS", raising=False)  # each process of the job: the platform's one CPU device
+        patch.setenv("XLA_FLAGS", xla_flags())  # no host device count: each process of the job has one CPU device
         patch.setenv("PYTHONPATH", ROOT)
         path = str(root / "one" / "job.json")
         write_json(path, one.model_dump(mode="json"))

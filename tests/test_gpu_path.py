@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import dense_mask, tiny_model
+from conftest import dense_mask, tiny_model, xla_flags
 
 from dew_lib import Dataset, LMObjective, Trainer
 from dew_lib.models import decoder_attention
@@ -243,9 +243,7 @@ def test_bench_peak_table_and_flop_count():
 
 @pytest.mark.slow  # five processes compile a tiny model each: about a minute on 2 cores
 def test_bench_gpu_dry_run_runs_every_part_on_the_cpu():
-    # The flags this module compiles with (conftest.py), less any host device count: the bench sets its own.
-    flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in flag]
-    env = dict(os.environ, XLA_FLAGS=" ".join(flags))
+    env = dict(os.environ, XLA_FLAGS=xla_flags())  # no host device count: the bench sets its own
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run"], env=env,
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
