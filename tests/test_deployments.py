@@ -1,8 +1,9 @@
 """The deployments against a real Prefect server: registered by deployments/serve.py, a run started
 through the API as the UI starts one, and its results found in the run store.
 
-Everything this test starts (server, serving process, flow-run subprocesses) runs in its own
-process group and is killed at the end, also when the test fails.
+Everything these tests start (the module's one server, each test's serving process or worker and
+their flow-run subprocesses) runs in its own process group and is killed when its test (the
+server: the module) ends, also when it fails.
 """
 
 import asyncio
@@ -74,13 +75,13 @@ def healthy(api: str) -> bool:
 
 
 @contextlib.contextmanager
-def prefect_server(tmp_path, log, log_path):
+def prefect_server(home, log, log_path):
     """A real server on a free port that answers; another port is tried if one is taken first."""
     prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
     for _ in range(3):
         port = free_port()
         api = f"http://127.0.0.1:{port}/api"
-        env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api,
+        env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api,
                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_RUNNER_POLL_FREQUENCY": "2",
                "PYTHONPATH": ROOT, "DEW_RETRAIN_CRON": "0 3 1 1 *"}
         with started([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env,
@@ -95,14 +96,25 @@ def prefect_server(tmp_path, log, log_path):
     wait_for(lambda: False, 0, "starting the Prefect server", log_path)
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(API URL, environment) of one server for the module's tests (starting one costs about 12 s
+    of CPU). Each test's serving process or worker logs to the test's own services.log."""
+    where = tmp_path_factory.mktemp("prefect-server")
+    log_path = where / "server.log"
+    with open(log_path, "w") as log, prefect_server(where / "home", log, log_path) as served:
+        yield served
+
+
 @pytest.mark.slow
-def test_a_run_started_through_the_api_completes_and_lands_in_the_store(tmp_path):
+def test_a_run_started_through_the_api_completes_and_lands_in_the_store(server, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     log_path = tmp_path / "services.log"
     # serve.py gives up when the API does not answer, so it starts once the server does
-    with open(log_path, "w") as log, prefect_server(tmp_path, log, log_path) as (api, env), \
+    api, env = server
+    with open(log_path, "w") as log, \
             started([sys.executable, os.path.join(ROOT, "deployments", "serve.py")], env, log), \
             temporary_settings(updates={PREFECT_API_URL: api}):
         # settings, not os.environ: Prefect reads the environment once, when it is first imported
@@ -121,6 +133,9 @@ def test_a_run_started_through_the_api_completes_and_lands_in_the_store(tmp_path
             async with get_client() as client:
                 return (await client.read_flow_run(run)).state
 
+        # served, not only registered: another test of the module may have deployed the same names
+        wait_for(lambda: "deployments are being served" in log_path.read_text(), 300,
+                 "serving the deployments", log_path)
         pipeline = wait_for(lambda: asyncio.run(deployment("pipeline/pipeline")), 300,
                             "registering the deployments", log_path)
         images = wait_for(lambda: asyncio.run(deployment("flow_grpo_pipeline/flow-grpo")), 120,
@@ -172,7 +187,7 @@ def still_alive(processes) -> list:
 
 
 @pytest.mark.slow
-def test_a_flow_run_ends_when_the_serving_process_is_killed(tmp_path):
+def test_a_flow_run_ends_when_the_serving_process_is_killed(server, tmp_path):
     """serve.py's runner starts each flow run as a child; killed with SIGKILL, serve.py takes the
     flow run with it (tasks/lifetimes.py exit_with_marked_parent). The stage logs nothing after
     its start, so no write to a closed stream ends it instead."""
@@ -183,7 +198,8 @@ def test_a_flow_run_ends_when_the_serving_process_is_killed(tmp_path):
     long = {**TINY, "sft": {**TINY["sft"], "steps": 100_000, "log_every": 100_000,
                             "checkpoint_every": 100_000}}
     flow_runs = []
-    with open(log_path, "w") as log, prefect_server(tmp_path, log, log_path) as (api, env), \
+    api, env = server
+    with open(log_path, "w") as log, \
             started([sys.executable, os.path.join(ROOT, "deployments", "serve.py")], env, log) as served, \
             temporary_settings(updates={PREFECT_API_URL: api}):
 
@@ -218,7 +234,7 @@ def test_a_flow_run_ends_when_the_serving_process_is_killed(tmp_path):
 
 
 @pytest.mark.slow
-def test_prefect_yaml_deploys_to_a_process_work_pool_whose_worker_runs_the_pipeline(tmp_path):
+def test_prefect_yaml_deploys_to_a_process_work_pool_whose_worker_runs_the_pipeline(server, tmp_path):
     """What docs/pipeline.md tells a team to do: create the process pool, `prefect deploy` the
     deployments of prefect.yaml, start a worker; a run started through the API completes, in
     the store and with its artifacts."""
@@ -230,8 +246,9 @@ def test_prefect_yaml_deploys_to_a_process_work_pool_whose_worker_runs_the_pipel
 
     prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
     log_path = tmp_path / "services.log"
-    with open(log_path, "w") as log, prefect_server(tmp_path, log, log_path) as (api, env):
-        env = {**env, "DEW_REPOSITORY": ROOT, "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    api, env = server
+    env = {**env, "DEW_REPOSITORY": ROOT, "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    with open(log_path, "w") as log:
         for command in (["work-pool", "create", "dew", "--type", "process"],
                         ["--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"]):
             subprocess.run([prefect, *command], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
