@@ -54,13 +54,14 @@ def answer_all(model, variables, tokenizer, prompts: list[list[int]], params: Ev
 
 def draw_answers(model, variables, tokenizer, prompts: list[list[int]], params: EvalParams,
                  temperature: float = 0.0, seed: int = 0):
-    """`(text, sampled ids, stopped on EOS)` of each prompt's answer: greedy at temperature 0."""
-    width = max(map(len, prompts))
+    """`(text, sampled ids, stopped on EOS)` of each prompt's answer: greedy at temperature 0.
+    Every chunk has the same rows (one compiled program), no more than there are prompts."""
+    width, batch = max(map(len, prompts)), min(params.batch, len(prompts))
     answers = []
-    for start in range(0, len(prompts), params.batch):
-        chunk = prompts[start:start + params.batch]
-        rows = np.zeros((params.batch, width), np.int32)
-        lengths = np.ones(params.batch, np.int32)
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start:start + batch]
+        rows = np.zeros((batch, width), np.int32)
+        lengths = np.ones(batch, np.int32)
         for row, ids in enumerate(chunk):
             rows[row, width - len(ids):] = ids
             lengths[row] = len(ids)
