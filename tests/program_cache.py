@@ -40,8 +40,10 @@ def install() -> bool:
     except ImportError:
         return False
     original = getattr(compiler, "backend_compile_and_load", None)
-    if original is None or getattr(original, "program_cache", False) or not hasattr(cache_key, "get"):
-        return original is not None
+    if original is None or not hasattr(cache_key, "get"):
+        return False
+    if getattr(original, "program_cache", False):  # installed already
+        return True
 
     def backend_compile_and_load(backend, module, executable_devices, options, host_callbacks, *args, **kwargs):
         if host_callbacks or args or kwargs:
