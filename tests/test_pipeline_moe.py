@@ -62,7 +62,7 @@ def test_sft_and_grpo_train_an_moe_decoder_and_grpo_replays_its_routes_and_raise
     params = PipelineParams(
         root=str(tmp_path / "runs"), data=copy_task(tmp_path), model=model, stages=["sft", "grpo"],
         sft=dict(steps=200, batch=16, max_length=48, log_every=50, checkpoint_every=200),
-        grpo=dict(steps=30, batch=8, groups=8, learning_rate=5e-4, max_new_tokens=16, log_every=5,
+        grpo=dict(steps=30, batch=8, groups=8, learning_rate=3e-4, max_new_tokens=16, log_every=5,
                   checkpoint_every=30, mode="async", routing_replay="rollout"),
         evaluation=dict(batch=50, max_new_tokens=16, samples=8))
     outcome = pipeline(params)
@@ -81,7 +81,10 @@ def test_sft_and_grpo_train_an_moe_decoder_and_grpo_replays_its_routes_and_raise
     loaded = load_pretrained(outcome["policy"])
     assert (loaded.model.experts, loaded.model.experts_per_token) == (EXPERTS, TOP_K)
     # SFT copies the number and slips about half the time; GRPO with replayed routes removes most
-    # slips on the held-out numbers (seed 0: greedy 99% -> 100%, sampled 47.8% -> 84.6%).
+    # slips on the held-out numbers. The async run's draws depend on timing (how far a batch got
+    # before the next weights arrived), so its numbers move from run to run: in six runs, two at a
+    # time, greedy stayed at 100% and sampled went from 43.1% to 79.0-79.8%. At a learning rate of
+    # 5e-4 sampled reached 72-83%, but one run in six lost 12 points of greedy accuracy.
     greedy, sampled = outcome["accuracy"], outcome["sampled_accuracy"]
     assert 0.3 < sampled["sft"] < 0.65, sampled
     assert sampled["grpo"] > sampled["sft"] + 0.2, sampled
