@@ -388,7 +388,7 @@ def test_load_pretrained_an_unsupported_architecture(tmp_path):
 
 @pytest.fixture(scope="module")
 def variables():
-    return MODEL.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    return jax.jit(MODEL.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
 
 
 def generate_refused(error_type, variables, prompt, lengths, *parts, **options):

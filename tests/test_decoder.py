@@ -12,7 +12,7 @@ from dew_lib.models.decoder_layer import Block, Linear
 
 
 def init(model, width=8):
-    return model.init(jax.random.key(0), jnp.zeros((1, width), jnp.int32))
+    return jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, width), jnp.int32))
 
 
 def test_parameter_names_follow_hugging_face_modules_stacked_by_layer():
@@ -52,7 +52,7 @@ def test_a_seed_gives_the_weights_of_one_module_per_layer():
     x = jnp.zeros((1, 1, model.emb_features))
     half_head = model.emb_features // model.num_heads // 2
     rope = rotary.table(jnp.zeros((1, 1), jnp.int32), np.ones(half_head))
-    per_layer = PerLayer().init(jax.random.key(0), x, rope, jnp.ones((1, 1), jnp.int32))["params"]
+    per_layer = jax.jit(PerLayer().init)(jax.random.key(0), x, rope, jnp.ones((1, 1), jnp.int32))["params"]
     stacked = jax.tree_util.tree_leaves_with_path(init(model)["params"]["layers"])
     for i in range(model.num_layers):
         expected = jax.tree_util.tree_leaves(per_layer[f"layers_{i}"])
@@ -195,7 +195,7 @@ def test_projections_contract_one_axis_forward_and_backward():
     # every product of the forward and backward pass contracts one axis.
     linear = Linear(16, 8)
     x = jax.random.normal(jax.random.key(0), (2, 6, 16))
-    params = linear.init(jax.random.key(1), x)
+    params = jax.jit(linear.init)(jax.random.key(1), x)
     grads = jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(linear.apply(p, x) ** 2), argnums=(0, 1)))(params, x)
     contractions = _dot_contractions(grads.jaxpr)
     assert len(contractions) == 3  # forward, input gradient, weight gradient

@@ -50,7 +50,7 @@ def served(tmp_path_factory):
 
         tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     model = tiny_model(vocab_size=VOCAB, emb_features=32, max_seq_len=CAPACITY)
-    variables = model.init(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))
+    variables = jax.jit(model.init)(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))
     directory = tmp_path_factory.mktemp("teacher") / NAME
     Pretrained.from_model(model, tokenizer=tokenizer).save(variables, directory, dtype=None)
     pretrained, loaded = load_pretrained(directory)

@@ -84,7 +84,7 @@ def model_outputs(model, variables, segments):
 def test_decoder_with_dot_product_attention_matches_blockwise_on_packed_rows():
     segments = SEGMENTS["packed"]
     reference = tiny_model(attention_kernel="blockwise", attention_block=4, head_dim=8)
-    variables = reference.init(jax.random.key(2), jnp.zeros((1, 8), jnp.int32))
+    variables = jax.jit(reference.init)(jax.random.key(2), jnp.zeros((1, 8), jnp.int32))
     want_logits, want_grads = model_outputs(reference, variables, segments)
     logits, grads = model_outputs(tiny_model(attention_kernel="dot_product", head_dim=8), variables,
                                   segments)

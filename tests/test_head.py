@@ -121,7 +121,7 @@ def test_chunk_sizes_follow_the_vocabulary_and_the_token_count():
 @pytest.mark.parametrize("tie", [False, True])
 def test_model_scores_equal_full_logits_and_count_accuracy_the_same(tie):
     model = tiny_model(tie_embeddings=tie, head_chunk=16)  # 3 x 9 = 27 tokens: two chunks
-    variables = model.init(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))
+    variables = jax.jit(model.init)(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))
     text = np.random.default_rng(4).integers(1, 32, (3, 10)).astype(np.int32)
     inputs, targets = text[:, :-1], text[:, 1:]
     log_probs, top, entropy = score_targets_with_entropy(model, variables, inputs, targets,

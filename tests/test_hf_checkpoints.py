@@ -299,7 +299,7 @@ def test_from_model_writes_a_loadable_checkpoint(tmp_path):
     for architecture, extra in cases.items():
         model = models.build("causal_transformer", vocab_size=32, emb_features=16, num_layers=1,
                              num_heads=4, mlp_features=24, max_seq_len=32, **extra)
-        variables = model.init(jax.random.key(0), tokens)
+        variables = jax.jit(model.init)(jax.random.key(0), tokens)
         pretrained = Pretrained.from_model(model, config={"eos_token_id": 3})
         assert pretrained.family.architecture == architecture
         out = pretrained.save(variables, tmp_path / architecture, dtype=None)

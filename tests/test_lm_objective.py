@@ -137,7 +137,7 @@ def test_token_accuracy_is_one_on_the_models_own_greedy_text():
 def scored_and_forward(model, text):
     """`model`'s fused target scores and its logits on `text`, at weights from key 1: one program
     per model (init, scoring and forward compiled together, not operation by operation)."""
-    weights = model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))
+    weights = jax.jit(model.init)(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))
     return score_targets(model, weights, text[:, :-1], text[:, 1:]), model.apply(weights, text[:, :-1])
 
 

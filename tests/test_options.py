@@ -177,7 +177,7 @@ def test_every_choice_reaches_the_objective_and_rollout_of_each_mode():
     from dew_lib import models
 
     model = models.build("causal_transformer", **MODEL_OPTIONS)
-    variables = model.init(jax.random.key(0), np.zeros((1, 8), np.int32))
+    variables = jax.jit(model.init)(jax.random.key(0), np.zeros((1, 8), np.int32))
     options = GRPOOptions(**CHOSEN)
     built = build_grpo(model, variables, prompts(), options, reward=lambda *a: 1.0, eos_id=2)
     assert_chosen(built.objective)
@@ -221,7 +221,7 @@ def test_ppo_on_episodes_with_lora_trains_the_policy_s_adapters_and_the_critic_s
     from dew_lib.train import Trainer
 
     model = models_build()
-    variables = model.init(jax.random.key(0), np.zeros((1, 8), np.int32))
+    variables = jax.jit(model.init)(jax.random.key(0), np.zeros((1, 8), np.int32))
     side = GRPOOptions(steps=1, batch=2, groups=2, max_new_tokens=4, lora=LoRAOptions(rank=2, targets="all-linear"))
     ppo = build_episode_grpo(model, variables, prompts(), side, EpisodeOptions(max_turns=1, max_prompt_len=4),
                              environment=OneTurn, verifier=lambda task, episode: 1.0, eos_id=2, ppo=PPOOptions())
@@ -241,7 +241,7 @@ def test_async_grpo_trains_in_verl_s_bypass_mode_when_chosen():
     from dew_lib.train import Trainer
 
     model = models_build()
-    variables = model.init(jax.random.key(0), np.zeros((1, 8), np.int32))
+    variables = jax.jit(model.init)(jax.random.key(0), np.zeros((1, 8), np.int32))
     with pytest.raises(ValidationError, match="proximal='bypass' chooses the proximal policy of lagged"):
         GRPOOptions(proximal="bypass")  # sync draws have no lag to correct
     options = GRPOOptions(steps=2, batch=2, groups=2, max_new_tokens=3, mode="async", slots=4, proximal="bypass")

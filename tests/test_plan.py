@@ -98,7 +98,7 @@ def test_distill_plans_the_student_and_a_frozen_teacher_copy_as_a_real_step_hold
     assert predicted.report().startswith("distill: 8 rows of 33 ids a step")
     # A real distillation from a teacher of that config holds those bytes, and its step compiles to that peak.
     model = models.build("causal_transformer", **decoder_options(SMALL)[1], attention_kernel="blockwise")
-    teacher = model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))
+    teacher = jax.jit(model.init)(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))
     objective = DistillObjective(model, 32, teacher_model=model, teacher=teacher, loss="jsd")
     trainer = Trainer(objective, optax.adamw(1e-6), key=jax.random.key(0), mesh=mesh)
     state = trainer.initial_state()

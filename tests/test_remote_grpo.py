@@ -76,7 +76,7 @@ def test_async_grpo_trains_against_dew_serve_with_every_update_pushed(tmp_path):
     pretrained = Pretrained.from_model(model, tokenizer=AutoTokenizer.from_pretrained(TOKENIZER))
     launch = tmp_path / "launch"
     # The engine starts on other weights: the stage's first push must replace them.
-    pretrained.save(model.init(jax.random.key(9), jnp.zeros((1, 8), jnp.int32)), launch, dtype=jnp.bfloat16)
+    pretrained.save(jax.jit(model.init)(jax.random.key(9), jnp.zeros((1, 8), jnp.int32)), launch, dtype=jnp.bfloat16)
     policy = ServedPolicy.load(launch, slots=8, capacity=32, sampling=SAMPLING, steps=4, served_model_name="policy")
     records, settled = [], []
     try:

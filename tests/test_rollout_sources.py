@@ -123,7 +123,7 @@ def test_prompt_source_cancel_withdraws_the_draw_in_flight():
 @pytest.mark.slow
 def test_prompt_source_on_the_native_server():
     model = tiny_model()
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     task = ServeTask(model=model, variables=variables, sampling=Sampling(temperature=1.0, eos_id=EOS))
     with NativeRolloutServer(Server.from_task(task, slots=1, capacity=24, steps=4)) as native, \
             PromptSource(native, lambda *a: 0.25, max_new_tokens=6, workers=2) as source:

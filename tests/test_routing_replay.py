@@ -36,7 +36,7 @@ def tied():
     """An MoE model whose router ties experts 1 and 2 on every token: its columns are
     `[2u, u, u, -u]`, so each token's top two are 0 and a tie of 1 and 2 (or 3 and the tie)."""
     model = moe_model()
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     u = jax.random.normal(jax.random.key(1), (LAYERS, 16, 1))
     router = jnp.concatenate([2 * u, u, u, -u], axis=-1)
     params = dict(variables["params"])

@@ -168,7 +168,7 @@ class EndsAtReset:
 
 
 def test_each_tool_episode_records_its_own_latency(tmp_path):
-    variables = MODEL.init(jax.random.key(0), np.zeros((1, 8), np.int32))
+    variables = jax.jit(MODEL.init)(jax.random.key(0), np.zeros((1, 8), np.int32))
     rollout = EpisodeRollout(TextGeneration(MODEL), EndsAtReset, lambda task, episode: 1.0,
                              max_prompt_tokens=8, max_new_tokens=3, max_turns=2, groups=2,
                              sampling=Sampling(temperature=1.0, eos_id=EOS), workers=4)

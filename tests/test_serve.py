@@ -88,7 +88,7 @@ def checkpoint(tmp_path_factory):
     from dew_lib.models.pretrained import Pretrained
 
     model = tiny_model(vocab_size=6400, emb_features=32, max_seq_len=CAPACITY, tie_embeddings=True)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     directory = tmp_path_factory.mktemp("serve") / NAME
     Pretrained.from_model(model, tokenizer=AutoTokenizer.from_pretrained(TOKENIZER)).save(
         variables, directory, dtype=None)

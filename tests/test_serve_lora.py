@@ -62,7 +62,7 @@ def checkpoint(tmp_path_factory):
     """The base directory and three adapter directories, a, b and c."""
     root = tmp_path_factory.mktemp("serve-lora")
     model = tiny_model(vocab_size=512, emb_features=128, mlp_features=512, max_seq_len=CAPACITY)
-    base = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    base = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     Pretrained.from_model(model).save(base, root / NAME, dtype=None)
     adapters = {}
     for key, name in enumerate("abc", start=1):

@@ -31,7 +31,7 @@ def checkpoint(tmp_path_factory):
 
     model = tiny_model(vocab_size=6400, emb_features=32, max_seq_len=64, num_layers=LAYERS, experts=4,
                        experts_per_token=TOP_K, expert_features=16)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     directory = tmp_path_factory.mktemp("serve_moe") / "tiny-moe"
     pretrained = Pretrained.from_model(model, tokenizer=AutoTokenizer.from_pretrained(TOKENIZER))
     pretrained.save(variables, directory, dtype=None)

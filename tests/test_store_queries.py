@@ -87,7 +87,7 @@ def run_stage(store, run, options, variables, reward):
 def store(tmp_path_factory):
     store = Store(tmp_path_factory.mktemp("queries"))
     common = dict(steps=STEPS, batch=2, groups=2, max_new_tokens=4, temperature=1.0, beta=0.0)
-    variables = MODEL.init(jax.random.key(1), np.zeros((1, 8), np.int32))
+    variables = jax.jit(MODEL.init)(jax.random.key(1), np.zeros((1, 8), np.int32))
     run_stage(store, "sync-1", GRPOOptions(**common, mode="sync"), variables, Reward())
     run_stage(store, "async-1", GRPOOptions(**common, mode="async", slots=4, max_attempts=3), variables,
               Reward(down=2))

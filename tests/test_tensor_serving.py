@@ -24,7 +24,7 @@ from dew_lib.sampling import Sampling, generate
 from dew_lib.train.mesh import MeshSpec
 
 model = tiny_model(max_seq_len=48)
-variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
 sampling = Sampling(temperature=0.7, top_k=5, top_p=0.9, eos_id=(3, 7))
 prompts = [np.array(p, np.int32) for p in ([5, 6, 7, 8, 9, 10], [11], [12, 13, 14], list(range(1, 21)))]
 report = {}

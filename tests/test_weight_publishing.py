@@ -52,7 +52,7 @@ NCCL_PUSH = ["POST /pause?mode=wait", "POST /start_weight_update", "POST /update
 def policy():
     """A tiny Qwen3-style decoder as a Pretrained, and three distinct sets of its variables."""
     model = tiny_model(num_layers=1)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
     versions = [jax.tree.map(lambda x, k=k: x * (k + 1) + 0.01 * k, variables) for k in range(3)]
     return Pretrained.from_model(model), versions
 

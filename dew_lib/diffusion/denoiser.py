@@ -46,8 +46,8 @@ class Denoiser:
     def init(self, key: jax.Array):
         zeros = self.inputs.zeros(1)
         condition = self.inputs.encode(zeros)
-        return self.model.init(key, jnp.zeros((1, *self.latent_shape), jnp.float32),
-                               jnp.zeros((1,), jnp.float32), condition)
+        return jax.jit(self.model.init)(key, jnp.zeros((1, *self.latent_shape), jnp.float32),
+                                        jnp.zeros((1,), jnp.float32), condition)
 
     def velocity(self, params, x, t, condition, guidance: CFG | None = None, *, frozen_uncond=False,
                  dropout_key: jax.Array | None = None):

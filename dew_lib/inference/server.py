@@ -90,6 +90,12 @@ class ServeTask:
         _check_version(self.version, "ServeTask.version")
 
 
+@jax.jit
+def _copied(tree: Any) -> Any:
+    """A copy of every leaf, by one program (leaf by leaf, each shape compiles one of its own)."""
+    return jax.tree.map(jnp.copy, tree)
+
+
 def _check_version(version, name):
     if isinstance(version, bool) or not isinstance(version, int | np.integer):
         raise ValueError(f"{name} must be an int, got {version!r}")
@@ -146,7 +152,7 @@ class Server:
         self.version = int(version)
         self.mesh = mesh
         # A copy of its own: a trainer that donates its state must not delete the served weights.
-        self.variables = (variables if shared else jax.tree.map(lambda x: jnp.array(x, copy=True), variables)
+        self.variables = (variables if shared else _copied(variables)
                           if mesh is None else partitioning.place(variables, mesh))
         self.vocab_size = getattr(model, "vocab_size", None)
         self.buckets = _buckets(capacity)  # prompt widths of a prefill

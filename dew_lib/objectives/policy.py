@@ -39,4 +39,4 @@ def initial_variables(model: Any, pretrained: Any, key: jax.Array, seq_len: int,
         return variables
     if pretrained is not None:
         return jax.tree.map(jnp.asarray, pretrained)
-    return model.init(key, jnp.zeros((1, seq_len), jnp.int32))
+    return jax.jit(model.init)(key, jnp.zeros((1, seq_len), jnp.int32))

@@ -83,7 +83,7 @@ def critic_from_policy(critic: ValueHead, policy_variables: Any, seq_len: int, k
                          "(lora.attach) or keep a copy (share_base=False)")
     key = jax.random.key(0) if key is None else key
     ids = jnp.zeros((1, seq_len), jnp.int32)
-    fresh = critic.init(key, ids, jnp.ones_like(ids), jnp.arange(seq_len)[None])
+    fresh = jax.jit(critic.init)(key, ids, jnp.ones_like(ids), jnp.arange(seq_len)[None])
     backbone = lora.split(policy_variables["params"])[0] if share_base else policy_variables["params"]
     return {**fresh, "params": {**fresh["params"], "backbone": jax.tree.map(jnp.array, backbone)}}
 

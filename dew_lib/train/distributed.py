@@ -135,7 +135,8 @@ def every_process(value: Any) -> list:
 
     data = np.frombuffer(pickle.dumps(value), np.uint8)
     sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size]))).reshape(-1)
-    padded = np.zeros(int(sizes.max()), np.uint8)
+    # a power-of-two width: each width compiles its own gather, and the pickles' sizes all differ
+    padded = np.zeros(1 << max(10, (int(sizes.max()) - 1).bit_length()), np.uint8)
     padded[:data.size] = data
     rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
     return [pickle.loads(bytes(row[:size])) for row, size in zip(rows, sizes, strict=True)]

@@ -178,8 +178,8 @@ class Trainer:
         )
 
     def initial_state(self) -> TrainState:
-        """The starting state, computed eagerly (fit builds the same state compiled)."""
-        return self._build_state(self.init_key)
+        """The starting state: the one `fit` starts from, by the same compiled program."""
+        return self._init(self.init_key)
 
     def abstract_state(self) -> TrainState:
         """The state's shapes, dtypes and shardings on this mesh, computing nothing: what a

@@ -77,10 +77,10 @@ def export(pretrained: Pretrained, variables: Mapping[str, Any], *, dtype: Any =
             # Split across processes: this tensor alone, gathered onto every process's host.
             out = multihost_utils.process_allgather(
                 _prepared(leaf, tensor.index, target=target, transpose=tensor.transpose), tiled=True)
+        elif isinstance(leaf, jax.Array) and (tensor.index or tensor.transpose or target not in (None, leaf.dtype)):
+            out = _prepared(leaf, tensor.index, target=target, transpose=tensor.transpose)
         elif isinstance(leaf, jax.Array):
-            out = leaf[tensor.index] if tensor.index else leaf
-            out = out if target is None else out.astype(target)
-            out = out.T if tensor.transpose else out
+            out = leaf
         else:
             array = np.asarray(leaf)
             array = array[tensor.index] if tensor.index else array
@@ -94,8 +94,9 @@ def export(pretrained: Pretrained, variables: Mapping[str, Any], *, dtype: Any =
 @functools.partial(jax.jit, static_argnames=("target", "transpose"))
 def _prepared(leaf: jax.Array, index: tuple[int, ...], *, target: np.dtype | None, transpose: bool
               ) -> jax.Array:
-    """One tensor of a leaf as `export` yields it (its layer and expert, cast, transposed), still
-    split: one compile per leaf, the indices being arguments."""
+    """One tensor of a leaf as `export` yields it (its layer and expert, cast, transposed): one
+    compile per leaf, the indices being arguments, where slicing op by op compiles a program for
+    each layer's index."""
     out = leaf[index] if index else leaf
     out = out if target is None else out.astype(target)
     return out.T if transpose else out
