@@ -88,6 +88,17 @@ def test_one_compilation_per_batch_shape():
     TRAINERS.setdefault((("sgd", 0.5), 2, None), trainer)
 
 
+def test_the_initial_state_is_fit_s_start_from_the_one_compiled_init():
+    trainer = new_trainer()
+    state = trainer.initial_state()
+    assert int(state.step) == 0 and trainer.compilations["init"] == 1
+    for got, want in zip(leaves(state.params), leaves(start_params()), strict=True):
+        np.testing.assert_array_equal(got, want)
+    trainer.initial_state()
+    trainer.fit(dataset(padded_batches(0, rows=4), 4), steps=1, sinks=[])
+    assert trainer.compilations["init"] == 1  # neither a second initial_state nor fit compiles it again
+
+
 @pytest.mark.parametrize("optimizer", [("sgd", 0.5), ("adam", 1e-2)], ids=["sgd", "adam"])
 def test_accumulating_microbatches_equals_one_large_batch(optimizer):
     micro = padded_batches(0, rows=4, count=6)
