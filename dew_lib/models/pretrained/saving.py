@@ -94,9 +94,8 @@ def export(pretrained: Pretrained, variables: Mapping[str, Any], *, dtype: Any =
 @functools.partial(jax.jit, static_argnames=("target", "transpose"))
 def _prepared(leaf: jax.Array, index: tuple[int, ...], *, target: np.dtype | None, transpose: bool
               ) -> jax.Array:
-    """One tensor of a leaf as `export` yields it (its layer and expert, cast, transposed): one
-    compile per leaf, the indices being arguments, where slicing op by op compiles a program for
-    each layer's index."""
+    """One tensor of a leaf as `export` yields it (its layer and expert, cast, transposed). The
+    indices are arguments, so a leaf compiles once, not once per layer as op-by-op slicing does."""
     out = leaf[index] if index else leaf
     out = out if target is None else out.astype(target)
     return out.T if transpose else out
