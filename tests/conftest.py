@@ -16,10 +16,16 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
 
-# No persistent compilation cache, in this process or any a test starts: loading an executable
-# another process had written segfaulted or aborted an xdist worker in CI, even with JAX's file
-# lock around every read and write (tests/test_xdist_units.py shows a crash now fails one test
-# instead of hanging the session). Each process compiles what it runs.
+# No persistent compilation cache, in this process or any a test starts. Measured on a clean
+# 2-core clone, one cache shared by every process saved nothing (the suite took 1,468.9 s with
+# it, 1,467.9 s without): the suite compiles about 1,100 distinct programs of 50 ms or more,
+# nearly each once, and a process already reuses its own identical programs (program_cache.py).
+# An earlier try also crashed xdist workers in CI while they loaded executables, most likely at
+# the kernel's memory-map limit (vm.max_map_count, 65,530; a CPU executable holds about six maps,
+# and the workers then kept every module's programs, which _compilation_per_module now drops).
+# Nor does JAX's jax_share_binary_between_hosts (process 0 compiles, the others load) work for
+# the multi-process jobs: on CPU each process's devices hash to another key, so process 1 waits
+# for a program process 0 shared under a different one until the job's gloo setup times out.
 for variable in [name for name in os.environ if name.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))]:
     del os.environ[variable]
 
