@@ -15,7 +15,6 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from dew_lib.recipes.options import (
-    DistillOptions,
     DPOOptions,
     EpisodeOptions,
     GRPOOptions,
@@ -23,6 +22,7 @@ from dew_lib.recipes.options import (
     Renamed,
     SFTOptions,
 )
+from dew_lib.recipes.options_distill import DistillOptions
 from dew_lib.train.mesh import MeshSpec
 from dew_lib.train.trackers import TrackerOptions
 from tasks.memory import planned_bytes

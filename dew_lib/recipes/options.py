@@ -18,7 +18,7 @@ reused (tasks/train.py `stage_inputs`). `RENAMED` maps a field's earlier name to
 parameters file or deployment that still uses the earlier name is read with a warning, and a
 stage's key reads the field under its earlier name and value, so renaming it kept every key.
 
-The distill stage's options are declared in options_distill.py and exported here as well.
+The distill stage's options are declared in options_distill.py, on the bases here.
 
 Not here: data specs (the loaders' own lengths), the pipeline's own choices (tasks/params.py).
 """
@@ -113,7 +113,6 @@ class TrainOptions(Options):
     log_every: int = Field(10, ge=1, description="steps per logged metric window")
     checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints (a retry resumes there)")
 
-    # Annotated so that type checkers read it from options_distill.py, across the import cycle.
     LATER: ClassVar[frozenset[str]] = frozenset({"weight_decay", "schedule", "max_grad_norm", "lora"})
 
 
@@ -463,8 +462,5 @@ def optimizer(options: TrainOptions, critic_learning_rate: float | None = None) 
     return optax.chain(optax.clip_by_global_norm(options.max_grad_norm), update)
 
 
-# Declared in its own module (options_distill.py), which reads the bases above; exported here too.
-from dew_lib.recipes.options_distill import DistillOptions  # noqa: E402
-
-__all__ = ["DPOOptions", "DistillOptions", "EpisodeOptions", "FlowGRPOOptions", "FlowPretrainOptions", "GRPOOptions",
+__all__ = ["DPOOptions", "EpisodeOptions", "FlowGRPOOptions", "FlowPretrainOptions", "GRPOOptions",
            "Options", "PPOOptions", "Renamed", "SFTOptions", "TrainOptions", "optimizer"]

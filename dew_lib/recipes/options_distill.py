@@ -1,9 +1,8 @@
 """The distill stage's options: on-policy distillation from a frozen teacher, held in process (a
 checkpoint directory) or served by an engine (an OpenAI-compatible URL and a served model name).
 
-Its own module only to keep options.py small: the base classes come from options.py, which
-re-exports `DistillOptions` for the importers that read it there (it imports this module last,
-once those bases exist, so either import order works).
+Its own module only to keep options.py small; it builds on options.py's bases (`Adapted`,
+`TrainOptions`), and options.py does not import it.
 
 Not here: loading the teacher or making its client (build.py), the pipeline's own fields
 (tasks/params.py `DistillParams`), the stage's key (tasks/train.py).
