@@ -64,7 +64,7 @@ def _plain_compile_options():
 
     original = getattr(compiler, "get_compile_options", None)
     switch = getattr(compiler, "_DISABLE_MOST_OPTIMIZATIONS", None)
-    if original is None or switch is None or getattr(original, "plain_fusions", False):
+    if original is None or switch is None or getattr(original, "plain_options", False):
         return
 
     def get_compile_options(*args, env_options_overrides=None, **kwargs):
@@ -72,7 +72,7 @@ def _plain_compile_options():
             env_options_overrides = {**(env_options_overrides or {}), **PLAIN_XLA_OPTIONS}
         return original(*args, env_options_overrides=env_options_overrides, **kwargs)
 
-    get_compile_options.plain_fusions = True
+    get_compile_options.plain_options = True
     compiler.get_compile_options = get_compile_options
 
 

@@ -77,10 +77,9 @@ def export(pretrained: Pretrained, variables: Mapping[str, Any], *, dtype: Any =
             # Split across processes: this tensor alone, gathered onto every process's host.
             out = multihost_utils.process_allgather(
                 _prepared(leaf, tensor.index, target=target, transpose=tensor.transpose), tiled=True)
-        elif isinstance(leaf, jax.Array) and (tensor.index or tensor.transpose or target not in (None, leaf.dtype)):
-            out = _prepared(leaf, tensor.index, target=target, transpose=tensor.transpose)
         elif isinstance(leaf, jax.Array):
-            out = leaf
+            unchanged = not (tensor.index or tensor.transpose or target not in (None, leaf.dtype))
+            out = leaf if unchanged else _prepared(leaf, tensor.index, target=target, transpose=tensor.transpose)
         else:
             array = np.asarray(leaf)
             array = array[tensor.index] if tensor.index else array
