@@ -4,8 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Three test workers on CI's two cores: with two, the cores sat idle 8% of the suite (a worker
-# waiting on a process it started, a server, a kill); a third fills most of it (3%). On a clean
-# 2-core clone the tests took 1,390.6 s against 1,467.6 and 1,499.6 s with two.
+# waiting on a process it started, a server, a kill); a third fills most of it (2-3%). On clean
+# 2-core clones the tests took 1,390.6 and 1,494.5 s with three, 1,467.6 and 1,499.6 s with two:
+# the third worker's extra switching eats much of what the idle time gave back.
 PYTEST_WORKERS ?= 3
 # Prefect's telemetry off in everything a target starts: its server's heartbeat logs "Failed to
 # send telemetry" every 10 minutes offline, and its SDK's analytics. Set them to opt back in.
