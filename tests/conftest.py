@@ -221,6 +221,17 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {module}")
 
 
+def pytest_collection_finish(session):
+    """Move everything alive after collection (every imported module: JAX, Prefect, flax, the
+    test modules) out of the garbage collector's sight: it is never garbage, and each full
+    collection walked all of it. The test workers ran about 110 full collections each (one at
+    every module's end, the rest automatic) at about 0.5 s apiece, some 60 s of a worker's
+    500 s of CPU (gc.callbacks); frozen, a full collection of the same modules took 0.19 s
+    against 0.42 s."""
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     """Slow tests first: under xdist each worker then ends on short tests, not one of them on a
     two-minute run while the other idles (longest first). xdist orders the work units by their

@@ -123,8 +123,10 @@ class Trainer:
         self.init_key, self.step_key, self.rollout_key = jax.random.split(key, 3)
         self.mesh: Mesh = (mesh or MeshSpec()).build(devices)
         self.compilations: dict[str, int] = {"init": 0, "train_step": 0, "eval_step": 0}
+        # `objective.init` under one jit: its shapes here and the init program below share one trace
+        self._init_params = jax.jit(self.objective.init)
+        shapes = jax.eval_shape(self._init_params, self.init_key)
         # which leaves train (by default the low-rank adapters alone, when there are any)
-        shapes = jax.eval_shape(self.objective.init, self.init_key)
         self.trainable_marks = trainable.marks(objective, shapes)
         self.partial = not all(jax.tree.leaves(self.trainable_marks))
         self.reference_is_base = trainable.reference_is_base(objective, shapes, self.trainable_marks)
@@ -160,7 +162,7 @@ class Trainer:
         return partitioning.tree_shardings(self._abstract, self.mesh, what="state leaf")
 
     def _build_state(self, key) -> TrainState:
-        return self._state_from(self.objective.init(key))
+        return self._state_from(self._init_params(key))
 
     def _state_from(self, params) -> TrainState:
         """The starting state around the objective's initial `params`."""
