@@ -151,9 +151,9 @@ def child_info(args) -> dict:
 def one_gpu() -> None:
     """Show this process one GPU before JAX starts: the first alone, process i's i-th in a job
     (every process of a one-host job would otherwise take every GPU). No effect on a CPU."""
-    from dew_lib.train import distributed
+    from dew_lib.train import topology
 
-    index = int(os.environ.get(distributed.PROCESS_ID) or 0)
+    index = int(os.environ.get(topology.PROCESS_ID) or 0)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
 

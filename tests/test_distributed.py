@@ -23,8 +23,8 @@ from conftest import WORKER
 from conftest import npz_leaves as leaves
 from conftest import worker_job as run_job
 
-from dew_lib.train.distributed import Topology
 from dew_lib.train.launch import launch
+from dew_lib.train.topology import Topology
 
 # The shared fixture trains every recipe twice in subprocesses (2 minutes on a loaded 2-core
 # machine, each job allowed 10): more room than the suite's 600 s per test.

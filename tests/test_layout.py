@@ -85,8 +85,8 @@ def test_a_rule_breaker_is_caught(tmp_path):
     assert imported(module) >= {"dew_lib.rollouts.packing", "dew_lib.rollouts.packing.pack", "threading"}
 
 
-@pytest.mark.parametrize("package", ["dew_lib.store", "dew_lib.records", "dew_lib.cli"])
-def test_the_store_and_the_records_load_no_jax(package):
+@pytest.mark.parametrize("package", ["dew_lib.store", "dew_lib.records", "dew_lib.cli", "dew_lib.train.launch"])
+def test_the_store_the_records_the_cli_and_the_launcher_load_no_jax(package):
     probe = (f"import sys, {package}; "
              "print(sorted(m for m in ('jax', 'flax', 'optax', 'prefect') if m in sys.modules))")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 from dew_lib.children import die_with_parent, free_port
-from dew_lib.train import distributed
+from dew_lib.train import topology
 
 GRACE_SECONDS = 10.0  # from SIGTERM to SIGKILL when the job ends early
 # util-linux's setpriv arms the parent-death signal before it runs the command. Without a
@@ -45,12 +45,12 @@ def process_env(index: int, processes: int, coordinator: str, local_devices: int
                 base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of process `index`: `base` (default: this one's) plus the job's variables."""
     env = dict(os.environ if base is None else base)
-    env.update({distributed.COORDINATOR: coordinator, distributed.PROCESSES: str(processes),
-                distributed.PROCESS_ID: str(index)})
+    env.update({topology.COORDINATOR: coordinator, topology.PROCESSES: str(processes),
+                topology.PROCESS_ID: str(index)})
     if local_devices is not None:
-        env[distributed.LOCAL_DEVICES] = str(local_devices)
+        env[topology.LOCAL_DEVICES] = str(local_devices)
     else:
-        env.pop(distributed.LOCAL_DEVICES, None)
+        env.pop(topology.LOCAL_DEVICES, None)
     return env
 
 
