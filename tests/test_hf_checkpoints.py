@@ -180,6 +180,23 @@ def test_tokenizer_travels_with_the_model(loaded, tmp_path):
     assert load_pretrained(FIXTURES / "qwen3", tokenizer=False).tokenizer is None
 
 
+def test_the_same_tokenizer_files_give_one_tokenizer_per_process(loaded, tmp_path):
+    """A pipeline's stages each load the policy the stage before saved: the same tokenizer files,
+    beside Dew's own records, are built once; a changed tokenizer file is built afresh."""
+    pretrained, variables = loaded["qwen3"]
+    for name in ("a", "b"):
+        pretrained.save(variables, tmp_path / name)
+    (tmp_path / "b" / "dew_policy.json").write_text('{"fingerprint": "b"}')
+    first = load_pretrained(tmp_path / "a").tokenizer
+    assert load_pretrained(tmp_path / "b").tokenizer is first
+    config_path = tmp_path / "b" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["model_max_length"] = 77
+    config_path.write_text(json.dumps(config))
+    changed = load_pretrained(tmp_path / "b").tokenizer
+    assert changed is not first and changed.model_max_length == 77 and first.model_max_length != 77
+
+
 # -- saving -------------------------------------------------------------------------------------
 
 
